@@ -1,0 +1,48 @@
+# KV Cache Labs. Two commands on a fresh machine:
+#   make lab    set up .venv (first time only) and open JupyterLab on chapters/
+#   make test   set up .venv (first time only), then run every test and every notebook
+VENV   ?= .venv
+PY     := $(VENV)/bin/python
+PIP    := $(PY) -m pip
+STAMP  := $(VENV)/.installed
+# torch first, alone: pinned exactly, it takes the CPU build on this machine's disk.
+# A CUDA torch brings and pins its own triton; only a CPU torch on Linux gets ours.
+TORCH  ?= torch==2.13.0
+TRITON ?= triton==3.9.0
+PYTEST_ARGS ?=
+
+.PHONY: setup lab test test-fast notebooks check-notebooks clean
+
+setup: $(STAMP)
+
+$(STAMP): pyproject.toml requirements/lock.txt
+	python3 -m venv $(VENV)
+	$(PIP) install -q "$(TORCH)"
+	@if [ "$$(uname)" = Linux ] && ! $(PY) -c "import torch, sys; sys.exit(0 if torch.version.cuda else 1)"; then \
+		$(PIP) install -q "$(TRITON)"; fi
+	$(PIP) install -q -c requirements/lock.txt -e ".[lab,test]"
+	touch $(STAMP)
+
+lab: setup
+	$(VENV)/bin/jupyter lab $$( [ "$$(id -u)" = 0 ] && echo --allow-root ) chapters/
+
+# Every test (labkit, kernels, set-up, browser) and every notebook in chapters/ and solutions/.
+test: setup
+	$(PY) tools/make_notebooks.py --check
+	$(PY) -m pytest -n 2 --dist loadfile -p no:cacheprovider \
+		--nbval-lax --nbval-sanitize-with tests/nbval_sanitize.cfg \
+		tests chapters solutions $(PYTEST_ARGS)
+
+# Only the Python tests, not the notebooks: the quick loop while writing labkit.
+test-fast: setup
+	$(PY) -m pytest -n 2 --dist loadfile -p no:cacheprovider tests -m "not browser" $(PYTEST_ARGS)
+
+# Regenerate chapters/ and solutions/ from book/ and execute them (CHAPTERS=01_why_the_cache_grows for one).
+notebooks: setup
+	$(PY) tools/make_notebooks.py $(CHAPTERS)
+
+check-notebooks: setup
+	$(PY) tools/make_notebooks.py --check
+
+clean:
+	rm -rf $(VENV)
