@@ -61,6 +61,7 @@ class Generation:
 
     tokens: list[int]
     logits: torch.Tensor  # [max_new_tokens, vocab_size]
+    cache_tokens: int  # positions held in the KV cache at the end (0 without a cache)
 
 
 @torch.no_grad()
@@ -86,4 +87,4 @@ def generate(model: Decoder, prompt_ids: list[int], max_new_tokens: int, use_cac
         all_logits.append(logits)
         tokens.append(int(logits.argmax()))
         feed = tokens[-1:] if use_cache else tokens  # decode: one token, or everything again
-    return Generation(tokens[len(prompt_ids):], torch.stack(all_logits))
+    return Generation(tokens[len(prompt_ids):], torch.stack(all_logits), cache.seq_len if cache else 0)

@@ -11,11 +11,24 @@ pool is viewed as one long array of token slots.
 Blocks carry reference counts so that several sequences can share one block
 (chapter 04's prefix cache). The free queue is kept in least-recently-freed
 order, which chapter 04 uses for LRU eviction of cached blocks.
+
+``PagedKVCache`` puts it together for the chapter-01 decoder: per layer one K and one
+V pool shaped ``[num_blocks, block_size, num_kv_heads, head_dim]``, a block table per
+sequence, and ``attend`` (the decoder's cache protocol) built from the Triton kernels
+of ``labkit.kernels``: ``write_kv`` stores the new tokens in their slots, then
+``paged_prefill_attention`` or ``paged_decode_attention`` reads through the block tables.
 """
 
 from __future__ import annotations
 
 from collections import OrderedDict
+from typing import TYPE_CHECKING
+
+import torch
+
+if TYPE_CHECKING:  # imported lazily at run time: the kernels module loads Triton
+    from .cache import Generation
+    from .model import Decoder, DecoderConfig
 
 
 class OutOfBlocksError(RuntimeError):
@@ -148,3 +161,201 @@ class BlockTable:
         for block_id in self.block_ids:
             allocator.free(block_id)
         self.block_ids, self.num_tokens = [], 0
+
+
+class PagedKVCache:
+    """A paged KV cache for ``labkit.model.Decoder``: block pools per layer, a block table per sequence.
+
+    ``k_caches[layer]`` and ``v_caches[layer]`` are ``[num_blocks, block_size, num_kv_heads,
+    head_dim]``; one ``BlockAllocator`` hands out block ids, valid in every layer's pool alike.
+    Sequences are added with ``add_sequence`` and finish with ``free_sequence``; ``select``
+    says which of them are the rows of the next ``model(...)`` call (its batch).
+
+    A forward pass calls ``attend`` once per layer. Layer 0 appends the new tokens to the
+    selected block tables (all-or-nothing: ``OutOfBlocksError`` leaves everything as it was)
+    and computes their slot mapping; every layer then writes its K/V there and attends.
+
+    ``seq_len`` is the length of the selected sequences when they all have the same length
+    (what ``Decoder.forward`` uses for default positions); for a ragged batch pass
+    ``positions=cache.positions(num_new)`` to the model.
+    """
+
+    def __init__(self, config: "DecoderConfig", num_blocks: int, block_size: int = 16,
+                 dtype: torch.dtype = torch.float32, device: torch.device | str | None = None,
+                 batch_size: int = 1):
+        _check_int("num_blocks", num_blocks, 1)
+        _check_int("block_size", block_size, 1)
+        _check_int("batch_size", batch_size, 0)
+        if dtype not in (torch.float32, torch.float16, torch.bfloat16):
+            raise ValueError(f"dtype must be torch.float32, torch.float16 or torch.bfloat16, got {dtype}")
+        from .device import DEVICE
+
+        self.config, self.block_size, self.dtype = config, block_size, dtype
+        self.device = torch.device(device) if device is not None else DEVICE
+        shape = (num_blocks, block_size, config.num_key_value_heads, config.head_dim)
+        self.k_caches = [torch.zeros(shape, dtype=dtype, device=self.device) for _ in range(config.num_hidden_layers)]
+        self.v_caches = [torch.zeros(shape, dtype=dtype, device=self.device) for _ in range(config.num_hidden_layers)]
+        self.allocator = BlockAllocator(num_blocks)
+        self.tables: dict[int, BlockTable] = {}
+        self.active: list[int] = []
+        self._next_id = 0
+        self._step: dict | None = None  # the slot mapping etc. of the forward pass in progress
+        self.select([self.add_sequence() for _ in range(batch_size)])
+
+    # -- sequences ---------------------------------------------------------------------------
+    def add_sequence(self) -> int:
+        """Start an empty sequence (no blocks yet); return its id."""
+        seq_id, self._next_id = self._next_id, self._next_id + 1
+        self.tables[seq_id] = BlockTable(self.block_size)
+        return seq_id
+
+    def free_sequence(self, seq_id: int) -> None:
+        """The sequence finished: its blocks go back to the pool."""
+        self._check_seq(seq_id)
+        self.tables.pop(seq_id).release(self.allocator)
+        self.active = [s for s in self.active if s != seq_id]
+
+    def select(self, seq_ids: list[int]) -> None:
+        """The sequences that are rows 0, 1, ... of the next forward pass."""
+        for seq_id in seq_ids:
+            self._check_seq(seq_id)
+        if len(set(seq_ids)) != len(seq_ids):
+            raise ValueError(f"seq_ids must not repeat a sequence, got {seq_ids}")
+        self.active = list(seq_ids)
+
+    def _check_seq(self, seq_id: object) -> None:
+        if seq_id not in self.tables:
+            raise ValueError(f"seq_id must be one of the live sequences {sorted(self.tables)}, got {seq_id!r}")
+
+    # -- lengths and positions ---------------------------------------------------------------
+    def seq_lens(self) -> list[int]:
+        """Tokens stored for each selected sequence."""
+        return [self.tables[s].num_tokens for s in self.active]
+
+    @property
+    def seq_len(self) -> int:
+        """The common length of the selected sequences (``Decoder.forward``'s default start position)."""
+        lens = set(self.seq_lens())
+        if len(lens) > 1:
+            raise ValueError(f"the selected sequences have different lengths {self.seq_lens()}: "
+                             "pass positions=cache.positions(num_new) to the model")
+        return lens.pop() if lens else 0
+
+    def positions(self, num_new: int) -> torch.Tensor:
+        """Positions [batch, num_new] of the next tokens of each selected sequence."""
+        _check_int("num_new", num_new, 1)
+        start = torch.tensor(self.seq_lens(), device=self.device, dtype=torch.long)[:, None]
+        return start + torch.arange(num_new, device=self.device)[None, :]
+
+    # -- memory ------------------------------------------------------------------------------
+    @property
+    def bytes_per_block(self) -> int:
+        """K and V of one block in every layer."""
+        k = self.k_caches[0]
+        return 2 * len(self.k_caches) * k[0].numel() * k.element_size()
+
+    @property
+    def nbytes(self) -> int:
+        """Bytes of the whole pool (allocated up front, used or not)."""
+        return self.bytes_per_block * self.allocator.num_blocks
+
+    @property
+    def used_bytes(self) -> int:
+        """Bytes of the blocks that sequences hold."""
+        return self.bytes_per_block * self.allocator.num_used
+
+    # -- the decoder's cache protocol --------------------------------------------------------
+    def _plan(self, batch: int, num_new: int) -> dict:
+        """Layer 0 of a forward pass: grow the selected block tables; build the kernels' inputs."""
+        if batch != len(self.active):
+            raise ValueError(f"the batch has {batch} rows but {len(self.active)} sequences are selected "
+                             "(cache.select)")
+        tables = [self.tables[s] for s in self.active]
+        need = sum(t.new_blocks_for(num_new) for t in tables)
+        if need > self.allocator.num_free:  # all-or-nothing across the whole batch
+            raise OutOfBlocksError(f"need {need} blocks, only {self.allocator.num_free} of "
+                                   f"{self.allocator.num_blocks} are free")
+        slots = [slot for t in tables for slot in t.append(num_new, self.allocator)]
+        max_blocks = max(len(t.block_ids) for t in tables)
+        block_tables = torch.zeros(batch, max_blocks, dtype=torch.int32)
+        for row, t in enumerate(tables):
+            block_tables[row, : len(t.block_ids)] = torch.tensor(t.block_ids, dtype=torch.int32)
+        dev = self.device
+        return {
+            "shape": (batch, num_new),
+            "slot_mapping": torch.tensor(slots, dtype=torch.int64, device=dev),
+            "block_tables": block_tables.to(dev),
+            "seq_lens": torch.tensor([t.num_tokens for t in tables], dtype=torch.int32, device=dev),
+            "cu_seqlens_q": torch.arange(0, (batch + 1) * num_new, num_new, dtype=torch.int32, device=dev),
+            "next_layer": 0,
+        }
+
+    def attend(self, layer_idx: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
+        """Write this layer's new K, V [batch, new, Hkv, D] into their slots; attend q [batch, new, Hq, D]."""
+        from .kernels import paged_decode_attention, paged_prefill_attention, write_kv
+
+        cfg = self.config
+        expected = (cfg.num_key_value_heads, cfg.head_dim)
+        if k.dim() != 4 or tuple(k.shape[2:]) != expected or k.shape != v.shape:
+            raise ValueError(f"k and v must be [batch, new, {expected[0]}, {expected[1]}], "
+                             f"got {tuple(k.shape)} and {tuple(v.shape)}")
+        if q.dim() != 4 or q.shape[:2] != k.shape[:2]:
+            raise ValueError(f"q must be [batch, new, num_heads, head_dim] with k's batch and new, got {tuple(q.shape)}")
+        if not isinstance(layer_idx, int) or not 0 <= layer_idx < cfg.num_hidden_layers:
+            raise ValueError(f"layer_idx must be an integer in [0, {cfg.num_hidden_layers - 1}], got {layer_idx!r}")
+        batch, num_new = k.shape[:2]
+        if layer_idx == 0:
+            self._step = self._plan(batch, num_new)
+        elif self._step is None or self._step["next_layer"] != layer_idx or self._step["shape"] != (batch, num_new):
+            raise ValueError(f"layer_idx {layer_idx} came out of order: a forward pass calls layers 0, 1, 2, ...")
+        step = self._step
+        step["next_layer"] = layer_idx + 1
+        kc, vc = self.k_caches[layer_idx], self.v_caches[layer_idx]
+        write_kv(k.reshape(batch * num_new, *expected).to(self.dtype).contiguous(),
+                 v.reshape(batch * num_new, *expected).to(self.dtype).contiguous(), kc, vc, step["slot_mapping"])
+        qc = q.to(self.dtype)
+        if num_new == 1:
+            out = paged_decode_attention(qc[:, 0], kc, vc, step["block_tables"], step["seq_lens"])[:, None]
+        else:
+            out = paged_prefill_attention(qc.reshape(batch * num_new, *q.shape[2:]), kc, vc,
+                                          step["block_tables"], step["seq_lens"], step["cu_seqlens_q"])
+            out = out.view(q.shape)
+        return out.to(q.dtype)
+
+
+@torch.no_grad()
+def generate_paged(model: "Decoder", prompts: list[list[int]], max_new_tokens: int, block_size: int = 16,
+                   num_blocks: int | None = None, dtype: torch.dtype = torch.float32) -> list["Generation"]:
+    """Greedy decoding of several prompts of different lengths on one paged pool.
+
+    Each prompt is prefilled on its own (its blocks come from the shared pool); then all
+    sequences decode together, one token each per step, as one batch with ragged lengths.
+    By default the pool holds exactly the blocks the prompts and their new tokens need.
+    """
+    from .cache import Generation
+
+    _check_int("max_new_tokens", max_new_tokens, 1)
+    if not prompts or any(len(p) < 1 for p in prompts):
+        raise ValueError("prompts must be a non-empty list of non-empty token lists")
+    if num_blocks is None:
+        num_blocks = sum(blocks_needed(len(p) + max_new_tokens, block_size) for p in prompts)
+    device = model.lm_head.weight.device
+    cache = PagedKVCache(model.config, num_blocks, block_size, dtype=dtype, device=device, batch_size=0)
+    seq_ids = [cache.add_sequence() for _ in prompts]
+    tokens: list[list[int]] = [[] for _ in prompts]
+    logits: list[list[torch.Tensor]] = [[] for _ in prompts]
+    for row, (seq_id, prompt) in enumerate(zip(seq_ids, prompts)):  # prefill, one prompt at a time
+        cache.select([seq_id])
+        last = model(torch.tensor([prompt], device=device), cache=cache)[0, -1]
+        logits[row].append(last)
+        tokens[row].append(int(last.argmax()))
+    cache.select(seq_ids)
+    for _ in range(max_new_tokens - 1):  # decode, the whole batch at once
+        feed = torch.tensor([[t[-1]] for t in tokens], device=device)
+        step = model(feed, positions=cache.positions(1), cache=cache)[:, -1]
+        for row in range(len(prompts)):
+            logits[row].append(step[row])
+            tokens[row].append(int(step[row].argmax()))
+    for seq_id in seq_ids:
+        cache.free_sequence(seq_id)
+    return [Generation(t, torch.stack(lg)) for t, lg in zip(tokens, logits)]

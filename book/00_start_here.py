@@ -1,0 +1,137 @@
+# %% [markdown]
+# # 00 · Start here
+#
+# **KV Cache Labs** is an executable textbook about one data structure: the key-value cache of a
+# transformer language model, and how it decides what a long-context LLM server can hold and how
+# fast it can serve. Every number in the book is computed by the code beside it, every figure is
+# checked when the book is tested, and every kernel is compared with a plain reference.
+#
+# In this notebook you will:
+#
+# - see the map of the book,
+# - learn how the notebooks, exercises and widgets work,
+# - check your environment: which device runs the code, and how Triton runs its kernels.
+
+# %% [markdown]
+# ## The map
+#
+# | chapter | question | what you build with `labkit` |
+# |---|---|---|
+# | 01 · why the cache grows | what does a model keep per token, and why? | a tiny Llama-style decoder; prefill, decode, a growing cache |
+# | 02 · cost per token | how many bytes does one token cost? | the byte formula, GQA, real model presets, a capacity explorer |
+# | 03 · paging | how do we stop reserving memory we never use? | a block allocator, block tables, Triton paged-attention kernels |
+# | 04 · prefix reuse | when may two requests share cached state? | a prefix cache with block hashes, reference counts, copy-on-write |
+# | 05 · capacity in the scheduler | who gets memory this iteration? | `plan_iteration` with a token and block budget; a small engine |
+# | 06 · from fit to serve | does fitting in memory mean serving fast? | a serving simulator: occupancy, reuse, latency |
+#
+# The chapters follow one article's six sections and build on each other; read them in order.
+
+# %% [markdown]
+# ## How the notebooks work
+#
+# - Run cells from the top (**Run ▸ Run All Cells**). Each chapter imports `labkit`, the book's
+#   small Python package; the chapters teach with it rather than hiding it, so open
+#   `labkit/` whenever you want to see how something is done.
+# - Cells that end in `assert ...` check a claim the text just made. If one fails, the claim is
+#   wrong for your settings, and that is worth knowing.
+# - **Exercises** close every chapter. Each has a checker cell: until you solve it, the checker says
+#   *not solved yet* and points to the worked answer in `solutions/`. Nothing later depends on
+#   your answers, so an unsolved exercise never breaks a chapter.
+# - **Widgets** (sliders and menus) need a live kernel. Each widget has a static figure beside it,
+#   so a reader of a rendered page sees the same story.
+# - Without a GPU, the Triton kernels of chapters 03 to 05 run in Triton's *interpreter*, which
+#   executes the kernel body on the CPU. It is exact but slow, so the chapters pick small shapes
+#   there and larger ones on a GPU.
+
+# %% [markdown]
+# ## Your environment
+#
+# `import labkit` decides where code runs. Without a CUDA GPU it switches Triton's interpreter on
+# *before* any kernel is defined; that ordering matters, because Triton reads the switch when a
+# kernel is decorated.
+
+# %%
+import os
+
+import labkit
+
+print(labkit.describe())
+
+# %%
+# The decision in code: the interpreter is on exactly when there is no GPU to compile for.
+if labkit.RUNTIME.triton_mode == "interpreter":
+    assert labkit.DEVICE.type == "cpu" and os.environ["TRITON_INTERPRET"] == "1"
+elif labkit.RUNTIME.triton_mode == "compiled":
+    assert labkit.DEVICE.type == "cuda"
+print(f"kernels: {labkit.RUNTIME.triton_mode}; tensors live on: {labkit.DEVICE}")
+
+# %% [markdown]
+# A first taste of the book's arithmetic. The chapters measure memory in binary units
+# (1 KiB = 1,024 bytes, 1 GiB = 1,024 MiB), printed by `labkit.format_bytes`:
+
+# %%
+for n in (131_072, 2 * 2**20, 1.375 * 2**20, 0.5 * 2**30, 1.75 * 2**30):
+    print(f"{int(n):>13,} bytes = {labkit.format_bytes(n)}")
+
+# %% [markdown]
+# ## A widget, and its static twin
+#
+# Move the slider: the label shows how many bytes one token's keys and values take in a
+# 32-layer model with the number of KV heads you choose (chapter 02 explains the formula).
+# Below it, the same relation as a static figure.
+
+# %%
+import ipywidgets as widgets
+from IPython.display import display
+
+
+def per_token(kv_heads: int) -> str:
+    return labkit.format_bytes(2 * 32 * kv_heads * 128 * 2)
+
+
+slider = widgets.IntSlider(value=8, min=1, max=32, description="KV heads")
+label = widgets.Label(f"bytes per token: {per_token(8)}")
+slider.observe(lambda change: setattr(label, "value", f"bytes per token: {per_token(change['new'])}"), "value")
+display(widgets.VBox([slider, label]))
+
+# %%
+import matplotlib.pyplot as plt
+
+heads = list(range(1, 33))
+fig, ax = plt.subplots(figsize=(7, 3))
+ax.plot(heads, [2 * 32 * h * 128 * 2 / 1024 for h in heads], marker=".")
+ax.set(xlabel="KV heads", ylabel="KiB per token", title="Bytes per token grow linearly with KV heads")
+plt.show()
+
+# %% [markdown]
+# ## How an exercise looks
+#
+# Exercises are cells you complete. Try this one: replace `None` with the number of bytes in one
+# GiB, then run the cell and the checker.
+
+# %%
+from labkit.exercises import Exercises
+
+ex = Exercises("00_start_here")
+
+# %%
+# SOLUTIONS ONLY
+ex.strict = True  # in solutions/, a checker that fails makes the notebook tests fail
+
+# %%
+# BEGIN SOLUTION
+bytes_per_gib = 1024**3
+# END SOLUTION
+# BEGIN STUB
+bytes_per_gib = None  # replace None with an expression
+# END STUB
+ex.check("Warm-up", bytes_per_gib, expected=2**30, hint="1 GiB = 1,024 MiB, 1 MiB = 1,024 KiB, 1 KiB = 1,024 bytes.")
+
+# %% [markdown]
+# ## Summary
+#
+# - The book is six chapters, each a notebook built on `labkit`.
+# - `import labkit` picks the device and, without a GPU, runs Triton kernels in the interpreter.
+# - Exercises have checkers; worked answers live in `solutions/`.
+#
+# Next: **01 · why the cache grows**.

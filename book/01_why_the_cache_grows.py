@@ -1,0 +1,298 @@
+# %% [markdown]
+# # 01 · Why the cache grows
+#
+# A language model writes one token at a time, and each new token attends to every token before
+# it. This chapter builds a small Llama-style decoder and watches what it keeps between steps.
+#
+# **You will learn**
+#
+# - what *prefill* and *decode* do, and which one produces the first output token;
+# - why the keys and values of earlier tokens can be kept instead of recomputed (causality);
+# - that a cached model produces exactly the tokens of a model that recomputes everything;
+# - how the cache grows, one K and one V per layer for every token processed;
+# - why the cache saves computation but not reading: each decode step still reads the whole history.
+
+# %%
+import time
+
+import matplotlib.pyplot as plt
+import torch
+
+import labkit
+from labkit.cache import KVCache, generate
+from labkit.model import Decoder, DecoderConfig
+
+torch.set_num_threads(2)
+print(labkit.describe())
+
+# %% [markdown]
+# ## A tiny decoder with the Llama recipe
+#
+# `labkit.model.Decoder` has every part of a Llama-family model: token embeddings, and per layer an
+# RMSNorm, attention with rotary positions (RoPE), another RMSNorm and a SwiGLU MLP. Its config uses
+# the field names of a Llama `config.json`, and its weights the key names of a Llama checkpoint,
+# so real weights would load into it. Here it is small and randomly initialised with a fixed seed:
+# its words are nonsense, but its arithmetic is the real thing, and it runs in seconds on a CPU.
+#
+# Note `num_key_value_heads`: 8 query heads share 2 key/value heads. That is *grouped-query
+# attention* (GQA), and it is why the cache stores 2 heads per layer, not 8.
+
+# %%
+config = DecoderConfig()  # vocab 512, hidden 256, 4 layers, 8 query heads, 2 KV heads, head_dim 32
+model = Decoder.random(config, seed=0)
+n_params = sum(p.numel() for p in model.parameters())
+print(config)
+print(f"parameters: {n_params:,}")
+
+# %% [markdown]
+# ## Prefill: read the prompt, build the cache, get the first token
+#
+# A request starts with its prompt. *Prefill* runs all prompt tokens through the model in one
+# pass. In every layer, each token's hidden state is projected to a query, a key and a value. The
+# keys and values are what later tokens will attend to, so the cache stores them: for each layer,
+# a K and a V tensor of shape `[batch, tokens, KV heads, head_dim]`.
+#
+# The logits at the *last* prompt position predict the next token: prefill ends with the first
+# output token.
+
+# %%
+# NBVAL_CHECK_OUTPUT
+prompt = [17, 101, 256, 3, 42, 7, 99, 310, 5, 64, 11, 250]
+cache = KVCache(config)
+with torch.no_grad():
+    logits = model(torch.tensor([prompt]), cache=cache)
+first_token = int(logits[0, -1].argmax())
+
+print(f"prompt tokens      : {len(prompt)}")
+print(f"cached tokens      : {cache.seq_len}")
+print(f"K shape in layer 0 : {tuple(cache.k[0].shape)}   # [batch, tokens, KV heads, head_dim]")
+print(f"layers with a cache: {sum(k is not None for k in cache.k)} of {config.num_hidden_layers}")
+print(f"first output token : {first_token}")
+
+# %% [markdown]
+# ## Decode: one token in, one K and V per layer appended
+#
+# Each *decode* step feeds only the newest token. Its query attends over everything in the cache,
+# and then its own key and value are appended. The cache grows by exactly one position in every
+# layer per step.
+
+# %%
+# NBVAL_CHECK_OUTPUT
+token = first_token
+generated = [first_token]
+with torch.no_grad():
+    for step in range(4):
+        before = cache.seq_len
+        logits = model(torch.tensor([[token]]), cache=cache)
+        token = int(logits[0, -1].argmax())
+        generated.append(token)
+        assert all(k.shape[1] == before + 1 for k in cache.k), "every layer grew by one position"
+        print(f"decode step {step}: fed 1 token, attended over {before + 1} positions, "
+              f"cache {before} -> {cache.seq_len} tokens, next token {token}")
+print("generated:", generated)
+
+# %% [markdown]
+# ## Why keeping old keys and values is allowed
+#
+# In causal attention a position sees only itself and earlier positions. Adding token 13 cannot
+# change what token 5 computed, so token 5's key and value are final the moment they are made.
+# Let's check it rather than believe it: run the whole sequence (prompt plus generated tokens)
+# through a fresh model pass and compare its keys with what prefill and decode stored step by step.
+
+# %%
+full_cache = KVCache(config)
+sequence = prompt + generated[:-1]  # the last generated token has not been fed yet
+with torch.no_grad():
+    model(torch.tensor([sequence]), cache=full_cache)
+assert full_cache.seq_len == cache.seq_len == len(sequence)
+for layer in range(config.num_hidden_layers):
+    torch.testing.assert_close(cache.k[layer], full_cache.k[layer], atol=1e-5, rtol=1e-5)
+    torch.testing.assert_close(cache.v[layer], full_cache.v[layer], atol=1e-5, rtol=1e-5)
+print(f"stored step by step == computed all at once, in all {config.num_hidden_layers} layers, "
+      f"for all {len(sequence)} positions")
+
+# %% [markdown]
+# ## Same tokens, with or without the cache
+#
+# `labkit.cache.generate` decodes greedily. With `use_cache=False` it recomputes the whole sequence at
+# every step, which is what a model without a cache must do. Both must choose the same tokens,
+# and their logits must agree to float32 rounding.
+
+# %%
+# NBVAL_CHECK_OUTPUT
+with_cache = generate(model, prompt, max_new_tokens=16, use_cache=True)
+without = generate(model, prompt, max_new_tokens=16, use_cache=False)
+max_diff = (with_cache.logits - without.logits).abs().max().item()
+assert with_cache.tokens == without.tokens
+assert max_diff < 1e-4
+print("tokens with cache   :", with_cache.tokens)
+print("tokens without cache:", without.tokens)
+print("logits agree within 1e-4:", max_diff < 1e-4)
+
+# %% [markdown]
+# ## How big the cache gets
+#
+# Every token processed adds, in every layer, one key and one value of `KV heads × head_dim`
+# numbers. So the cache grows linearly with the number of tokens. For our model in float32:
+#
+# 2 (K and V) × 4 layers × 2 KV heads × 32 dims × 4 bytes = 2,048 bytes per token.
+#
+# Chapter 02 turns this into the general formula. Here we read the size off the real tensors.
+
+# %%
+# NBVAL_CHECK_OUTPUT
+sizes = {}
+c = KVCache(config)
+with torch.no_grad():
+    model(torch.tensor([prompt]), cache=c)
+    sizes[c.seq_len] = c.nbytes
+    tok = torch.tensor([[1]])
+    while c.seq_len < 256:
+        model(tok, cache=c)
+        sizes[c.seq_len] = c.nbytes
+per_token = 2 * config.num_hidden_layers * config.num_key_value_heads * config.head_dim * 4
+assert all(nbytes == n * per_token for n, nbytes in sizes.items())
+for n in (12, 13, 64, 256):
+    print(f"{n:>4} tokens -> {sizes[n]:>9,} bytes = {labkit.format_bytes(sizes[n])}")
+
+# %%
+fig, ax = plt.subplots(figsize=(7, 3.5))
+ax.plot(list(sizes), [b / 1024 for b in sizes.values()])
+ax.axvline(len(prompt), ls=":", c="gray")
+ax.annotate("end of prefill", (len(prompt), 0), xytext=(30, 60), textcoords="offset points",
+            arrowprops=dict(arrowstyle="->", color="gray"))
+ax.set(xlabel="tokens processed", ylabel="cache size (KiB)",
+       title="The cache grows by the same amount for every token")
+plt.show()
+
+# %% [markdown]
+# For capacity planning, a request's cache length is the tokens it has processed so far. Before it
+# starts, the safe figure is its **prompt length plus the most tokens it may generate**: that is
+# how large its cache can grow. With this model, a request with a 1,000-token prompt that may
+# generate up to 500 tokens must be planned at:
+
+# %%
+# NBVAL_CHECK_OUTPUT
+prompt_len, max_new = 1000, 500
+# The last generated token is never fed back, so the cache peaks at prompt + max_new - 1 tokens;
+# planners round that up to prompt + max_new.
+planned = (prompt_len + max_new) * per_token
+print(f"({prompt_len:,} + {max_new}) tokens × {per_token:,} bytes = {planned:,} bytes = {labkit.format_bytes(planned)}")
+
+# %% [markdown]
+# ## What the cache saves, and what it does not
+#
+# Without a cache, step *t* recomputes all *t* positions through every layer: the work per step
+# grows with the length, and the whole generation with its square. With a cache, each step runs
+# one position through the layers: the projection and MLP work per step is constant.
+#
+# But attention still reads every cached key and value at every step. A decode step at context
+# length *t* reads *t* × 2,048 bytes of cache here, so the bytes read per step grow linearly, and
+# on a real GPU, where decode is limited by memory bandwidth, so does the time. Let's time a step
+# at a few context lengths (timings depend on your machine, so they are not checked).
+
+# %%
+def time_step(context: int, use_cache: bool, repeats: int = 3) -> float:
+    """Seconds for one decode step at a given context length (median of a few runs)."""
+    ids = torch.randint(0, config.vocab_size, (1, context))
+    times = []
+    with torch.no_grad():
+        for _ in range(repeats):
+            if use_cache:
+                c = KVCache(config)
+                model(ids[:, :-1], cache=c)
+                start = time.perf_counter()
+                model(ids[:, -1:], cache=c)
+            else:
+                start = time.perf_counter()
+                model(ids)
+            times.append(time.perf_counter() - start)
+    return sorted(times)[len(times) // 2]
+
+
+contexts = [64, 256, 512, 1024, 2048]
+cached_ms = [1e3 * time_step(t, True) for t in contexts]
+full_ms = [1e3 * time_step(t, False) for t in contexts]
+for t, a, b in zip(contexts, cached_ms, full_ms):
+    print(f"context {t:>5}: with cache {a:7.2f} ms/token   recompute {b:8.2f} ms/token   "
+          f"cache read {labkit.format_bytes(t * per_token)}")
+
+# %%
+fig, (ax1, ax2) = plt.subplots(1, 2, figsize=(10, 3.5))
+ax1.plot(contexts, full_ms, marker="o", label="recompute everything")
+ax1.plot(contexts, cached_ms, marker="o", label="with the KV cache")
+ax1.set(xlabel="context length (tokens)", ylabel="ms per new token", title="The cache removes recomputation")
+ax1.legend()
+ax2.plot(contexts, [t * per_token / 1024 for t in contexts], marker="o", color="C2")
+ax2.set(xlabel="context length (tokens)", ylabel="KiB read per decode step",
+        title="...but every step still reads all history")
+fig.tight_layout()
+plt.show()
+
+# %% [markdown]
+# ## Summary
+#
+# - **Prefill** processes the prompt in one pass, stores every layer's keys and values, and yields
+#   the first output token. **Decode** feeds one token per step, reads the whole cache, and appends
+#   one K and one V per layer.
+# - Causality makes stored keys and values final, so caching changes no output: we checked equal
+#   tokens and logits within 1e-4.
+# - The cache grows linearly with the tokens processed; plan a request at prompt length plus its
+#   generation limit.
+# - The cache saves recomputation, not reading: every decode step reads all of the history, so longer
+#   contexts mean more memory *and* more memory traffic per token.
+#
+# Next, chapter 02 turns "bytes per token" into a formula for real models.
+#
+# ## Exercises
+
+# %%
+from labkit.exercises import Exercises
+
+ex = Exercises("01_why_the_cache_grows")
+
+# %%
+# SOLUTIONS ONLY
+ex.strict = True  # in solutions/, every checker must pass
+
+# %% [markdown]
+# **Exercise 1.** Our model prefills a 20-token prompt and then generates 5 tokens with the cache.
+# How many token positions does the cache hold at the end? (Careful: is the fifth generated token
+# ever fed back into the model?)
+
+# %%
+# BEGIN SOLUTION
+answer_1 = 20 + 5 - 1  # prefill stores 20; decode steps feed generated tokens 1..4
+# END SOLUTION
+# BEGIN STUB
+answer_1 = None  # replace None with a number
+# END STUB
+ex.check("Exercise 1", answer_1, expected=generate(model, list(range(20)), 5).cache_tokens)
+
+# %% [markdown]
+# **Exercise 2.** Write `kv_cache_bytes(num_layers, num_kv_heads, head_dim, tokens, bytes_per_element)`,
+# the size of a contiguous cache. The checker compares it with caches of real tensors for several
+# model shapes.
+
+# %%
+def kv_cache_bytes(num_layers: int, num_kv_heads: int, head_dim: int, tokens: int, bytes_per_element: int) -> int:
+    # BEGIN SOLUTION
+    return 2 * num_layers * num_kv_heads * head_dim * tokens * bytes_per_element
+    # END SOLUTION
+
+
+def measured_bytes(layers: int, kv_heads: int, head_dim: int, tokens: int, dtype: torch.dtype) -> int:
+    """Build a real model of that shape, prefill `tokens` tokens, and read the cache's size."""
+    cfg = DecoderConfig(vocab_size=64, hidden_size=64, intermediate_size=64, num_hidden_layers=layers,
+                        num_attention_heads=kv_heads * 2, num_key_value_heads=kv_heads, head_dim=head_dim)
+    m = Decoder.random(cfg).to(dtype)
+    c = KVCache(cfg)
+    with torch.no_grad():
+        m(torch.zeros(1, tokens, dtype=torch.long), cache=c)
+    return c.nbytes
+
+
+shapes = [(2, 1, 16, 10, torch.float32), (3, 2, 32, 7, torch.float16), (1, 4, 8, 33, torch.bfloat16)]
+ex.check_function("Exercise 2", kv_cache_bytes,
+                  [((L, h, d, t, torch.tensor([], dtype=dt).element_size()), measured_bytes(L, h, d, t, dt))
+                   for L, h, d, t, dt in shapes])

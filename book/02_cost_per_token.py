@@ -1,0 +1,488 @@
+# ---
+# jupyter:
+#   jupytext:
+#     text_representation:
+#       extension: .py
+#       format_name: percent
+#   kernelspec:
+#     display_name: Python 3 (ipykernel)
+#     language: python
+#     name: python3
+# ---
+
+# %% [markdown]
+# # 02 · What each token costs
+#
+# Chapter 01 showed that the cache grows by one entry per token. Before we can decide how to
+# *manage* that memory (chapters 03 to 05), we need to know how big an entry is. It turns out
+# to be a product of four numbers you can read off any model's `config.json`.
+#
+# **What you will learn**
+#
+# - to derive the bytes one token adds to the cache, and to check the formula against real tensors;
+# - to reproduce the article's table: 128 KiB per token, 1 GiB for an 8,192-token request, and
+#   3 GiB when three requests reserve their maximum length up front;
+# - why the formula takes the number of **KV heads**, not query heads (GQA), and how large the
+#   mistake is;
+# - how real models compare, and what tensor and pipeline parallelism leave on each device;
+# - how many sequences fit on a device, with an explorer you can play with.
+
+# %%
+import torch
+import matplotlib.pyplot as plt
+
+import labkit
+from labkit import capacity
+from labkit.capacity import GiB, KiB, MiB, TEACHING_MODEL, PRESETS, format_bytes
+from labkit.cache import KVCache
+from labkit.model import Decoder, DecoderConfig
+
+print(labkit.describe())
+
+# %% [markdown]
+# ## 1. Deriving the formula
+#
+# Take one token and follow it through the model. In every one of the **L** layers, the
+# attention block projects the token to a key and a value for each of the **Hkv** KV heads. Each
+# of those vectors has **D** elements (the head dimension), and each element takes **b** bytes.
+# The cache keeps all of them, so one token costs
+#
+# $$\text{bytes\_per\_token} = 2 \times L \times H_{kv} \times D \times b,$$
+#
+# where the 2 counts K and V. A sequence whose cache holds **T** tokens costs
+# $M_{kv} = T \times \text{bytes\_per\_token}$. Nothing else in the model enters: not the hidden
+# size, not the vocabulary, not the number of parameters.
+#
+# The article's teaching model has 32 layers, 8 KV heads, head dimension 128 and 2-byte elements
+# (bf16 or fp16). It is a model for arithmetic, not a measured checkpoint.
+
+# %%
+# NBVAL_CHECK_OUTPUT
+L, H_kv, D, b = TEACHING_MODEL.num_layers, TEACHING_MODEL.num_kv_heads, TEACHING_MODEL.head_dim, TEACHING_MODEL.dtype_bytes
+per_token = capacity.bytes_per_token(L, H_kv, D, b)
+print(f"2 (K and V) x {L} layers x {H_kv} KV heads x {D} dims x {b} bytes = {format_bytes(per_token, 'bytes')}")
+print(f"= {format_bytes(per_token)} per token")
+assert per_token == 2 * L * H_kv * D * b == 131_072 == 128 * KiB
+
+# %% [markdown]
+# The element size can also be given as a dtype, the way a `config.json` states it:
+
+# %%
+for dtype in ["float32", "bfloat16", torch.float16, "fp8"]:
+    print(f"{str(dtype):15} {format_bytes(capacity.bytes_per_token(L, H_kv, D, dtype=dtype)):>8} per token")
+
+# %% [markdown]
+# ## 2. Checking the formula against real tensors
+#
+# A formula is only as good as its check. First, chapter 01's small random decoder: prefill a
+# prompt into its `KVCache`, then add up the bytes of every stored tensor. Its weights are float32,
+# so its cache elements take 4 bytes.
+
+# %%
+model = Decoder.random()
+cfg = model.config
+shape = capacity.ModelShape.from_config(cfg.to_dict(), name="chapter-01 decoder", dtype=torch.float32)
+print(shape)
+
+prompt = torch.randint(0, cfg.vocab_size, (1, 37), generator=torch.Generator().manual_seed(0))
+cache = KVCache(cfg)
+with torch.no_grad():
+    logits = model(prompt, cache=cache)
+print(f"layer 0 stores K {tuple(cache.k[0].shape)} and V {tuple(cache.v[0].shape)}, {cache.k[0].dtype}")
+print(f"after a 37-token prefill: cache.nbytes = {cache.nbytes:,}; formula: {shape.cache_bytes(37):,}")
+assert cache.nbytes == shape.cache_bytes(37) == 37 * capacity.bytes_per_token(
+    cfg.num_hidden_layers, cfg.num_key_value_heads, cfg.head_dim, dtype=torch.float32)
+
+# %% [markdown]
+# One decode step feeds one token, and the cache grows by exactly one token's worth:
+
+# %%
+before = cache.nbytes
+with torch.no_grad():
+    model(logits[:, -1:].argmax(-1), cache=cache)
+print(f"one decode step added {cache.nbytes - before:,} bytes = bytes_per_token {shape.bytes_per_token():,}")
+assert cache.nbytes - before == shape.bytes_per_token()
+
+# %% [markdown]
+# The chapter-01 model is tiny. The teaching model itself is too big to run here, but its cache
+# is not: a `KVCache` only needs the shape. We hand it K and V tensors of the teaching model's
+# shape for a few tokens, in bf16, through the same `attend` method the decoder calls.
+
+# %%
+teach_cfg = DecoderConfig(num_hidden_layers=32, num_attention_heads=32, num_key_value_heads=8, hidden_size=4096)
+assert teach_cfg.head_dim == 128
+teach_cache = KVCache(teach_cfg)
+gen = torch.Generator().manual_seed(1)
+tokens = 5
+for layer in range(teach_cfg.num_hidden_layers):
+    q = torch.randn(1, tokens, 32, 128, generator=gen).bfloat16()
+    k = torch.randn(1, tokens, 8, 128, generator=gen).bfloat16()
+    v = torch.randn(1, tokens, 8, 128, generator=gen).bfloat16()
+    teach_cache.attend(layer, q, k, v)
+print(f"teaching-model cache for {tokens} tokens: {teach_cache.nbytes:,} bytes; "
+      f"formula: {TEACHING_MODEL.cache_bytes(tokens):,}")
+assert teach_cache.nbytes == TEACHING_MODEL.cache_bytes(tokens)
+
+# %% [markdown]
+# And for a few ragged lengths, a bare allocation (`torch.empty` does not even fill the memory):
+# one K and one V tensor `[T, Hkv, D]` per layer.
+
+# %%
+for length in [1, 3, 16, 37]:
+    tensors = [torch.empty(length, 8, 128, dtype=torch.bfloat16) for _ in range(2 * 32)]
+    allocated = sum(t.nbytes for t in tensors)
+    assert allocated == TEACHING_MODEL.cache_bytes(length)
+    print(f"T = {length:3}: {allocated:>9,} bytes allocated = {format_bytes(allocated)}")
+
+# %% [markdown]
+# ## 3. The article's table
+#
+# Three independent requests, their lengths counted in cached tokens. At 128 KiB per token,
+# 8,192 tokens take exactly 1 GiB (8,192 × 128 KiB = 1,048,576 KiB). Sizes are in binary units:
+# 1 GiB = 1,024 MiB.
+
+# %%
+# NBVAL_CHECK_OUTPUT
+requests = {"A": 8192, "B": 4096, "C": 2048}
+sizes = {name: TEACHING_MODEL.cache_bytes(n) for name, n in requests.items()}
+print(f"{'request':8}{'cache length':>16}{'tensor memory':>16}")
+for name, n in requests.items():
+    print(f"{name:8}{n:>9,} tokens{format_bytes(sizes[name], 'GiB'):>16}")
+total_tokens, total_bytes = sum(requests.values()), sum(sizes.values())
+print(f"{'total':8}{total_tokens:>9,} tokens{format_bytes(total_bytes, 'GiB'):>16}")
+assert [sizes[r] for r in "ABC"] == [GiB, GiB // 2, GiB // 4]
+assert total_tokens == 14_336 and total_bytes == 1.75 * GiB
+
+# %% [markdown]
+# Now suppose a server reserves contiguous room for the longest request it allows, 8,192 tokens,
+# the moment each request arrives. The reservation does not care how long a request turns out to be:
+
+# %%
+# NBVAL_CHECK_OUTPUT
+reserved = len(requests) * TEACHING_MODEL.cache_bytes(8192)
+unused = reserved - total_bytes
+print(f"reserved up front: 3 x 8,192 tokens = {format_bytes(reserved)}")
+print(f"holding token state: {format_bytes(total_bytes)}")
+print(f"reserved but unused: {format_bytes(unused)} ({unused / reserved:.0%} of the reservation)")
+assert reserved == 3 * GiB and unused == 1.25 * GiB
+
+# %% [markdown]
+# The 1.25 GiB is not in any tensor's values: it is room set aside for tokens that have not come
+# (and, for B and C, never will). Chapter 03 removes most of it by allocating in small blocks.
+
+# %%
+fig, ax = plt.subplots(figsize=(7, 3.0))
+names = list(requests)
+used = [sizes[n] / GiB for n in names]
+ax.barh(names, [1.0] * 3, color="lightgrey", label="reserved, unused")
+ax.barh(names, used, color="C0", label="holding K and V")
+ax.set_xlabel("memory (GiB)")
+ax.invert_yaxis()
+ax.set_title(f"Reserving 8,192 tokens each: {format_bytes(reserved)} held, {format_bytes(total_bytes)} used")
+ax.legend(loc="lower right")
+fig.tight_layout()
+plt.show()
+
+# %% [markdown]
+# Bad input is refused before anything is computed, with the parameter and its allowed range:
+
+# %%
+for bad in [dict(length=3.5), dict(length=-1), dict(num_layers=0), dict(dtype="float12")]:
+    args = dict(length=8, num_layers=32, num_kv_heads=8, head_dim=128, dtype="bfloat16") | bad
+    try:
+        capacity.cache_bytes(**args)
+    except ValueError as err:
+        print(f"{bad}: ValueError: {err}")
+    else:
+        raise AssertionError(f"{bad} was accepted")
+
+# %% [markdown]
+# ## 4. The GQA mistake
+#
+# With grouped-query attention, several query heads share one K/V head: Llama-3-8B has 32 query
+# heads but only 8 KV heads, so each KV head serves a group of 4. The cache stores only the KV
+# heads. Plugging the query-head count into the formula overstates the cache by the group size:
+
+# %%
+# NBVAL_CHECK_OUTPUT
+print(f"{'model':17}{'query heads':>12}{'KV heads':>10}{'right':>12}{'mistake':>12}{'factor':>8}")
+for name in ["Llama-3-8B", "Llama-3-70B", "Qwen2.5-7B", "Gemma-2-9B"]:
+    p = PRESETS[name]
+    right, wrong = p.bytes_per_token(), p.query_head_mistake()
+    assert wrong // right == p.num_attention_heads // p.num_kv_heads
+    print(f"{name:17}{p.num_attention_heads:>12}{p.num_kv_heads:>10}{format_bytes(right):>12}"
+          f"{format_bytes(wrong):>12}{wrong // right:>7}x")
+
+# %% [markdown]
+# For request A on Llama-3-8B the mistake would plan 4 GiB for a cache that takes 1 GiB, and a
+# capacity planner would admit a quarter of the sequences that actually fit.
+
+# %%
+a_right = PRESETS["Llama-3-8B"].cache_bytes(8192)
+a_wrong = 8192 * PRESETS["Llama-3-8B"].query_head_mistake()
+print(f"request A on Llama-3-8B: {format_bytes(a_right)} (KV heads), {format_bytes(a_wrong)} (query heads)")
+assert a_wrong == 4 * a_right
+
+# %% [markdown]
+# ## 5. Real models side by side
+#
+# `capacity.PRESETS` holds shapes read from each model's `config.json`, with the source of every
+# number. `ModelShape.from_config` reads any Llama-style config dict (here a Llama-3-8B one, as
+# it appears on the Hugging Face Hub):
+
+# %%
+llama3_8b_config = {"architectures": ["LlamaForCausalLM"], "hidden_size": 4096, "num_hidden_layers": 32,
+                    "num_attention_heads": 32, "num_key_value_heads": 8, "torch_dtype": "bfloat16",
+                    "vocab_size": 128256}
+from_json = capacity.ModelShape.from_config(llama3_8b_config, name="Llama-3-8B")
+print(from_json)
+assert from_json.bytes_per_token() == PRESETS["Llama-3-8B"].bytes_per_token()
+
+# %%
+for p in PRESETS.values():
+    print(f"{p.name:16} {p.source}")
+
+# %% [markdown]
+# The table uses the article's formula for every model (no sliding windows applied, 2-byte
+# elements). DeepSeek-V3 is the exception in kind: its latent cache has no factor 2 (section 7).
+
+# %%
+# NBVAL_CHECK_OUTPUT
+print(f"{'model':16}{'L':>4}{'Hkv':>5}{'D':>5}{'per token':>12}{'8K request':>12}{'128K request':>14}")
+for p in PRESETS.values():
+    heads = "lat" if p.latent else p.num_kv_heads
+    print(f"{p.name:16}{p.num_layers:>4}{heads:>5}{p.head_dim:>5}{format_bytes(p.bytes_per_token()):>12}"
+          f"{format_bytes(p.cache_bytes(8192, apply_window=False)):>12}"
+          f"{format_bytes(p.cache_bytes(131072, apply_window=False)):>14}")
+assert PRESETS["Llama-3-70B"].bytes_per_token() == 320 * KiB
+assert PRESETS["Qwen2.5-7B"].bytes_per_token() == 56 * KiB
+assert PRESETS["Gemma-2-9B"].bytes_per_token() == 336 * KiB
+
+# %%
+fig, ax = plt.subplots(figsize=(7, 3.5))
+order = sorted(PRESETS.values(), key=lambda p: p.bytes_per_token())
+ax.barh([p.name for p in order], [p.bytes_per_token() / KiB for p in order], color="C0")
+for i, p in enumerate(order):
+    ax.text(p.bytes_per_token() / KiB, i, " " + format_bytes(p.bytes_per_token()), va="center", fontsize="small")
+ax.set_xlabel("KV cache per token (KiB)")
+ax.set_xlim(0, 400)
+ax.set_title("Per-token cost ranges over 6x across models of similar size")
+fig.tight_layout()
+plt.show()
+
+# %% [markdown]
+# Parameters do not predict the cache: Gemma-2-9B stores 6 times more per token than
+# Qwen2.5-7B, because it keeps 8 KV heads of dimension 256 in 42 layers, against 4 heads of 128 in 28.
+
+# %% [markdown]
+# ## 6. Split across devices
+#
+# A model too big for one device is split. The cache follows the split:
+#
+# - **tensor parallelism** (TP) gives each device a share of the attention heads, and with them
+#   a share of the KV heads. When there are more devices than KV heads, a head cannot be cut:
+#   each device keeps one whole KV head, and heads are *replicated*;
+# - **pipeline parallelism** (PP) gives each device (stage) a range of layers, and the cache of
+#   only those layers.
+#
+# `capacity.shard` returns the busiest device's share as a `ModelShape`, so the same formula
+# applies per device. Llama-3-70B has 8 KV heads and 80 layers:
+
+# %%
+# NBVAL_CHECK_OUTPUT
+big = PRESETS["Llama-3-70B"]
+print(f"{'TP':>3}{'PP':>4}{'devices':>9}{'KV heads/dev':>14}{'layers/dev':>12}{'per token/dev':>15}{'all devices':>13}")
+per_device = {}
+for tp, pp in [(1, 1), (2, 1), (4, 1), (8, 1), (16, 1), (1, 2), (1, 4), (8, 2)]:
+    dev = capacity.shard(big, tensor_parallel=tp, pipeline_parallel=pp)
+    per_device[tp, pp] = dev.bytes_per_token()
+    print(f"{tp:>3}{pp:>4}{tp * pp:>9}{dev.num_kv_heads:>14}{dev.num_layers:>12}"
+          f"{format_bytes(dev.bytes_per_token()):>15}{format_bytes(tp * pp * dev.bytes_per_token()):>13}")
+assert per_device[8, 1] == big.bytes_per_token() // 8
+assert per_device[16, 1] == per_device[8, 1]  # 16 devices, 8 KV heads: each head lives on 2 devices
+assert per_device[1, 4] == big.bytes_per_token() // 4
+
+# %% [markdown]
+# Up to TP=8 the total over all devices stays at 320 KiB per token: the cache is only divided.
+# At TP=16 each device still holds 40 KiB per token, and the total doubles to 640 KiB: the
+# replication is real memory. The same happens to a latent MLA cache (next section), which has
+# a single "head" and is therefore kept whole on every TP device.
+
+# %% [markdown]
+# ## 7. Beyond the article: quantized, windowed and latent caches
+#
+# The article's formula assumes an unquantized cache and no sliding window, and that every
+# layer stores separate K and V. Three common departures, each a small change to the formula:
+#
+# **An 8-bit cache** (e.g. vLLM's `kv_cache_dtype="fp8"`) halves `b`. The per-tensor scales it
+# needs are a few bytes per layer and are left out here.
+
+# %%
+fp8 = TEACHING_MODEL.with_dtype("fp8")
+print(f"teaching model, 8-bit cache: {format_bytes(fp8.bytes_per_token())} per token, "
+      f"request A {format_bytes(fp8.cache_bytes(8192))}")
+assert 2 * fp8.cache_bytes(8192) == TEACHING_MODEL.cache_bytes(8192)
+
+# %% [markdown]
+# **Sliding-window layers** attend only to the last W tokens, so they need to keep only W.
+# Mistral-7B-v0.1 uses a 4,096-token window in every layer; Gemma-2-9B alternates local layers
+# (window 4,096) with global ones. Past the window, their caches stop growing, or grow at half
+# the rate:
+
+# %%
+# NBVAL_CHECK_OUTPUT
+for name in ["Mistral-7B-v0.1", "Gemma-2-9B"]:
+    p = PRESETS[name]
+    for length in [4096, 32768]:
+        print(f"{name:16}{length:>7,} tokens: {format_bytes(p.cache_bytes(length, apply_window=False)):>10} "
+              f"plain formula, {format_bytes(p.cache_bytes(length)):>10} with the window")
+mistral = PRESETS["Mistral-7B-v0.1"]
+assert mistral.cache_bytes(32768) == mistral.cache_bytes(4096)
+
+# %% [markdown]
+# **A latent cache.** DeepSeek-V3's multi-head latent attention (MLA) stores, per token and layer,
+# one compressed vector of 512 elements plus a 64-element key for the rotary position part,
+# shared by all 128 heads. There is no separate K and V, so no factor 2. Had it cached K (192
+# dims) and V (128 dims) for all 128 heads, each token would cost about 70 times as much:
+
+# %%
+mla = PRESETS["DeepSeek-V3"]
+full_mha = 61 * 128 * (192 + 128) * 2  # layers x heads x (K dims + V dims) x bytes
+print(f"DeepSeek-V3 latent cache: {mla.bytes_per_token():,} bytes = {format_bytes(mla.bytes_per_token())} per token")
+print(f"the same model caching full K and V: {format_bytes(full_mha)} per token, "
+      f"{full_mha / mla.bytes_per_token():.0f}x more")
+assert mla.bytes_per_token() == 61 * (512 + 64) * 2
+
+# %% [markdown]
+# ## 8. From bytes to capacity
+#
+# How many sequences fit on one device? Subtract what the device needs for other things (the
+# weights, the activation workspace, a safety margin) and divide what is left, the KV pool, by
+# the bytes of one sequence. The article's closing example, previewed here: a 24 GiB device with
+# 17 GiB set aside leaves a 7 GiB pool, room for seven 8,192-token sequences of the teaching
+# model, before any block-table overhead, and without any promise about latency.
+
+# %%
+# NBVAL_CHECK_OUTPUT
+fit = capacity.sequences_that_fit(TEACHING_MODEL.cache_bytes(8192), device_bytes=24 * GiB, reserved_bytes=17 * GiB)
+print(f"pool {format_bytes(capacity.kv_pool_bytes(24 * GiB, 17 * GiB))}: {fit} sequences of 8,192 tokens")
+assert fit == 7
+
+# %% [markdown]
+# ### The capacity explorer
+#
+# Pick a preset, then move the sliders. The readout gives bytes per token, bytes per request and
+# the number of sequences that fit; the plot shows that number against the context length, with
+# your request count as a dashed line. (The explorer applies the article's formula: no windows.)
+# Try: Llama-3-8B at 128K tokens on an 80 GiB device with 20 GiB set aside; then switch the
+# element size to 1 byte; then set aside more than the device has.
+
+# %%
+from labkit.widgets.capacity_explorer import CapacityExplorer, static_figure
+
+CapacityExplorer()
+
+# %% [markdown]
+# Without a live kernel the sliders do nothing; this static figure shows the same curve for
+# several models in the article's 7 GiB pool. At 8,192 tokens the teaching model gives the 7
+# sequences computed above.
+
+# %%
+pool = capacity.kv_pool_bytes(24 * GiB, 17 * GiB)
+fig = static_figure(["Gemma-2-9B", "teaching model", "DeepSeek-V3", "Qwen2.5-7B"], pool)
+fig.axes[0].axvline(8192, color="grey", linestyle=":")
+plt.show()
+
+# %% [markdown]
+# ## Summary
+#
+# - One token costs `2 × L × Hkv × D × b` bytes; a sequence costs its cached length times that.
+#   For the teaching model: 131,072 bytes = 128 KiB per token, 1 GiB per 8,192 tokens.
+# - Measured on real tensors (chapter 01's cache, and bf16 tensors of the teaching model's shape),
+#   the formula is exact.
+# - Reserving the maximum length up front held 3 GiB for 1.75 GiB of state; 1.25 GiB was
+#   reservation, not data.
+# - Use KV heads, not query heads: the mistake overstates the cache by the GQA group size.
+# - Tensor parallelism divides the KV heads until there is one per device, then replicates them;
+#   pipeline parallelism divides the layers.
+# - Beyond the article, 8-bit caches halve the bytes, sliding windows cap the length per layer,
+#   and a latent MLA cache drops the factor 2 and the per-head copies.
+# - Next, chapter 03 replaces whole-sequence reservations with blocks of 16 tokens:
+#   `TEACHING_MODEL.block_bytes(16)` is 2 MiB.
+
+# %% [markdown]
+# ## Exercises
+
+# %%
+from labkit.exercises import Exercises
+
+ex = Exercises("02_cost_per_token")
+
+# %%
+# SOLUTIONS ONLY
+ex.strict = True  # in solutions/ a failing checker fails the notebook tests
+
+# %% [markdown]
+# **Exercise 1.** Using only the formula and the numbers in Qwen2.5-7B's `config.json`
+# (28 layers, 28 query heads, 4 KV heads, hidden size 3584, bf16), how many bytes does one
+# token add to its cache?
+
+# %%
+# BEGIN SOLUTION
+answer_1 = 2 * 28 * 4 * (3584 // 28) * 2
+# END SOLUTION
+# BEGIN STUB
+answer_1 = None  # replace None with your expression
+# END STUB
+ex.check("Exercise 1", answer_1, expected=PRESETS["Qwen2.5-7B"].bytes_per_token(),
+         hint="head_dim = hidden_size / query heads; then use the KV heads.")
+
+# %% [markdown]
+# **Exercise 2.** A colleague sized Llama-3-70B's cache with its 64 query heads instead of its
+# 8 KV heads. For one 32,768-token request, by how many bytes is the estimate too large?
+
+# %%
+# BEGIN SOLUTION
+answer_2 = 32768 * 2 * 80 * (64 - 8) * 128 * 2
+# END SOLUTION
+# BEGIN STUB
+answer_2 = None  # replace None with your expression
+# END STUB
+ex.check("Exercise 2", answer_2,
+         expected=32768 * (PRESETS["Llama-3-70B"].query_head_mistake() - PRESETS["Llama-3-70B"].bytes_per_token()))
+
+# %% [markdown]
+# **Exercise 3.** Write `fits(device_gib, reserved_gib, context_len)`: how many sequences of
+# `context_len` tokens of the teaching model fit in the pool of a device with `device_gib` GiB,
+# of which `reserved_gib` GiB are set aside. Use plain arithmetic, not `labkit.capacity`.
+
+# %%
+def fits(device_gib, reserved_gib, context_len):
+    # BEGIN SOLUTION
+    pool = (device_gib - reserved_gib) * 1024**3
+    return int(pool // (context_len * 2 * 32 * 8 * 128 * 2))
+    # END SOLUTION
+
+
+def expected_fits(device_gib, reserved_gib, context_len):
+    return capacity.sequences_that_fit(TEACHING_MODEL.cache_bytes(context_len), device_gib * GiB, reserved_gib * GiB)
+
+
+ex.check_function("Exercise 3", fits, [((d, r, t), expected_fits(d, r, t))
+                                       for d, r, t in [(24, 17, 8192), (80, 20, 131072), (80, 20, 5000), (141, 16.5, 32768)]])
+
+# %% [markdown]
+# **Exercise 4.** Gemma-2-9B runs with tensor parallelism over 16 devices. It has 8 KV heads.
+# How many bytes per token does each device's cache hold? (Think about what happens to a KV head
+# when there are more devices than heads.)
+
+# %%
+# BEGIN SOLUTION
+answer_4 = 2 * 42 * 1 * 256 * 2
+# END SOLUTION
+# BEGIN STUB
+answer_4 = None  # replace None with your expression
+# END STUB
+ex.check("Exercise 4", answer_4,
+         expected=capacity.shard(PRESETS["Gemma-2-9B"], tensor_parallel=16).bytes_per_token(),
+         hint="each device keeps one whole KV head of every layer")

@@ -1,0 +1,381 @@
+"""What each token costs: the byte formula of the KV cache, and how many sequences fit (chapter 02).
+
+Every layer of a decoder stores, for every token it has seen, one key vector and
+one value vector per *KV head*. So one token costs
+
+    bytes_per_token = 2 × num_layers × num_kv_heads × head_dim × dtype_bytes
+
+(the 2 is K and V) and a sequence of ``length`` tokens costs ``length`` times that.
+With grouped-query attention (GQA) several query heads share one KV head, so the
+formula takes ``num_kv_heads``, never the number of query heads.
+
+Everything else in this module builds on that one line:
+
+* :class:`ModelShape` holds the four numbers of a real model, read from its
+  ``config.json`` (:data:`PRESETS`, :meth:`ModelShape.from_config`), and the
+  article's teaching model (:data:`TEACHING_MODEL`: 32 layers, 8 KV heads,
+  head dim 128, 2 bytes: 128 KiB per token).
+* :func:`shard` gives the share of one device when a model is split: tensor
+  parallelism splits the KV heads (and replicates them when there are more
+  devices than KV heads), pipeline parallelism splits the layers.
+* :func:`sequences_that_fit` turns a device's memory into a number of sequences.
+
+Three extensions go **beyond the article**, whose formula assumes an unquantized
+cache without sliding windows: an 8-bit cache (``dtype_bytes=1``), sliding-window
+layers that keep at most ``sliding_window`` tokens, and a latent cache (DeepSeek's
+multi-head latent attention, MLA) that stores one compressed vector per token and
+layer instead of separate K and V, so it has no factor 2.
+"""
+
+from __future__ import annotations
+
+import numbers
+from dataclasses import dataclass, field, replace
+from typing import Any
+
+import torch
+
+from . import units
+from .paging import blocks_needed
+
+__all__ = [
+    "KiB", "MiB", "GiB", "DTYPE_BYTES", "element_size", "bytes_per_token", "cache_bytes", "blocks_needed",
+    "ModelShape", "TEACHING_MODEL", "PRESETS", "kv_heads_per_device", "pipeline_stages", "shard",
+    "kv_pool_bytes", "sequences_that_fit", "format_bytes",
+]
+
+KiB, MiB, GiB = 1024, 1024**2, 1024**3
+
+# Bytes per element of the cache for the dtype names found in config.json files and torch.
+DTYPE_BYTES: dict[str, int] = {
+    "float32": 4, "fp32": 4,
+    "float16": 2, "fp16": 2, "half": 2,
+    "bfloat16": 2, "bf16": 2,
+    # 8-bit caches (beyond the article): vLLM's kv_cache_dtype="fp8" and int8 schemes.
+    "float8_e4m3fn": 1, "float8_e5m2": 1, "fp8": 1, "fp8_e4m3": 1, "fp8_e5m2": 1, "int8": 1,
+}
+
+
+# --------------------------------------------------------------------------- checks
+
+
+def _check_int(name: str, value: object, minimum: int) -> int:
+    """``value`` as an int, or ValueError naming ``name`` and the allowed range."""
+    if isinstance(value, bool) or not isinstance(value, numbers.Integral) or value < minimum:
+        raise ValueError(f"{name} must be an integer >= {minimum}, got {value!r}")
+    return int(value)
+
+
+def _check_bytes(name: str, value: object) -> float:
+    """A memory size in bytes: a real number >= 0 (sizes like 1.5 GiB need not be whole)."""
+    if isinstance(value, bool) or not isinstance(value, numbers.Real) or not value >= 0:
+        raise ValueError(f"{name} must be a number of bytes >= 0, got {value!r}")
+    return value
+
+
+def element_size(dtype: str | torch.dtype | int) -> int:
+    """Bytes per cache element: ``"bfloat16" -> 2``, ``torch.float32 -> 4``, ``1 -> 1``."""
+    if isinstance(dtype, torch.dtype):
+        return dtype.itemsize
+    if isinstance(dtype, str):
+        key = dtype.removeprefix("torch.").lower()
+        if key not in DTYPE_BYTES:
+            raise ValueError(f"dtype must be one of {sorted(DTYPE_BYTES)} (or a torch.dtype), got {dtype!r}")
+        return DTYPE_BYTES[key]
+    return _check_int("dtype_bytes", dtype, 1)
+
+
+def _resolve_dtype_bytes(dtype_bytes: int | None, dtype: str | torch.dtype | None) -> int:
+    if (dtype_bytes is None) == (dtype is None):
+        raise ValueError("give exactly one of dtype_bytes (an integer >= 1) or dtype (a name or torch.dtype)")
+    return element_size(dtype if dtype is not None else dtype_bytes)
+
+
+# --------------------------------------------------------------------------- the formula
+
+
+def bytes_per_token(num_layers: int, num_kv_heads: int, head_dim: int, dtype_bytes: int | None = None, *,
+                    dtype: str | torch.dtype | None = None) -> int:
+    """KV-cache bytes of one token: ``2 × num_layers × num_kv_heads × head_dim × dtype_bytes``.
+
+    Give the element size either as ``dtype_bytes`` (an integer) or as ``dtype``
+    (``"bfloat16"``, ``torch.float16`` ...). ``num_kv_heads`` is the number of
+    *KV* heads: with GQA it is smaller than the number of query heads.
+
+    >>> bytes_per_token(32, 8, 128, 2)   # the article's teaching model
+    131072
+    """
+    b = _resolve_dtype_bytes(dtype_bytes, dtype)
+    num_layers = _check_int("num_layers", num_layers, 1)
+    num_kv_heads = _check_int("num_kv_heads", num_kv_heads, 1)
+    head_dim = _check_int("head_dim", head_dim, 1)
+    return 2 * num_layers * num_kv_heads * head_dim * b
+
+
+def cache_bytes(length: int, num_layers: int, num_kv_heads: int, head_dim: int, dtype_bytes: int | None = None,
+                *, dtype: str | torch.dtype | None = None) -> int:
+    """KV-cache bytes of one sequence holding ``length`` tokens: ``length × bytes_per_token``.
+
+    ``length`` counts the tokens *in the cache* (prompt plus tokens generated so
+    far); for capacity planning take the prompt plus the most tokens it may generate.
+    """
+    length = _check_int("length", length, 0)
+    return length * bytes_per_token(num_layers, num_kv_heads, head_dim, dtype_bytes, dtype=dtype)
+
+
+def format_bytes(n: int | float, unit: str | None = None) -> str:
+    """A byte size in binary units, the way the book writes it.
+
+    Without ``unit`` this is :func:`labkit.units.format_bytes` (the largest unit in
+    which the value is at least 1: ``131072 -> '128 KiB'``). With ``unit`` the size
+    is written in that unit, as the article's tables do: ``format_bytes(2**29,
+    'GiB') -> '0.5 GiB'``, ``format_bytes(131072, 'bytes') -> '131,072 bytes'``.
+    """
+    if unit is None:
+        return units.format_bytes(n)
+    names = ["bytes", "KiB", "MiB", "GiB", "TiB"]
+    if unit not in names:
+        raise ValueError(f"unit must be one of {names}, got {unit!r}")
+    if n < 0:
+        return "-" + format_bytes(-n, unit)
+    value = n / 1024 ** names.index(unit)
+    if unit == "bytes" and float(value).is_integer():
+        return f"{int(value):,} bytes"
+    text = f"{value:,.3f}".rstrip("0").rstrip(".")
+    return f"{text} {unit}"
+
+
+# --------------------------------------------------------------------------- model shapes
+
+
+@dataclass(frozen=True)
+class ModelShape:
+    """The numbers of a model that decide its KV-cache size, and where they come from.
+
+    ``num_layers``, ``num_kv_heads``, ``head_dim`` and ``dtype_bytes`` are the
+    article's L, Hkv, D and b. The other fields describe extensions beyond the
+    article:
+
+    * ``sliding_window`` and ``sliding_layers``: the layers (by index) that attend
+      only to the last ``sliding_window`` tokens, so they keep at most that many;
+    * ``latent``: a multi-head latent attention (MLA) cache. Each layer stores one
+      latent vector of ``head_dim`` elements per token (the compressed K/V plus the
+      decoupled RoPE key), shared by all heads: ``num_kv_heads`` is 1 and there is
+      no factor 2.
+
+    ``num_attention_heads`` (query heads) is kept only to show the GQA mistake.
+    """
+
+    name: str
+    num_layers: int
+    num_kv_heads: int
+    head_dim: int
+    dtype_bytes: int = 2
+    num_attention_heads: int | None = None
+    sliding_window: int | None = None
+    sliding_layers: tuple[int, ...] = field(default=(), repr=False)
+    latent: bool = False
+    source: str = field(default="", repr=False)
+
+    def __post_init__(self) -> None:
+        for name in ("num_layers", "num_kv_heads", "head_dim", "dtype_bytes"):
+            _check_int(name, getattr(self, name), 1)
+        if self.num_attention_heads is not None:
+            _check_int("num_attention_heads", self.num_attention_heads, self.num_kv_heads)
+        if self.latent and self.num_kv_heads != 1:
+            raise ValueError(f"num_kv_heads must be 1 for a latent (MLA) cache, got {self.num_kv_heads}")
+        if self.sliding_window is not None:
+            _check_int("sliding_window", self.sliding_window, 1)
+        bad = [i for i in self.sliding_layers if not isinstance(i, int) or not 0 <= i < self.num_layers]
+        if bad:
+            raise ValueError(f"sliding_layers must hold layer indices in [0, {self.num_layers - 1}], got {bad}")
+        if self.sliding_layers and self.sliding_window is None:
+            raise ValueError("sliding_layers needs a sliding_window (an integer >= 1)")
+
+    @property
+    def kv_factor(self) -> int:
+        """2 when K and V are stored separately; 1 for a latent (MLA) cache."""
+        return 1 if self.latent else 2
+
+    def bytes_per_token_per_layer(self) -> int:
+        """Bytes one token adds to one layer: ``kv_factor × num_kv_heads × head_dim × dtype_bytes``."""
+        return self.kv_factor * self.num_kv_heads * self.head_dim * self.dtype_bytes
+
+    def bytes_per_token(self) -> int:
+        """Bytes of one token over every layer (the article's formula; windows not applied)."""
+        return self.num_layers * self.bytes_per_token_per_layer()
+
+    def cache_bytes(self, length: int, apply_window: bool = True) -> int:
+        """Bytes of one sequence of ``length`` cached tokens.
+
+        Sliding-window layers keep at most ``sliding_window`` tokens (beyond the
+        article; ``apply_window=False`` gives the article's plain formula).
+        """
+        length = _check_int("length", length, 0)
+        windowed = len(self.sliding_layers) if apply_window else 0
+        kept = min(length, self.sliding_window) if windowed else length
+        per_layer = self.bytes_per_token_per_layer()
+        return ((self.num_layers - windowed) * length + windowed * kept) * per_layer
+
+    def block_bytes(self, block_size: int) -> int:
+        """Bytes of one cache block of ``block_size`` token slots (chapter 03's unit)."""
+        return _check_int("block_size", block_size, 1) * self.bytes_per_token()
+
+    def query_head_mistake(self) -> int:
+        """Bytes per token if one wrongly used the query heads instead of the KV heads."""
+        if self.num_attention_heads is None:
+            raise ValueError(f"{self.name} has no num_attention_heads to make the mistake with")
+        return 2 * self.num_layers * self.num_attention_heads * self.head_dim * self.dtype_bytes
+
+    def with_dtype(self, dtype: str | torch.dtype | int) -> "ModelShape":
+        """The same model with another cache element type, e.g. an 8-bit cache (``"fp8"``)."""
+        return replace(self, dtype_bytes=element_size(dtype))
+
+    @classmethod
+    def from_config(cls, config: dict[str, Any], *, name: str = "", dtype: str | torch.dtype | int | None = None,
+                    source: str = "") -> "ModelShape":
+        """Read the cache shape from a Llama-style ``config.json`` dict.
+
+        Uses ``num_hidden_layers``, ``num_key_value_heads`` (default: as many as
+        ``num_attention_heads``, i.e. no GQA), ``head_dim`` (default ``hidden_size //
+        num_attention_heads``) and ``torch_dtype`` (or ``dtype``; the ``dtype``
+        argument overrides it). Also understood: ``sliding_window`` with
+        ``layer_types`` (Gemma-2 style) or ``use_sliding_window``, and DeepSeek's
+        ``kv_lora_rank`` + ``qk_rope_head_dim`` (a latent MLA cache).
+        """
+        for key in ("num_hidden_layers", "num_attention_heads"):
+            if key not in config:
+                raise ValueError(f"config must have {key!r} (an integer >= 1)")
+        num_layers = _check_int("num_hidden_layers", config["num_hidden_layers"], 1)
+        num_heads = _check_int("num_attention_heads", config["num_attention_heads"], 1)
+        kv_heads = config.get("num_key_value_heads") or num_heads
+        head_dim = config.get("head_dim")
+        if head_dim is None:
+            head_dim = _check_int("hidden_size", config.get("hidden_size"), 1) // num_heads
+        if dtype is None:
+            dtype = config.get("torch_dtype") or config.get("dtype")
+            if dtype is None:
+                raise ValueError("config has no torch_dtype: pass dtype= (e.g. 'bfloat16' or 2)")
+        kwargs: dict[str, Any] = {}
+        if config.get("kv_lora_rank"):  # DeepSeek-V2/V3: multi-head latent attention
+            kwargs.update(latent=True)
+            kv_heads = 1
+            head_dim = _check_int("kv_lora_rank", config["kv_lora_rank"], 1) + _check_int(
+                "qk_rope_head_dim", config.get("qk_rope_head_dim", 0), 0)
+        window = config.get("sliding_window")
+        if window and config.get("use_sliding_window", True):
+            types = config.get("layer_types")
+            if types:
+                layers = tuple(i for i, t in enumerate(types) if t == "sliding_attention")
+            elif config.get("model_type") == "gemma2":  # older Gemma-2 configs: even layers are local
+                layers = tuple(range(0, num_layers, 2))
+            else:  # Mistral style: every layer uses the window
+                layers = tuple(range(num_layers))
+            kwargs.update(sliding_window=window, sliding_layers=layers)
+        return cls(name=name or config.get("_name_or_path", "") or "model", num_layers=num_layers,
+                   num_kv_heads=kv_heads, head_dim=head_dim, dtype_bytes=element_size(dtype),
+                   num_attention_heads=None if kwargs.get("latent") else num_heads, source=source, **kwargs)
+
+
+# The article's teaching model (§02). It matches no particular checkpoint.
+TEACHING_MODEL = ModelShape("teaching model", num_layers=32, num_kv_heads=8, head_dim=128, dtype_bytes=2,
+                            num_attention_heads=32, source="the article, §02 (a model for arithmetic only)")
+
+# Real shapes, from each model's config.json on the Hugging Face Hub (bf16 weights, so 2-byte caches).
+PRESETS: dict[str, ModelShape] = {shape.name: shape for shape in [
+    TEACHING_MODEL,
+    ModelShape("Llama-3-8B", num_layers=32, num_kv_heads=8, head_dim=128, num_attention_heads=32,
+               source="meta-llama/Meta-Llama-3-8B config.json: 32 layers, 32 heads, 8 KV heads, hidden 4096"),
+    ModelShape("Llama-3-70B", num_layers=80, num_kv_heads=8, head_dim=128, num_attention_heads=64,
+               source="meta-llama/Meta-Llama-3-70B config.json: 80 layers, 64 heads, 8 KV heads, hidden 8192"),
+    ModelShape("Mistral-7B-v0.1", num_layers=32, num_kv_heads=8, head_dim=128, num_attention_heads=32,
+               sliding_window=4096, sliding_layers=tuple(range(32)),
+               source="mistralai/Mistral-7B-v0.1 config.json: 32 layers, 32 heads, 8 KV heads, hidden 4096, "
+                      "sliding_window 4096 on every layer"),
+    ModelShape("Qwen2.5-7B", num_layers=28, num_kv_heads=4, head_dim=128, num_attention_heads=28,
+               source="Qwen/Qwen2.5-7B config.json: 28 layers, 28 heads, 4 KV heads, hidden 3584 "
+                      "(use_sliding_window false)"),
+    ModelShape("Gemma-2-9B", num_layers=42, num_kv_heads=8, head_dim=256, num_attention_heads=16,
+               sliding_window=4096, sliding_layers=tuple(range(0, 42, 2)),
+               source="google/gemma-2-9b config.json: 42 layers, 16 heads, 8 KV heads, head_dim 256, "
+                      "sliding_window 4096; even layers local, odd global (transformers Gemma2Config layer_types)"),
+    ModelShape("DeepSeek-V3", num_layers=61, num_kv_heads=1, head_dim=512 + 64, latent=True,
+               source="deepseek-ai/DeepSeek-V3 config.json: 61 layers, kv_lora_rank 512 + qk_rope_head_dim 64 "
+                      "(MLA: one latent vector per token and layer)"),
+]}
+
+
+# --------------------------------------------------------------------------- sharding
+
+
+def kv_heads_per_device(num_kv_heads: int, tensor_parallel: int) -> int:
+    """KV heads each device stores under tensor parallelism over ``tensor_parallel`` devices.
+
+    With at least as many KV heads as devices, the heads are split evenly. With
+    more devices than KV heads, each device still needs a whole head, so every
+    head is *replicated* on ``tensor_parallel // num_kv_heads`` devices: one head each.
+    """
+    num_kv_heads = _check_int("num_kv_heads", num_kv_heads, 1)
+    tensor_parallel = _check_int("tensor_parallel", tensor_parallel, 1)
+    if tensor_parallel <= num_kv_heads:
+        if num_kv_heads % tensor_parallel:
+            raise ValueError(f"tensor_parallel must divide num_kv_heads ({num_kv_heads}) when it is smaller, "
+                             f"got {tensor_parallel}")
+        return num_kv_heads // tensor_parallel
+    if tensor_parallel % num_kv_heads:
+        raise ValueError(f"tensor_parallel must be a multiple of num_kv_heads ({num_kv_heads}) when it is larger, "
+                         f"got {tensor_parallel}")
+    return 1
+
+
+def pipeline_stages(num_layers: int, pipeline_parallel: int) -> list[range]:
+    """The layers of each pipeline stage: contiguous ranges whose sizes differ by at most one."""
+    num_layers = _check_int("num_layers", num_layers, 1)
+    pipeline_parallel = _check_int("pipeline_parallel", pipeline_parallel, 1)
+    if pipeline_parallel > num_layers:
+        raise ValueError(f"pipeline_parallel must be in [1, {num_layers}] (num_layers), got {pipeline_parallel}")
+    bounds = [s * num_layers // pipeline_parallel for s in range(pipeline_parallel + 1)]
+    return [range(bounds[s], bounds[s + 1]) for s in range(pipeline_parallel)]
+
+
+def shard(shape: ModelShape, tensor_parallel: int = 1, pipeline_parallel: int = 1) -> ModelShape:
+    """The share of the busiest device when ``shape`` runs on ``tensor_parallel × pipeline_parallel`` devices.
+
+    Its ``bytes_per_token()`` and ``cache_bytes(length)`` are per device. Tensor
+    parallelism divides the KV heads (see :func:`kv_heads_per_device`; a latent MLA
+    cache has one "head" and is therefore replicated on every device); pipeline
+    parallelism gives each stage a contiguous range of layers.
+    """
+    heads = kv_heads_per_device(shape.num_kv_heads, tensor_parallel)
+    stages = pipeline_stages(shape.num_layers, pipeline_parallel)
+
+    # The busiest stage: the most layers, then the fewest windowed ones (they hold fewer tokens).
+    busiest = max(stages, key=lambda s: (len(s), -sum(i in s for i in shape.sliding_layers)))
+    sliding = tuple(i - busiest.start for i in shape.sliding_layers if i in busiest)
+    return replace(shape, name=f"{shape.name} (TP={tensor_parallel}, PP={pipeline_parallel}, one device)",
+                   num_layers=len(busiest), num_kv_heads=heads, sliding_layers=sliding,
+                   sliding_window=shape.sliding_window if sliding else None,
+                   num_attention_heads=None)
+
+
+# --------------------------------------------------------------------------- capacity
+
+
+def kv_pool_bytes(device_bytes: float, reserved_bytes: float) -> float:
+    """Memory left for the KV cache: the device minus weights, workspace and any reserve."""
+    device_bytes = _check_bytes("device_bytes", device_bytes)
+    reserved_bytes = _check_bytes("reserved_bytes", reserved_bytes)
+    if reserved_bytes > device_bytes:
+        raise ValueError(f"reserved_bytes must be in [0, device_bytes={device_bytes:,}], got {reserved_bytes:,}")
+    return device_bytes - reserved_bytes
+
+
+def sequences_that_fit(bytes_per_sequence: int, device_bytes: float, reserved_bytes: float) -> int:
+    """How many whole sequences of ``bytes_per_sequence`` fit in the KV pool of one device.
+
+    The pool is ``device_bytes - reserved_bytes`` (weights, activations workspace,
+    a safety margin). Block-table overhead and latency goals are not counted:
+    fitting in memory is not the same as being served fast enough.
+    """
+    bytes_per_sequence = _check_int("bytes_per_sequence", bytes_per_sequence, 1)
+    return int(kv_pool_bytes(device_bytes, reserved_bytes) // bytes_per_sequence)

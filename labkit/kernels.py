@@ -1,0 +1,700 @@
+"""Paged attention in Triton, and the plain PyTorch references that define it (chapter 03).
+
+A paged KV cache stores every layer's keys and values in one pool of blocks,
+``k_cache`` and ``v_cache`` shaped ``[num_blocks, block_size, num_kv_heads, head_dim]``.
+Sequence ``i`` owns the blocks listed in row ``i`` of ``block_tables`` (int32
+``[num_seqs, max_blocks_per_seq]``); its token at position ``p`` lives in block
+``block_tables[i, p // block_size]`` at offset ``p % block_size``. ``seq_lens``
+(int32 ``[num_seqs]``) says how many positions of each sequence are valid.
+Entries of a block table past ``ceil(seq_len / block_size)`` are never read.
+
+Three operations work on that layout:
+
+* ``write_kv``: scatter the new tokens' K and V into their slots
+  (``slot = block_id * block_size + offset``; slot -1 means "skip this token").
+* ``paged_decode_attention``: one new query per sequence attends over all of
+  its cached positions. Each Triton program serves one (sequence, KV head) pair and
+  all the query heads that share that KV head (GQA), walking the block table
+  ``BLOCK_N`` tokens at a time with an online softmax. For long contexts with few
+  sequences the walk is split into chunks processed in parallel (flash-decoding,
+  "split-K"), and the chunks' partial results are merged by their log-sum-exp.
+* ``paged_prefill_attention``: many new queries per sequence (a prompt, a chunk of a
+  prompt, or the suffix after a prefix-cache hit), causal, reading earlier positions
+  from the paged cache.
+
+Each has a ``*_ref`` twin in plain PyTorch that gathers the blocks into a contiguous
+tensor and runs textbook attention. The references are the definition; the tests
+prove the kernels against them. The public functions check their arguments, then
+run the Triton kernel, or the reference when Triton cannot run here
+(``fallback_reason`` says why). Paging changes *where* K and V live, not what
+attention computes: no element is compressed and no position is skipped.
+"""
+
+from __future__ import annotations
+
+import math
+
+import torch
+
+from .device import RUNTIME
+
+try:  # Triton is optional: without it every public function uses its reference.
+    import triton
+    import triton.language as tl
+except ImportError:  # pragma: no cover
+    triton = None
+    tl = None
+
+SUPPORTED_DTYPES = (torch.float32, torch.float16, torch.bfloat16)
+MAX_HEAD_DIM = 256
+LOG2E = 1.4426950408889634  # exp(x) = exp2(x * log2(e)); exp2 is the cheaper instruction on a GPU
+
+
+# ----------------------------------------------------------------------------------------------
+# The references: plain PyTorch, the definition of what the kernels compute
+# ----------------------------------------------------------------------------------------------
+
+def gather_kv(cache: torch.Tensor, block_table: torch.Tensor, seq_len: int) -> torch.Tensor:
+    """One sequence's K (or V) as a contiguous tensor [seq_len, num_kv_heads, head_dim].
+
+    Take the sequence's first ceil(seq_len / block_size) blocks in block-table order,
+    lay them end to end, and cut after ``seq_len`` tokens: the empty tail of the
+    last block is dropped.
+    """
+    block_size = cache.shape[1]
+    n_blocks = -(-int(seq_len) // block_size)
+    blocks = cache[block_table[:n_blocks].long()]  # [n_blocks, block_size, Hkv, D]
+    return blocks.reshape(-1, *cache.shape[2:])[: int(seq_len)]
+
+
+def _attention_ref(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float) -> torch.Tensor:
+    """Causal attention of the last q_len positions; q [q_len, Hq, D], k/v [kv_len, Hkv, D]."""
+    q_len, kv_len = q.shape[0], k.shape[0]
+    group = q.shape[1] // k.shape[1]
+    k = k.repeat_interleave(group, dim=1)  # GQA: each KV head serves `group` query heads
+    v = v.repeat_interleave(group, dim=1)
+    scores = torch.einsum("qhd,khd->hqk", q, k) * scale
+    q_pos = torch.arange(kv_len - q_len, kv_len, device=q.device)[:, None]
+    k_pos = torch.arange(kv_len, device=q.device)[None, :]
+    scores = scores.masked_fill(k_pos > q_pos, float("-inf"))
+    return torch.einsum("hqk,khd->qhd", torch.softmax(scores, dim=-1), v)
+
+
+def _compute_dtype(dtype: torch.dtype) -> torch.dtype:
+    """float64 stays float64 (the tests' reference); everything else computes in float32."""
+    return torch.float64 if dtype == torch.float64 else torch.float32
+
+
+def paged_decode_attention_ref(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
+                               block_tables: torch.Tensor, seq_lens: torch.Tensor,
+                               scale: float | None = None) -> torch.Tensor:
+    """Reference decode attention: gather each sequence's K/V, then plain attention.
+
+    q [num_seqs, num_heads, head_dim] -> out of the same shape and dtype. Computes in
+    float32 (float64 for float64 inputs).
+    """
+    scale = 1.0 / math.sqrt(q.shape[-1]) if scale is None else scale
+    ct = _compute_dtype(q.dtype)
+    out = torch.empty_like(q)
+    for i, n in enumerate(seq_lens.tolist()):
+        k = gather_kv(k_cache, block_tables[i], n).to(ct)
+        v = gather_kv(v_cache, block_tables[i], n).to(ct)
+        out[i] = _attention_ref(q[i : i + 1].to(ct), k, v, scale)[0].to(q.dtype)
+    return out
+
+
+def paged_prefill_attention_ref(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
+                                block_tables: torch.Tensor, seq_lens: torch.Tensor,
+                                cu_seqlens_q: torch.Tensor, scale: float | None = None) -> torch.Tensor:
+    """Reference prefill attention over a paged cache, variable-length and causal.
+
+    q [total_query_tokens, num_heads, head_dim]: sequence i owns rows
+    ``cu_seqlens_q[i]:cu_seqlens_q[i+1]``, which are its *last* q_len positions, so
+    query j sits at position ``seq_lens[i] - q_len + j`` and sees keys up to it.
+    Their K/V must already be in the cache (``write_kv`` first).
+    """
+    scale = 1.0 / math.sqrt(q.shape[-1]) if scale is None else scale
+    ct = _compute_dtype(q.dtype)
+    out = torch.empty_like(q)
+    cu = cu_seqlens_q.tolist()
+    for i, n in enumerate(seq_lens.tolist()):
+        lo, hi = cu[i], cu[i + 1]
+        if hi == lo:
+            continue
+        k = gather_kv(k_cache, block_tables[i], n).to(ct)
+        v = gather_kv(v_cache, block_tables[i], n).to(ct)
+        out[lo:hi] = _attention_ref(q[lo:hi].to(ct), k, v, scale).to(q.dtype)
+    return out
+
+
+def write_kv_ref(k: torch.Tensor, v: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
+                 slot_mapping: torch.Tensor) -> None:
+    """Reference scatter: ``cache.view(-1, Hkv, D)[slot] = k[token]`` for every slot >= 0, in place."""
+    keep = slot_mapping >= 0
+    slots = slot_mapping[keep].long()
+    k_cache.view(-1, *k_cache.shape[2:])[slots] = k[keep]
+    v_cache.view(-1, *v_cache.shape[2:])[slots] = v[keep]
+
+
+# ----------------------------------------------------------------------------------------------
+# When can the kernels run?
+# ----------------------------------------------------------------------------------------------
+
+def fallback_reason(dtype: torch.dtype, device: torch.device | str) -> str | None:
+    """None when the Triton kernels run for this dtype and device; else why the reference runs."""
+    device = torch.device(device)
+    if triton is None:
+        return "Triton is not installed"
+    if not RUNTIME.kernels_can_run(dtype):
+        return f"{dtype} kernels cannot run here: {RUNTIME.reason}"
+    if RUNTIME.triton_mode == "interpreter" and device.type != "cpu":
+        return f"Triton's interpreter runs on CPU tensors, these are on {device}"
+    if RUNTIME.triton_mode == "compiled" and device.type != "cuda":
+        return f"compiled Triton kernels need CUDA tensors, these are on {device}"
+    return None
+
+
+def _interpreted() -> bool:
+    return RUNTIME.triton_mode == "interpreter"
+
+
+# ----------------------------------------------------------------------------------------------
+# Argument checks: ValueError naming the argument, before anything runs
+# ----------------------------------------------------------------------------------------------
+
+def _check_tensor(name: str, t: object, dim: int, dtypes: tuple[torch.dtype, ...]) -> torch.Tensor:
+    if not isinstance(t, torch.Tensor):
+        raise ValueError(f"{name} must be a torch.Tensor, got {type(t).__name__}")
+    if t.dim() != dim:
+        raise ValueError(f"{name} must have {dim} dimensions, got shape {tuple(t.shape)}")
+    if t.dtype not in dtypes:
+        allowed = ", ".join(str(d).replace("torch.", "") for d in dtypes)
+        raise ValueError(f"{name} must have dtype in ({allowed}), got {t.dtype}")
+    return t
+
+
+def _check_caches(k_cache: object, v_cache: object, dtype: torch.dtype, device: torch.device) -> None:
+    _check_tensor("k_cache", k_cache, 4, SUPPORTED_DTYPES)
+    _check_tensor("v_cache", v_cache, 4, SUPPORTED_DTYPES)
+    if v_cache.shape != k_cache.shape:
+        raise ValueError(f"v_cache must have the shape of k_cache {tuple(k_cache.shape)}, got {tuple(v_cache.shape)}")
+    for name, t in (("k_cache", k_cache), ("v_cache", v_cache)):
+        if t.dtype != dtype:
+            raise ValueError(f"{name} must have the dtype of the queries/keys ({dtype}), got {t.dtype}")
+        if t.device != device:
+            raise ValueError(f"{name} must be on {device} like the other tensors, got {t.device}")
+        if t.stride(-1) != 1:
+            raise ValueError(f"{name} must be contiguous in head_dim (stride 1 in its last dimension)")
+    if not 1 <= k_cache.shape[3] <= MAX_HEAD_DIM:
+        raise ValueError(f"k_cache head_dim must be in [1, {MAX_HEAD_DIM}], got {k_cache.shape[3]}")
+
+
+def _check_scale(scale: object) -> None:
+    if scale is not None and not (isinstance(scale, (int, float)) and math.isfinite(scale) and scale > 0):
+        raise ValueError(f"scale must be None or a finite number > 0, got {scale!r}")
+
+
+def _check_out(out: object, q: torch.Tensor) -> None:
+    if out is None:
+        return
+    if not isinstance(out, torch.Tensor) or out.shape != q.shape or out.dtype != q.dtype or out.device != q.device:
+        raise ValueError(f"out must be None or a tensor shaped like q {tuple(q.shape)} with dtype {q.dtype} on "
+                         f"{q.device}, got {getattr(out, 'dtype', type(out).__name__)} {tuple(getattr(out, 'shape', ()))}")
+    if out.stride(-1) != 1:
+        raise ValueError("out must be contiguous in head_dim (stride 1 in its last dimension)")
+
+
+def _check_attention_args(q, k_cache, v_cache, block_tables, seq_lens, num_seqs: int) -> None:
+    """Shared checks of the two attention functions; ``q`` already checked for dim and dtype."""
+    _check_caches(k_cache, v_cache, q.dtype, q.device)
+    num_blocks, block_size, num_kv_heads, head_dim = k_cache.shape
+    if q.shape[-1] != head_dim:
+        raise ValueError(f"q head_dim must equal k_cache head_dim {head_dim}, got {q.shape[-1]}")
+    if q.shape[-2] % num_kv_heads:
+        raise ValueError(f"q num_heads ({q.shape[-2]}) must be a multiple of num_kv_heads ({num_kv_heads})")
+    _check_tensor("block_tables", block_tables, 2, (torch.int32,))
+    _check_tensor("seq_lens", seq_lens, 1, (torch.int32,))
+    for name, t in (("block_tables", block_tables), ("seq_lens", seq_lens)):
+        if t.device != q.device:
+            raise ValueError(f"{name} must be on {q.device} like q, got {t.device}")
+    if block_tables.shape[0] != num_seqs or seq_lens.shape[0] != num_seqs:
+        raise ValueError(f"block_tables and seq_lens must have num_seqs={num_seqs} rows, got "
+                         f"{tuple(block_tables.shape)} and {tuple(seq_lens.shape)}")
+    if num_seqs == 0:
+        return
+    capacity = block_tables.shape[1] * block_size
+    lens = seq_lens.long()
+    if int(lens.min()) < 1 or int(lens.max()) > capacity:
+        raise ValueError(f"seq_lens must lie in [1, {capacity}] (max_blocks_per_seq {block_tables.shape[1]} x "
+                         f"block_size {block_size}), got {seq_lens.tolist()}")
+    # Only the blocks a sequence uses must be valid ids; later entries (padding) are never read.
+    used = torch.arange(block_tables.shape[1], device=q.device)[None, :] < (-(-lens // block_size))[:, None]
+    ids = block_tables[used]
+    if ids.numel() and (int(ids.min()) < 0 or int(ids.max()) >= num_blocks):
+        raise ValueError(f"block_tables entries in use must be block ids in [0, {num_blocks - 1}], got "
+                         f"{int(ids.min())}..{int(ids.max())}")
+
+
+# ----------------------------------------------------------------------------------------------
+# Triton kernels
+# ----------------------------------------------------------------------------------------------
+
+if triton is not None:
+
+    @triton.jit
+    def _write_kv_kernel(
+        k_ptr, v_ptr, k_cache_ptr, v_cache_ptr, slot_ptr,
+        stride_kt, stride_kh, stride_vt, stride_vh,
+        stride_cb, stride_cs, stride_ch,
+        num_kv_heads, head_dim, block_size,
+        BLOCK_H: tl.constexpr, BLOCK_D: tl.constexpr,
+    ):
+        """One program per new token: copy its [num_kv_heads, head_dim] K and V into its slot."""
+        token = tl.program_id(0)
+        slot = tl.load(slot_ptr + token).to(tl.int64)
+        heads = tl.arange(0, BLOCK_H)[:, None]
+        dims = tl.arange(0, BLOCK_D)[None, :]
+        keep = (tl.zeros([BLOCK_H, BLOCK_D], dtype=tl.int64) + slot) >= 0  # slot -1: store nothing
+        mask = (heads < num_kv_heads) & (dims < head_dim) & keep
+        block_id = slot // block_size
+        offset = slot % block_size
+        dst = block_id * stride_cb + offset * stride_cs + heads * stride_ch + dims
+        k = tl.load(k_ptr + token * stride_kt + heads * stride_kh + dims, mask=mask)
+        tl.store(k_cache_ptr + dst, k, mask=mask)
+        v = tl.load(v_ptr + token * stride_vt + heads * stride_vh + dims, mask=mask)
+        tl.store(v_cache_ptr + dst, v, mask=mask)
+
+    @triton.jit
+    def _paged_decode_kernel(
+        q_ptr, k_cache_ptr, v_cache_ptr, block_tables_ptr, seq_lens_ptr,
+        out_ptr, part_out_ptr, part_lse_ptr,
+        stride_qs, stride_qh,
+        stride_cb, stride_cs, stride_ch,
+        stride_bt,
+        stride_os, stride_oh,
+        stride_ps, stride_ph, stride_pk, stride_ls, stride_lh,
+        qk_scale_log2,
+        group_size, head_dim, block_size, tokens_per_split,
+        BLOCK_G: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_N: tl.constexpr,
+        SPLIT: tl.constexpr, UPCAST: tl.constexpr, DOT_PRECISION: tl.constexpr,
+    ):
+        """One program per (sequence, KV head, split): the group's queries against one stretch of keys.
+
+        Step by step:
+          1. load the ``group_size`` query heads that share this KV head: a [BLOCK_G, BLOCK_D] tile;
+          2. walk the positions [lo, hi) ``BLOCK_N`` at a time; for each position look up its
+             physical block in the block table and gather K and V rows from the pool;
+          3. scores = q @ K^T, masked beyond seq_len; online softmax keeps a running maximum ``m``,
+             a running denominator ``l`` and an unnormalised output ``acc``;
+          4. without SPLIT write acc / l; with SPLIT write it plus log2-sum-exp for the merge kernel.
+        """
+        seq = tl.program_id(0)
+        kv_head = tl.program_id(1)
+        split = tl.program_id(2)
+        seq_len = tl.load(seq_lens_ptr + seq)
+        lo = split * tokens_per_split
+        hi = tl.minimum(lo + tokens_per_split, seq_len)
+
+        g = tl.arange(0, BLOCK_G)
+        d = tl.arange(0, BLOCK_D)
+        q_head = kv_head * group_size + g  # the query heads of this KV head's group
+        g_mask = g < group_size
+        d_mask = d < head_dim  # head dims like 80 or 96 are padded to a power of two
+        q = tl.load(q_ptr + seq * stride_qs + q_head[:, None] * stride_qh + d[None, :],
+                    mask=g_mask[:, None] & d_mask[None, :], other=0.0)
+        if UPCAST:
+            q = q.to(tl.float32)
+        else:
+            q = q.to(k_cache_ptr.dtype.element_ty)
+
+        m_i = tl.full([BLOCK_G], float("-inf"), dtype=tl.float32)
+        l_i = tl.zeros([BLOCK_G], dtype=tl.float32)
+        acc = tl.zeros([BLOCK_G, BLOCK_D], dtype=tl.float32)
+        n = tl.arange(0, BLOCK_N)
+        for start in range(lo, hi, BLOCK_N):
+            pos = start + n
+            valid = pos < hi
+            # The paging: position -> (logical block, offset) -> physical block -> row of the pool.
+            block_id = tl.load(block_tables_ptr + seq * stride_bt + pos // block_size, mask=valid, other=0)
+            row = block_id.to(tl.int64) * stride_cb + (pos % block_size) * stride_cs + kv_head * stride_ch
+            kv_mask = valid[:, None] & d_mask[None, :]
+            k = tl.load(k_cache_ptr + row[:, None] + d[None, :], mask=kv_mask, other=0.0)
+            v = tl.load(v_cache_ptr + row[:, None] + d[None, :], mask=kv_mask, other=0.0)
+            if UPCAST:
+                k = k.to(tl.float32)
+                v = v.to(tl.float32)
+            s = tl.dot(q, tl.trans(k), input_precision=DOT_PRECISION) * qk_scale_log2  # [BLOCK_G, BLOCK_N]
+            s = tl.where(valid[None, :], s, float("-inf"))
+            m_new = tl.maximum(m_i, tl.max(s, axis=1))
+            alpha = tl.exp2(m_i - m_new)  # rescale what was summed under the old maximum
+            p = tl.exp2(s - m_new[:, None])
+            l_i = l_i * alpha + tl.sum(p, axis=1)
+            if UPCAST:
+                acc = acc * alpha[:, None] + tl.dot(p, v, input_precision=DOT_PRECISION)
+            else:
+                acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v)
+            m_i = m_new
+
+        out_mask = g_mask[:, None] & d_mask[None, :]
+        if SPLIT:
+            # A split past the end of a short sequence saw no keys: l = 0, lse = -inf, weight 0 in the merge.
+            has_keys = l_i > 0
+            o = acc / tl.where(has_keys, l_i, 1.0)[:, None]
+            lse = tl.where(has_keys, m_i + tl.log2(tl.where(has_keys, l_i, 1.0)), float("-inf"))
+            base = seq * stride_ps + q_head * stride_ph + split * stride_pk
+            tl.store(part_out_ptr + base[:, None] + d[None, :], o, mask=out_mask)
+            tl.store(part_lse_ptr + seq * stride_ls + q_head * stride_lh + split, lse, mask=g_mask)
+        else:
+            o = acc / l_i[:, None]
+            tl.store(out_ptr + seq * stride_os + q_head[:, None] * stride_oh + d[None, :],
+                     o.to(out_ptr.dtype.element_ty), mask=out_mask)
+
+    @triton.jit
+    def _merge_splits_kernel(
+        part_out_ptr, part_lse_ptr, out_ptr,
+        stride_ps, stride_ph, stride_pk, stride_ls, stride_lh,
+        stride_os, stride_oh,
+        num_splits, head_dim,
+        BLOCK_K: tl.constexpr, BLOCK_D: tl.constexpr,
+    ):
+        """One program per (sequence, query head): merge the splits' partial outputs.
+
+        Split k holds o_k = (sum_j p_j v_j) / l_k and lse_k = log2(l_k) + m_k. The exact
+        full softmax output is sum_k w_k o_k with w_k = 2^(lse_k - lse_max) / sum 2^(...).
+        """
+        seq = tl.program_id(0)
+        head = tl.program_id(1)
+        k = tl.arange(0, BLOCK_K)
+        d = tl.arange(0, BLOCK_D)
+        k_mask = k < num_splits
+        base = seq * stride_ps + head * stride_ph + k * stride_pk
+        lse = tl.load(part_lse_ptr + seq * stride_ls + head * stride_lh + k, mask=k_mask, other=float("-inf"))
+        w = tl.exp2(lse - tl.max(lse, axis=0))
+        w = w / tl.sum(w, axis=0)
+        o = tl.load(part_out_ptr + base[:, None] + d[None, :], mask=k_mask[:, None] & (d[None, :] < head_dim),
+                    other=0.0)
+        merged = tl.sum(w[:, None] * o, axis=0)
+        tl.store(out_ptr + seq * stride_os + head * stride_oh + d, merged.to(out_ptr.dtype.element_ty),
+                 mask=d < head_dim)
+
+    @triton.jit
+    def _paged_prefill_kernel(
+        q_ptr, k_cache_ptr, v_cache_ptr, block_tables_ptr, seq_lens_ptr, cu_seqlens_q_ptr, out_ptr,
+        stride_qt, stride_qh,
+        stride_cb, stride_cs, stride_ch,
+        stride_bt,
+        stride_ot, stride_oh,
+        qk_scale_log2,
+        group_size, head_dim, block_size,
+        BLOCK_M: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_N: tl.constexpr,
+        UPCAST: tl.constexpr, DOT_PRECISION: tl.constexpr,
+    ):
+        """One program per (sequence, tile of BLOCK_M queries, query head): causal flash attention.
+
+        Query j of a sequence with q_len new tokens and seq_len tokens in all sits at position
+        ``seq_len - q_len + j``: the new tokens are the last ones. It sees keys 0..its position,
+        so the walk over keys stops after the tile's last query position.
+        """
+        seq = tl.program_id(0)
+        tile = tl.program_id(1)
+        head = tl.program_id(2)
+        kv_head = head // group_size
+        q_start = tl.load(cu_seqlens_q_ptr + seq)
+        q_len = tl.load(cu_seqlens_q_ptr + seq + 1) - q_start
+        if tile * BLOCK_M < q_len:
+            seq_len = tl.load(seq_lens_ptr + seq)
+            m = tile * BLOCK_M + tl.arange(0, BLOCK_M)
+            m_mask = m < q_len
+            q_pos = seq_len - q_len + m
+            d = tl.arange(0, BLOCK_D)
+            d_mask = d < head_dim
+            q = tl.load(q_ptr + (q_start + m[:, None]).to(tl.int64) * stride_qt + head * stride_qh + d[None, :],
+                        mask=m_mask[:, None] & d_mask[None, :], other=0.0)
+            if UPCAST:
+                q = q.to(tl.float32)
+            else:
+                q = q.to(k_cache_ptr.dtype.element_ty)
+
+            m_i = tl.full([BLOCK_M], float("-inf"), dtype=tl.float32)
+            l_i = tl.zeros([BLOCK_M], dtype=tl.float32)
+            acc = tl.zeros([BLOCK_M, BLOCK_D], dtype=tl.float32)
+            n = tl.arange(0, BLOCK_N)
+            hi = tl.minimum(seq_len, seq_len - q_len + tile * BLOCK_M + BLOCK_M)  # causal: nothing later
+            for start in range(0, hi, BLOCK_N):
+                pos = start + n
+                valid = pos < hi
+                block_id = tl.load(block_tables_ptr + seq * stride_bt + pos // block_size, mask=valid, other=0)
+                row = block_id.to(tl.int64) * stride_cb + (pos % block_size) * stride_cs + kv_head * stride_ch
+                kv_mask = valid[:, None] & d_mask[None, :]
+                k = tl.load(k_cache_ptr + row[:, None] + d[None, :], mask=kv_mask, other=0.0)
+                v = tl.load(v_cache_ptr + row[:, None] + d[None, :], mask=kv_mask, other=0.0)
+                if UPCAST:
+                    k = k.to(tl.float32)
+                    v = v.to(tl.float32)
+                s = tl.dot(q, tl.trans(k), input_precision=DOT_PRECISION) * qk_scale_log2
+                s = tl.where(valid[None, :] & (pos[None, :] <= q_pos[:, None]), s, float("-inf"))
+                m_new = tl.maximum(m_i, tl.max(s, axis=1))
+                alpha = tl.exp2(m_i - m_new)
+                p = tl.exp2(s - m_new[:, None])
+                l_i = l_i * alpha + tl.sum(p, axis=1)
+                if UPCAST:
+                    acc = acc * alpha[:, None] + tl.dot(p, v, input_precision=DOT_PRECISION)
+                else:
+                    acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v)
+                m_i = m_new
+            o = acc / l_i[:, None]
+            tl.store(out_ptr + (q_start + m[:, None]).to(tl.int64) * stride_ot + head * stride_oh + d[None, :],
+                     o.to(out_ptr.dtype.element_ty), mask=m_mask[:, None] & d_mask[None, :])
+
+
+# ----------------------------------------------------------------------------------------------
+# Launch settings
+# ----------------------------------------------------------------------------------------------
+
+MIN_TOKENS_PER_SPLIT = 256  # a split shorter than this costs more to merge than it saves
+
+
+def _next_pow2(n: int) -> int:
+    return 1 << max(0, int(n) - 1).bit_length()
+
+
+def _num_programs_target(device: torch.device) -> int:
+    """How many programs keep the device busy: the GPU's multiprocessor count; a small number on CPU."""
+    if device.type == "cuda":
+        return torch.cuda.get_device_properties(device).multi_processor_count
+    return 8
+
+
+def choose_num_splits(num_seqs: int, num_kv_heads: int, max_seq_len: int, device: torch.device | str = "cpu",
+                      block_n: int = 64) -> tuple[int, int]:
+    """Split-K plan for decode: ``(num_splits, tokens_per_split)``.
+
+    Decode launches one program per (sequence, KV head). With many sequences that
+    fills the GPU; with one long sequence it leaves most multiprocessors idle while one
+    program walks 32k positions. Then the positions are cut into ``num_splits`` chunks
+    handled in parallel, each at least ``MIN_TOKENS_PER_SPLIT`` long, and merged.
+    """
+    target = _num_programs_target(torch.device(device))
+    programs = num_seqs * num_kv_heads
+    if programs >= target or max_seq_len < 2 * MIN_TOKENS_PER_SPLIT:
+        return 1, max(max_seq_len, 1)
+    splits = min(-(-target // programs), max_seq_len // MIN_TOKENS_PER_SPLIT)
+    tokens_per_split = -(-max_seq_len // splits)
+    tokens_per_split = -(-tokens_per_split // block_n) * block_n  # whole BLOCK_N steps
+    return -(-max_seq_len // tokens_per_split), tokens_per_split
+
+
+def _tile_settings(dtype: torch.dtype, head_dim: int, max_len: int) -> dict:
+    """Tile sizes. Compiled: tiles the tensor cores like (>= 16 a side). Interpreted: as few steps as possible."""
+    upcast = _interpreted() or dtype == torch.float32  # the interpreter's bf16 arithmetic is wrong
+    if _interpreted():
+        block_n = min(128, max(16, _next_pow2(max_len)))
+    else:
+        block_n = 64 if head_dim <= 128 else 32
+    return dict(BLOCK_D=max(16, _next_pow2(head_dim)), BLOCK_N=block_n, UPCAST=upcast, DOT_PRECISION="ieee")
+
+
+def _group_tile(group_size: int) -> int:
+    return _next_pow2(group_size) if _interpreted() else max(16, _next_pow2(group_size))
+
+
+# ----------------------------------------------------------------------------------------------
+# Launchers: no checks (the public functions check), so benchmarks can time the bare kernel
+# ----------------------------------------------------------------------------------------------
+
+def _write_kv_triton(k, v, k_cache, v_cache, slot_mapping) -> None:
+    num_tokens, num_kv_heads, head_dim = k.shape
+    if num_tokens == 0:
+        return
+    _write_kv_kernel[(num_tokens,)](
+        k, v, k_cache, v_cache, slot_mapping,
+        k.stride(0), k.stride(1), v.stride(0), v.stride(1),
+        k_cache.stride(0), k_cache.stride(1), k_cache.stride(2),
+        num_kv_heads, head_dim, k_cache.shape[1],
+        BLOCK_H=_next_pow2(num_kv_heads), BLOCK_D=_next_pow2(head_dim),
+    )
+
+
+def _decode_triton(q, k_cache, v_cache, block_tables, seq_lens, scale, num_splits, tokens_per_split,
+                   max_len, out=None) -> torch.Tensor:
+    num_seqs, num_heads, head_dim = q.shape
+    num_kv_heads = k_cache.shape[2]
+    group = num_heads // num_kv_heads
+    out = torch.empty_like(q) if out is None else out
+    tiles = _tile_settings(q.dtype, head_dim, min(max_len, tokens_per_split))
+    if num_splits > 1:
+        part_out = torch.empty(num_seqs, num_heads, num_splits, head_dim, dtype=torch.float32, device=q.device)
+        part_lse = torch.empty(num_seqs, num_heads, num_splits, dtype=torch.float32, device=q.device)
+    else:
+        part_out = part_lse = out  # unused
+    _paged_decode_kernel[(num_seqs, num_kv_heads, num_splits)](
+        q, k_cache, v_cache, block_tables, seq_lens, out, part_out, part_lse,
+        q.stride(0), q.stride(1),
+        k_cache.stride(0), k_cache.stride(1), k_cache.stride(2),
+        block_tables.stride(0),
+        out.stride(0), out.stride(1),
+        part_out.stride(0), part_out.stride(1), part_out.stride(2) if num_splits > 1 else 0,
+        part_lse.stride(0), part_lse.stride(1),
+        scale * LOG2E,
+        group, head_dim, k_cache.shape[1], tokens_per_split,
+        BLOCK_G=_group_tile(group), SPLIT=num_splits > 1, **tiles,
+    )
+    if num_splits > 1:
+        _merge_splits_kernel[(num_seqs, num_heads)](
+            part_out, part_lse, out,
+            part_out.stride(0), part_out.stride(1), part_out.stride(2), part_lse.stride(0), part_lse.stride(1),
+            out.stride(0), out.stride(1),
+            num_splits, head_dim,
+            BLOCK_K=_next_pow2(num_splits), BLOCK_D=tiles["BLOCK_D"],
+        )
+    return out
+
+
+def _prefill_triton(q, k_cache, v_cache, block_tables, seq_lens, cu_seqlens_q, scale, max_q_len,
+                    max_len, out=None) -> torch.Tensor:
+    total, num_heads, head_dim = q.shape
+    num_seqs = seq_lens.shape[0]
+    group = num_heads // k_cache.shape[2]
+    out = torch.empty_like(q) if out is None else out
+    if total == 0:
+        return out
+    block_m = min(64, max(16, _next_pow2(max_q_len)))
+    tiles = _tile_settings(q.dtype, head_dim, max_len)
+    _paged_prefill_kernel[(num_seqs, -(-max_q_len // block_m), num_heads)](
+        q, k_cache, v_cache, block_tables, seq_lens, cu_seqlens_q, out,
+        q.stride(0), q.stride(1),
+        k_cache.stride(0), k_cache.stride(1), k_cache.stride(2),
+        block_tables.stride(0),
+        out.stride(0), out.stride(1),
+        scale * LOG2E,
+        group, head_dim, k_cache.shape[1],
+        BLOCK_M=block_m, **tiles,
+    )
+    return out
+
+
+# ----------------------------------------------------------------------------------------------
+# The public functions
+# ----------------------------------------------------------------------------------------------
+
+def write_kv(k: torch.Tensor, v: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
+             slot_mapping: torch.Tensor) -> None:
+    """Scatter new keys and values into their cache slots, in place.
+
+    k, v: [num_tokens, num_kv_heads, head_dim], the dtype of the caches.
+    k_cache, v_cache: [num_blocks, block_size, num_kv_heads, head_dim].
+    slot_mapping: int32 or int64 [num_tokens]; token t goes to slot ``slot_mapping[t]``
+    (block ``slot // block_size``, offset ``slot % block_size``); -1 skips the token.
+    """
+    _check_tensor("k", k, 3, SUPPORTED_DTYPES)
+    _check_tensor("v", v, 3, SUPPORTED_DTYPES)
+    if v.shape != k.shape or v.dtype != k.dtype:
+        raise ValueError(f"v must match k's shape {tuple(k.shape)} and dtype {k.dtype}, got {tuple(v.shape)} {v.dtype}")
+    _check_caches(k_cache, v_cache, k.dtype, k.device)
+    if v.device != k.device:
+        raise ValueError(f"v must be on {k.device} like k, got {v.device}")
+    if tuple(k.shape[1:]) != tuple(k_cache.shape[2:]):
+        raise ValueError(f"k must be [num_tokens, {k_cache.shape[2]}, {k_cache.shape[3]}] to match k_cache, "
+                         f"got {tuple(k.shape)}")
+    for name, t in (("k", k), ("v", v)):
+        if t.stride(-1) != 1:
+            raise ValueError(f"{name} must be contiguous in head_dim (stride 1 in its last dimension)")
+    _check_tensor("slot_mapping", slot_mapping, 1, (torch.int32, torch.int64))
+    if slot_mapping.device != k.device:
+        raise ValueError(f"slot_mapping must be on {k.device} like k, got {slot_mapping.device}")
+    if slot_mapping.shape[0] != k.shape[0]:
+        raise ValueError(f"slot_mapping must have num_tokens={k.shape[0]} entries, got {slot_mapping.shape[0]}")
+    num_slots = k_cache.shape[0] * k_cache.shape[1]
+    if k.shape[0]:
+        lo, hi = int(slot_mapping.min()), int(slot_mapping.max())
+        if lo < -1 or hi >= num_slots:
+            raise ValueError(f"slot_mapping entries must be -1 (skip) or slots in [0, {num_slots - 1}], "
+                             f"got {lo}..{hi}")
+        kept = slot_mapping[slot_mapping >= 0]
+        if kept.unique().numel() != kept.numel():
+            raise ValueError("slot_mapping must not send two tokens to the same slot")
+    if fallback_reason(k.dtype, k.device) is not None:
+        write_kv_ref(k, v, k_cache, v_cache, slot_mapping)
+        return
+    _write_kv_triton(k, v, k_cache, v_cache, slot_mapping)
+
+
+def paged_decode_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
+                           block_tables: torch.Tensor, seq_lens: torch.Tensor, scale: float | None = None,
+                           *, num_splits: int | None = None, out: torch.Tensor | None = None) -> torch.Tensor:
+    """Attention of one new query per sequence over its paged K/V.
+
+    q: [num_seqs, num_heads, head_dim] (float32, float16 or bfloat16);
+    k_cache, v_cache: [num_blocks, block_size, num_kv_heads, head_dim], q's dtype;
+    block_tables: int32 [num_seqs, max_blocks_per_seq]; seq_lens: int32 [num_seqs], each >= 1
+    and counting the query's own position, whose K/V are already in the cache.
+    scale: default 1 / sqrt(head_dim). num_splits: None picks the split-K plan with
+    ``choose_num_splits``; 1 forces a single pass; k > 1 forces k chunks.
+    out: where to write the result (shaped like q), or None for a new tensor. Returns out.
+    """
+    _check_tensor("q", q, 3, SUPPORTED_DTYPES)
+    _check_scale(scale)
+    _check_out(out, q)
+    _check_attention_args(q, k_cache, v_cache, block_tables, seq_lens, q.shape[0])
+    if num_splits is not None and (not isinstance(num_splits, int) or isinstance(num_splits, bool)
+                                   or num_splits < 1):
+        raise ValueError(f"num_splits must be None or an integer >= 1, got {num_splits!r}")
+    scale = 1.0 / math.sqrt(q.shape[-1]) if scale is None else float(scale)
+    if q.shape[0] == 0:
+        return torch.empty_like(q) if out is None else out
+    if q.stride(-1) != 1:
+        q = q.contiguous()
+    if fallback_reason(q.dtype, q.device) is not None:
+        result = paged_decode_attention_ref(q, k_cache, v_cache, block_tables, seq_lens, scale)
+        return result if out is None else out.copy_(result)
+    max_len = int(seq_lens.max())
+    tiles = _tile_settings(q.dtype, q.shape[-1], max_len)
+    if num_splits is None:
+        num_splits, per_split = choose_num_splits(q.shape[0], k_cache.shape[2], max_len, q.device,
+                                                  tiles["BLOCK_N"])
+    else:
+        per_split = -(-max_len // num_splits)
+        num_splits = -(-max_len // per_split)  # never an empty split at the end
+    return _decode_triton(q, k_cache, v_cache, block_tables, seq_lens, scale, num_splits, per_split, max_len, out)
+
+
+def paged_prefill_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
+                            block_tables: torch.Tensor, seq_lens: torch.Tensor, cu_seqlens_q: torch.Tensor,
+                            scale: float | None = None, *, out: torch.Tensor | None = None) -> torch.Tensor:
+    """Causal attention of many new queries per sequence over the paged cache (variable length).
+
+    q: [total_query_tokens, num_heads, head_dim]; sequence i owns rows
+    ``cu_seqlens_q[i]:cu_seqlens_q[i+1]`` (int32 [num_seqs + 1], starting at 0), its last
+    q_len positions. seq_lens[i] is the sequence's whole length including those queries,
+    whose K/V must already be written (``write_kv``). A whole prompt, a chunk of one, and
+    a suffix after a prefix-cache hit are all this one call. Returns out shaped like q
+    (written into ``out`` when given).
+    """
+    _check_tensor("q", q, 3, SUPPORTED_DTYPES)
+    _check_scale(scale)
+    _check_out(out, q)
+    _check_tensor("cu_seqlens_q", cu_seqlens_q, 1, (torch.int32,))
+    if cu_seqlens_q.device != q.device:
+        raise ValueError(f"cu_seqlens_q must be on {q.device} like q, got {cu_seqlens_q.device}")
+    if cu_seqlens_q.shape[0] < 1:
+        raise ValueError("cu_seqlens_q must have num_seqs + 1 >= 1 entries")
+    num_seqs = cu_seqlens_q.shape[0] - 1
+    _check_attention_args(q, k_cache, v_cache, block_tables, seq_lens, num_seqs)
+    cu = cu_seqlens_q.long()
+    q_lens = cu[1:] - cu[:-1]
+    if int(cu[0]) != 0 or int(cu[-1]) != q.shape[0] or (num_seqs and int(q_lens.min()) < 0):
+        raise ValueError(f"cu_seqlens_q must start at 0, never decrease and end at total_query_tokens="
+                         f"{q.shape[0]}, got {cu_seqlens_q.tolist()}")
+    if num_seqs and bool((q_lens > seq_lens.long()).any()):
+        raise ValueError(f"each sequence's query count (from cu_seqlens_q) must be <= its seq_lens entry, got "
+                         f"q_lens {q_lens.tolist()} and seq_lens {seq_lens.tolist()}")
+    scale = 1.0 / math.sqrt(q.shape[-1]) if scale is None else float(scale)
+    if q.stride(-1) != 1:
+        q = q.contiguous()
+    if num_seqs == 0 or q.shape[0] == 0:
+        return torch.empty_like(q) if out is None else out
+    if fallback_reason(q.dtype, q.device) is not None:
+        result = paged_prefill_attention_ref(q, k_cache, v_cache, block_tables, seq_lens, cu_seqlens_q, scale)
+        return result if out is None else out.copy_(result)
+    return _prefill_triton(q, k_cache, v_cache, block_tables, seq_lens, cu_seqlens_q, scale,
+                           int(q_lens.max()), int(seq_lens.max()), out)

@@ -1,0 +1,553 @@
+"""The prefix cache: share the K/V blocks of a common prompt prefix (chapter 04).
+
+Many requests start with the same tokens: a system prompt, a few-shot template,
+one long report that several questions are asked about. The keys and values of
+those tokens depend only on the tokens before them (causal attention) and on
+the computation itself, so a serving engine can compute them once, keep the
+blocks, and point every later request's block table at them.
+
+How a block is recognised. Only *full* blocks are cached. Block ``i`` of a
+sequence is named by a hash chain::
+
+    hash_i = H(hash_{i-1}, token ids of block i, extra keys)
+
+The parent hash makes the name depend on the *whole* prefix, not just the block's
+own tokens: the same sentence after a different earlier text gets a different
+name, as it must, because its K/V differ. The extra keys (``CacheKey``) hold
+everything else that changes the numbers: the weights and adapter, the cache
+dtype and layout, the position-encoding settings, an optional salt that keeps
+two tenants apart. ``H`` is SHA-256 over a canonical JSON encoding, so a name is
+the same in every process and on every run.
+
+A hash is only an index. On a hit the cache compares the stored token ids, the
+stored extra keys and the stored parent entry with the request's, so even a
+hash collision (try a deliberately weak ``hash_fn``) can only cause a miss,
+never a wrong reuse.
+
+Lifetime of a block. A block's reference count (``BlockAllocator``) says how
+many block tables hold it. When the last sequence holding a cached block ends,
+the block goes back to the allocator's free queue *still cached*: a later
+request can revive it with ``allocator.take``. Only when the pool needs room and
+``allocator.allocate`` hands that block out again is its K/V overwritten; the
+cache then forgets its hash and counts an eviction. The free queue is in
+least-recently-freed order, so eviction is least-recently-used. Sequences free
+their blocks tail first, so the leaves of a prefix are evicted before its root.
+
+Copy-on-write. ``fork`` gives a second sequence the same blocks (parallel
+sampling, beam search). When one of them appends into a partly filled tail
+block that the other also holds, it first gets a private copy of that block:
+``append`` returns the ``(src, dst)`` block pairs whose K/V the caller must copy.
+
+Typical use, with K/V written by the caller::
+
+    cache = PrefixCache(BlockAllocator(64), block_size=16)
+    table, num_cached = cache.allocate(prompt_ids, key)
+    # compute K/V for prompt_ids[num_cached:], write them at table.slot(p)
+    cache.commit(table)                      # full blocks become reusable
+    result = cache.append(table, [next_id])  # decode: one more slot
+    cache.release(table)                     # finished: blocks stay cached
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+from dataclasses import astuple, dataclass
+from typing import Callable, Iterable, Sequence
+
+from .paging import BlockAllocator, BlockTable, OutOfBlocksError, blocks_needed
+
+__all__ = [
+    "CacheKey",
+    "block_hash",
+    "hash_chain",
+    "PrefixMatch",
+    "AppendResult",
+    "PrefixCacheStats",
+    "CachedBlock",
+    "CachedBlockTable",
+    "PrefixCache",
+    "OutOfBlocksError",
+]
+
+
+@dataclass(frozen=True)
+class CacheKey:
+    """Everything besides the token ids that changes a block's K/V ("extra keys").
+
+    Two requests may share a block only when all of these are equal. Fields:
+
+    * ``model``: which weights computed the K/V (a name or checkpoint hash).
+    * ``adapter``: the LoRA / adapter id, ``None`` for the base model.
+    * ``cache_dtype`` and ``cache_layout``: how the K/V are stored; a block in
+      float16 cannot be read as bfloat16 or fp8, nor an ``NHD`` block as ``HND``.
+    * ``rope_theta`` and ``rope_scaling``: position-encoding settings; a
+      different base frequency rotates every key differently.
+    * ``salt``: an optional string that keeps tenants apart even for equal prompts
+      (reuse can leak timing information between users).
+    """
+
+    model: str = "teaching-model"
+    adapter: str | None = None
+    cache_dtype: str = "float16"
+    cache_layout: str = "NHD"
+    rope_theta: float = 10000.0
+    rope_scaling: str | None = None
+    salt: str | None = None
+
+    def __post_init__(self) -> None:
+        for name in ("model", "cache_dtype", "cache_layout"):
+            if not isinstance(getattr(self, name), str):
+                raise ValueError(f"{name} must be a string, got {getattr(self, name)!r}")
+        for name in ("adapter", "rope_scaling", "salt"):
+            value = getattr(self, name)
+            if value is not None and not isinstance(value, str):
+                raise ValueError(f"{name} must be a string or None, got {value!r}")
+        if isinstance(self.rope_theta, bool) or not isinstance(self.rope_theta, (int, float)) \
+                or not self.rope_theta > 0:
+            raise ValueError(f"rope_theta must be a number > 0, got {self.rope_theta!r}")
+
+
+HashFn = Callable[["str | None", "tuple[int, ...]", CacheKey], str]
+
+
+def block_hash(parent_hash: str | None, token_ids: Sequence[int], key: CacheKey) -> str:
+    """The name of one full block: SHA-256 of (parent hash, token ids, extra keys), as hex.
+
+    The encoding is canonical JSON (no whitespace, fields in a fixed order), so the
+    same block gets the same name in every process, unlike Python's salted ``hash``.
+    ``parent_hash`` is ``None`` for a sequence's first block.
+    """
+    payload = json.dumps([parent_hash, [int(t) for t in token_ids], list(astuple(key))],
+                         separators=(",", ":"))
+    return hashlib.sha256(payload.encode()).hexdigest()
+
+
+def hash_chain(token_ids: Sequence[int], block_size: int, key: CacheKey = CacheKey(),
+               hash_fn: HashFn = block_hash) -> list[str]:
+    """The hash of every *full* block of ``token_ids``; a partial last block has no name."""
+    _check_block_size(block_size)
+    tokens = _check_token_ids(token_ids)
+    _check_key(key)
+    hashes: list[str] = []
+    parent = None
+    for start in range(0, len(tokens) - block_size + 1, block_size):
+        parent = hash_fn(parent, tokens[start:start + block_size], key)
+        hashes.append(parent)
+    return hashes
+
+
+@dataclass(frozen=True)
+class PrefixMatch:
+    """What the cache holds of a prompt: the leading full blocks that can be reused.
+
+    ``block_ids`` are physical blocks, one per reused logical block; ``num_cached_tokens``
+    = ``len(block_ids) * block_size``; ``block_hashes`` is the prompt's whole hash chain
+    (every full block, hit or not).
+    """
+
+    block_ids: tuple[int, ...]
+    num_cached_tokens: int
+    block_hashes: tuple[str, ...]
+    entry_ids: tuple[int, ...] = ()
+
+    @property
+    def num_cached_blocks(self) -> int:
+        return len(self.block_ids)
+
+
+@dataclass(frozen=True)
+class AppendResult:
+    """What ``PrefixCache.append`` did: the new tokens' slots and any copy-on-write.
+
+    ``slot_mapping[i]`` is the pool slot of the i-th appended token. ``copies`` lists
+    ``(src_block, dst_block)`` pairs: copy the K/V of ``src`` into ``dst`` (all layers)
+    before writing the new tokens, because ``dst`` replaced a shared block.
+    """
+
+    slot_mapping: list[int]
+    copies: list[tuple[int, int]]
+
+
+@dataclass
+class PrefixCacheStats:
+    """Counters since the cache was made (or ``reset_stats``), in tokens and in blocks.
+
+    A *hit* is a prompt token whose K/V were found in the cache and not recomputed;
+    a *miss* is a prompt token that had to be computed. An *eviction* is a cached
+    free block handed out again for other data.
+    """
+
+    requests: int = 0
+    hit_tokens: int = 0
+    miss_tokens: int = 0
+    hit_blocks: int = 0
+    miss_blocks: int = 0
+    evicted_blocks: int = 0
+
+    @property
+    def hit_rate(self) -> float:
+        """Share of prompt tokens served from the cache (0.0 before any request)."""
+        total = self.hit_tokens + self.miss_tokens
+        return self.hit_tokens / total if total else 0.0
+
+
+@dataclass(frozen=True)
+class CachedBlock:
+    """One cache entry: the identity of a full block whose K/V are in the pool.
+
+    ``entry_id`` is unique for the lifetime of the cache; ``parent_entry`` is the entry of
+    the block before it (``None`` for a first block). Checking ``parent_entry`` on a hit
+    makes the whole prefix verified, block by block, independent of the hash function.
+    """
+
+    block_id: int
+    block_hash: str
+    parent_hash: str | None
+    token_ids: tuple[int, ...]
+    key: CacheKey
+    entry_id: int
+    parent_entry: int | None
+
+
+class CachedBlockTable(BlockTable):
+    """A ``BlockTable`` that also remembers its tokens and computation key.
+
+    Made by ``PrefixCache.allocate`` or ``PrefixCache.fork``; use it with the cache that made it.
+    ``token_ids[i]`` is the token at position ``i`` (one per reserved slot), ``block_hashes``
+    and ``entry_ids`` name the leading full blocks already registered (committed or hit).
+    """
+
+    def __init__(self, block_size: int, key: CacheKey, owner: "PrefixCache"):
+        super().__init__(block_size)
+        self.key = key
+        self.token_ids: list[int] = []
+        self.block_hashes: list[str] = []
+        self.entry_ids: list[int] = []
+        self.owner = owner
+
+    @property
+    def num_committed_blocks(self) -> int:
+        return len(self.block_hashes)
+
+
+class PrefixCache:
+    """Reference-counted, hash-named, LRU-evicted full blocks on top of a ``BlockAllocator``.
+
+    ``allocator``: the pool (shared with whoever else allocates from it).
+    ``block_size``: tokens per block; every table this cache makes uses it.
+    ``hash_fn``: ``block_hash`` by default; tests pass a weak one to show that collisions
+    cannot cause wrong reuse.
+    """
+
+    def __init__(self, allocator: BlockAllocator, block_size: int, *, hash_fn: HashFn = block_hash):
+        if not isinstance(allocator, BlockAllocator):
+            raise ValueError(f"allocator must be a labkit.paging.BlockAllocator, got {type(allocator).__name__}")
+        _check_block_size(block_size)
+        if not callable(hash_fn):
+            raise ValueError("hash_fn must be callable (parent_hash, token_ids, key) -> str")
+        self.allocator = allocator
+        self.block_size = block_size
+        self.hash_fn = hash_fn
+        self.stats = PrefixCacheStats()
+        self._by_hash: dict[str, int] = {}          # block hash -> physical block
+        self._by_block: dict[int, CachedBlock] = {}  # physical block -> its cache entry
+        self._next_entry = 0
+
+    # ------------------------------------------------------------------ queries
+    @property
+    def num_cached_blocks(self) -> int:
+        """Blocks whose K/V are named in the cache (in use or free)."""
+        return len(self._by_block)
+
+    def is_cached(self, block_id: int) -> bool:
+        return block_id in self._by_block
+
+    def cached_block(self, block_id: int) -> CachedBlock | None:
+        """The cache entry of ``block_id``, or ``None`` when it holds no named block."""
+        return self._by_block.get(block_id)
+
+    def cached_block_ids(self) -> list[int]:
+        return sorted(self._by_block)
+
+    def evictable_block_ids(self) -> list[int]:
+        """Cached blocks no sequence holds, least recently freed (first to be evicted) first."""
+        return [b for b in _free_queue(self.allocator) if b in self._by_block]
+
+    def block_hashes(self, token_ids: Sequence[int], key: CacheKey = CacheKey()) -> list[str]:
+        """The hash chain of ``token_ids``' full blocks under this cache's block size and hash."""
+        return hash_chain(token_ids, self.block_size, key, self.hash_fn)
+
+    def match(self, token_ids: Sequence[int], key: CacheKey = CacheKey()) -> PrefixMatch:
+        """The longest run of leading full blocks of ``token_ids`` that the cache holds.
+
+        Capped so that at least one token is left to compute: the model must run on
+        the last prompt token to produce the logits of the first output token. A fully
+        cached prompt of exactly ``k`` blocks therefore reuses ``k - 1`` of them.
+        No side effects: nothing is counted, taken or reordered.
+        """
+        tokens = _check_token_ids(token_ids, min_len=1)
+        _check_key(key)
+        hashes = hash_chain(tokens, self.block_size, key, self.hash_fn)
+        max_blocks = (len(tokens) - 1) // self.block_size
+        block_ids: list[int] = []
+        entries: list[int] = []
+        parent_entry: int | None = None
+        for i in range(max_blocks):
+            entry = self._lookup(hashes[i], tokens[i * self.block_size:(i + 1) * self.block_size], key,
+                                 parent_entry)
+            if entry is None:
+                break
+            block_ids.append(entry.block_id)
+            entries.append(entry.entry_id)
+            parent_entry = entry.entry_id
+        return PrefixMatch(tuple(block_ids), len(block_ids) * self.block_size, tuple(hashes), tuple(entries))
+
+    def free_blocks_needed(self, token_ids: Sequence[int], key: CacheKey = CacheKey()) -> int:
+        """How many blocks of the allocator's free pool ``allocate(token_ids, key)`` would use.
+
+        Fresh blocks for the uncached rest, plus cached hits that sit in the free queue
+        (reviving them takes them out of it). Hits that another sequence holds cost nothing.
+        This is what a scheduler compares with ``allocator.num_free``.
+        """
+        tokens = _check_token_ids(token_ids, min_len=1)
+        m = self.match(tokens, key)
+        fresh = blocks_needed(len(tokens), self.block_size) - m.num_cached_blocks
+        revived = sum(1 for b in m.block_ids if self.allocator.ref_counts[b] == 0)
+        return fresh + revived
+
+    def extra_blocks(self, table: CachedBlockTable, num_new_tokens: int) -> int:
+        """Free blocks that ``append``-ing ``num_new_tokens`` tokens to ``table`` would use.
+
+        New blocks for the tokens, plus one when the partly filled tail block is shared
+        and must be copied first (copy-on-write): the ``extra_blocks`` of the article's §05.
+        """
+        self._check_table(table)
+        _check_count("num_new_tokens", num_new_tokens)
+        return table.new_blocks_for(num_new_tokens) + int(self._needs_copy(table, num_new_tokens))
+
+    # ----------------------------------------------------------------- changes
+    def allocate(self, token_ids: Sequence[int], key: CacheKey = CacheKey()) -> tuple[CachedBlockTable, int]:
+        """A block table for a new prompt: cached blocks first, fresh blocks for the rest.
+
+        Returns ``(table, num_cached_tokens)``: the caller computes K/V only for
+        ``token_ids[num_cached_tokens:]``, writes them at ``table.slot(p)`` and then calls
+        ``commit(table)``. Cached blocks in use get one more reference; cached blocks in
+        the free queue are revived with ``allocator.take``. All-or-nothing: on
+        ``OutOfBlocksError`` the allocator, the cache and its counters are unchanged.
+        """
+        tokens = _check_token_ids(token_ids, min_len=1)
+        _check_key(key)
+        m = self.match(tokens, key)
+        total_blocks = blocks_needed(len(tokens), self.block_size)
+        needed = total_blocks - m.num_cached_blocks + sum(1 for b in m.block_ids
+                                                           if self.allocator.ref_counts[b] == 0)
+        if needed > self.allocator.num_free:
+            raise OutOfBlocksError(f"prompt of {len(tokens)} tokens needs {needed} free blocks, "
+                                   f"{self.allocator.num_free} of {self.allocator.num_blocks} are free")
+        table = CachedBlockTable(self.block_size, key, self)
+        for b in m.block_ids:  # revive or share the hits first, so eviction below cannot touch them
+            if self.allocator.ref_counts[b] == 0:
+                self.allocator.take(b)
+            else:
+                self.allocator.incref(b)
+        fresh = [self._allocate_fresh() for _ in range(total_blocks - m.num_cached_blocks)]
+        table.block_ids = list(m.block_ids) + fresh
+        table.num_tokens = len(tokens)
+        table.token_ids = list(tokens)
+        table.block_hashes = list(m.block_hashes[:m.num_cached_blocks])
+        table.entry_ids = list(m.entry_ids)
+        s = self.stats
+        s.requests += 1
+        s.hit_tokens += m.num_cached_tokens
+        s.miss_tokens += len(tokens) - m.num_cached_tokens
+        s.hit_blocks += m.num_cached_blocks
+        s.miss_blocks += len(fresh)
+        return table, m.num_cached_tokens
+
+    def append(self, table: CachedBlockTable, token_ids: Sequence[int]) -> AppendResult:
+        """Reserve slots for ``token_ids`` at the end of ``table``; copy a shared tail first.
+
+        New blocks come from the allocator (evicting the least recently used cached
+        free block when it hands one out). If the tail block is partly filled and another
+        table holds it too, a private block replaces it in this table and ``(src, dst)``
+        is reported in ``copies``. All-or-nothing on ``OutOfBlocksError``.
+        """
+        self._check_table(table)
+        tokens = _check_token_ids(token_ids)
+        n = len(tokens)
+        needed = self.extra_blocks(table, n)
+        if needed > self.allocator.num_free:
+            raise OutOfBlocksError(f"appending {n} tokens needs {needed} free blocks, "
+                                   f"{self.allocator.num_free} of {self.allocator.num_blocks} are free")
+        copies: list[tuple[int, int]] = []
+        if self._needs_copy(table, n):
+            src = table.block_ids[-1]
+            dst = self._allocate_fresh()
+            self.allocator.free(src)  # drop our reference; the other holders keep theirs
+            table.block_ids[-1] = dst
+            copies.append((src, dst))
+        table.block_ids.extend(self._allocate_fresh() for _ in range(table.new_blocks_for(n)))
+        start = table.num_tokens
+        table.num_tokens += n
+        table.token_ids.extend(tokens)
+        return AppendResult([table.slot(p) for p in range(start, start + n)], copies)
+
+    def commit(self, table: CachedBlockTable, num_computed_tokens: int | None = None) -> int:
+        """Name the full blocks among the first ``num_computed_tokens`` tokens, so others can reuse them.
+
+        Call it once their K/V are written (default: all of the table's tokens). A block
+        whose identical twin is already cached stays private (the twin keeps the name);
+        returns how many blocks became newly cached.
+        """
+        self._check_table(table)
+        if num_computed_tokens is None:
+            num_computed_tokens = table.num_tokens
+        if not isinstance(num_computed_tokens, int) or isinstance(num_computed_tokens, bool) \
+                or not 0 <= num_computed_tokens <= table.num_tokens:
+            raise ValueError(f"num_computed_tokens must be an integer in [0, {table.num_tokens}], "
+                             f"got {num_computed_tokens!r}")
+        bs, added = self.block_size, 0
+        for i in range(table.num_committed_blocks, num_computed_tokens // bs):
+            parent_hash = table.block_hashes[-1] if table.block_hashes else None
+            parent_entry = table.entry_ids[-1] if table.entry_ids else None
+            tokens = tuple(table.token_ids[i * bs:(i + 1) * bs])
+            h = self.hash_fn(parent_hash, tokens, table.key)
+            twin = self._lookup(h, tokens, table.key, parent_entry)
+            if twin is not None:  # the same block is cached already: point at its entry
+                entry_id = twin.entry_id
+            else:
+                stale = self._by_hash.get(h)
+                if stale is not None:  # a collision or an orphaned entry: the newer block wins
+                    self._forget(stale)
+                block_id = table.block_ids[i]
+                entry_id = self._next_entry
+                self._next_entry += 1
+                self._by_hash[h] = block_id
+                self._by_block[block_id] = CachedBlock(block_id, h, parent_hash, tokens, table.key,
+                                                       entry_id, parent_entry)
+                added += 1
+            table.block_hashes.append(h)
+            table.entry_ids.append(entry_id)
+        return added
+
+    def fork(self, table: CachedBlockTable) -> CachedBlockTable:
+        """A second table holding the same blocks (one more reference each): parallel sampling."""
+        self._check_table(table)
+        child = CachedBlockTable(self.block_size, table.key, self)
+        for b in table.block_ids:
+            self.allocator.incref(b)
+        child.block_ids = list(table.block_ids)
+        child.num_tokens = table.num_tokens
+        child.token_ids = list(table.token_ids)
+        child.block_hashes = list(table.block_hashes)
+        child.entry_ids = list(table.entry_ids)
+        return child
+
+    def release(self, table: CachedBlockTable) -> None:
+        """The sequence ended: drop its references, tail first. Cached blocks stay cached."""
+        self._check_table(table)
+        for b in reversed(table.block_ids):  # tail first: leaves are evicted before their prefix
+            self.allocator.free(b)
+        table.block_ids, table.num_tokens = [], 0
+        table.token_ids, table.block_hashes, table.entry_ids = [], [], []
+
+    def evict(self, num_blocks: int = 1) -> list[int]:
+        """Forget the ``num_blocks`` least recently used cached free blocks now; returns them.
+
+        Engines evict lazily (when ``allocate`` hands a block out); this is the same
+        decision made eagerly, e.g. to show it. The blocks stay free.
+        """
+        _check_count("num_blocks", num_blocks)
+        victims = self.evictable_block_ids()[:num_blocks]
+        for b in victims:
+            self._forget(b)
+            self.stats.evicted_blocks += 1
+        return victims
+
+    def clear(self) -> int:
+        """Forget every cached block that no sequence holds (e.g. after a weight update).
+
+        Blocks that running sequences hold stay cached. Returns how many were dropped.
+        """
+        victims = [b for b, e in self._by_block.items() if self.allocator.ref_counts[b] == 0]
+        for b in victims:
+            self._forget(b)
+        return len(victims)
+
+    def reset_stats(self) -> None:
+        self.stats = PrefixCacheStats()
+
+    # ----------------------------------------------------------------- helpers
+    def _lookup(self, h: str, tokens: Sequence[int], key: CacheKey, parent_entry: int | None) -> CachedBlock | None:
+        """The entry named ``h`` if it really is this block after this parent, else ``None``."""
+        block_id = self._by_hash.get(h)
+        if block_id is None:
+            return None
+        entry = self._by_block[block_id]
+        if entry.token_ids != tuple(tokens) or entry.key != key or False:
+            return None  # a hash collision or a stale child: verified, so never a wrong reuse
+        return entry
+
+    def _allocate_fresh(self) -> int:
+        """``allocator.allocate``, forgetting (evicting) whatever cached block it hands out."""
+        block_id = self.allocator.allocate()
+        if block_id in self._by_block:
+            self._forget(block_id)
+            self.stats.evicted_blocks += 1
+        return block_id
+
+    def _forget(self, block_id: int) -> None:
+        entry = self._by_block.pop(block_id)
+        del self._by_hash[entry.block_hash]
+
+    def _needs_copy(self, table: CachedBlockTable, n: int) -> bool:
+        return (n > 0 and table.num_tokens % self.block_size != 0
+                and self.allocator.ref_counts[table.block_ids[-1]] > 1)
+
+    def _check_table(self, table: object) -> None:
+        if not isinstance(table, CachedBlockTable):
+            raise ValueError(f"table must be a CachedBlockTable made by PrefixCache.allocate or fork, "
+                             f"got {type(table).__name__}")
+        if table.block_size != self.block_size:
+            raise ValueError(f"table.block_size must equal this cache's block_size {self.block_size}, "
+                             f"got {table.block_size}")
+        if table.owner is not self:
+            raise ValueError("table must have been made by this PrefixCache (allocate or fork)")
+
+
+def _free_queue(allocator: BlockAllocator) -> Iterable[int]:
+    """The allocator's free blocks, least recently freed first (its eviction order)."""
+    queue = getattr(allocator, "free_block_ids", None)
+    if callable(queue):
+        return list(queue())
+    return list(allocator._free)  # noqa: SLF001  (paging keeps the LRU queue private)
+
+
+def _check_block_size(block_size: object) -> None:
+    if not isinstance(block_size, int) or isinstance(block_size, bool) or block_size < 1:
+        raise ValueError(f"block_size must be an integer >= 1, got {block_size!r}")
+
+
+def _check_count(name: str, value: object) -> None:
+    if not isinstance(value, int) or isinstance(value, bool) or value < 0:
+        raise ValueError(f"{name} must be an integer >= 0, got {value!r}")
+
+
+def _check_key(key: object) -> None:
+    if not isinstance(key, CacheKey):
+        raise ValueError(f"key must be a labkit.prefix.CacheKey, got {type(key).__name__}")
+
+
+def _check_token_ids(token_ids: object, min_len: int = 0) -> tuple[int, ...]:
+    """``token_ids`` as a tuple of ints >= 0, or ValueError naming the parameter."""
+    if not isinstance(token_ids, (list, tuple, range)):
+        raise ValueError(f"token_ids must be a list or tuple of integers >= 0, got {type(token_ids).__name__} "
+                         "(convert a tensor with .tolist())")
+    tokens = tuple(token_ids)
+    for t in tokens:
+        if not isinstance(t, int) or isinstance(t, bool) or t < 0:
+            raise ValueError(f"token_ids must hold integers >= 0, found {t!r}")
+    if len(tokens) < min_len:
+        raise ValueError(f"token_ids must hold at least {min_len} token(s), got {len(tokens)}")
+    return tokens

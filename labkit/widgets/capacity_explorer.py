@@ -1,0 +1,199 @@
+"""The capacity explorer of chapter 02: how many sequences fit on one device.
+
+A preset menu fills in a real model's shape; sliders change the layers, KV heads,
+head dim, element size, context length, concurrent sequences, device memory and
+the memory set aside for weights and workspace. The readout shows bytes per
+token, bytes per request and how many sequences fit; the plot shows how that
+number falls as the context grows.
+
+Every number comes from :mod:`labkit.capacity`. The readout's elements carry CSS
+classes (``capacity-readout``, ``capacity-fit`` ...) so that a browser test can
+read them, and each slider's description names what it sets.
+
+:func:`static_figure` draws the same curve for several presets: the picture for
+readers without a live kernel.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import ipywidgets as widgets
+import matplotlib.pyplot as plt
+import numpy as np
+from IPython.display import clear_output, display
+from matplotlib.figure import Figure
+
+from .. import capacity
+from ..capacity import GiB, ModelShape, format_bytes
+
+# Slider descriptions: the browser test finds sliders by these words.
+LABELS = {
+    "num_layers": "layers",
+    "num_kv_heads": "KV heads",
+    "head_dim": "head dim",
+    "dtype_bytes": "element size (bytes)",
+    "context_len": "context length (tokens)",
+    "num_seqs": "concurrent sequences",
+    "device_gib": "device memory (GiB)",
+    "reserved_gib": "set aside (GiB)",
+}
+CONTEXTS = 2 ** np.arange(9, 18)  # 512 ... 131,072 tokens, the plot's x axis
+
+
+@dataclass(frozen=True)
+class Setting:
+    """One position of every control of the explorer."""
+
+    shape: ModelShape
+    context_len: int
+    num_seqs: int
+    device_gib: float
+    reserved_gib: float
+
+    @property
+    def bytes_per_request(self) -> int:
+        """The article's formula: windows are not applied."""
+        return self.shape.cache_bytes(self.context_len, apply_window=False)
+
+    @property
+    def sequences_that_fit(self) -> int:
+        return capacity.sequences_that_fit(self.bytes_per_request, self.device_gib * GiB, self.reserved_gib * GiB)
+
+
+def readout_html(s: Setting) -> str:
+    """The explorer's text: each number in an element with its own CSS class."""
+    if s.reserved_gib > s.device_gib:
+        return (f'<div class="capacity-error" style="color:#b00">⚠ {s.reserved_gib:g} GiB set aside is more than '
+                f'the device\'s {s.device_gib:g} GiB: labkit.capacity refuses this with a ValueError.</div>')
+    fit = s.sequences_that_fit
+    pool = s.device_gib * GiB - s.reserved_gib * GiB
+    needed = s.num_seqs * s.bytes_per_request
+    verdict = ("fit" if s.num_seqs <= fit else "do <b>not</b> fit")
+    kind = "one latent vector (MLA, no factor 2)" if s.shape.latent else "K and V (factor 2)"
+    rows = [
+        ("bytes per token", "capacity-bytes-per-token",
+         f"{format_bytes(s.shape.bytes_per_token(), 'bytes')} = {format_bytes(s.shape.bytes_per_token())}"),
+        (f"bytes per request ({s.context_len:,} tokens)", "capacity-bytes-per-request",
+         format_bytes(s.bytes_per_request)),
+        (f"{s.num_seqs} concurrent sequences need", "capacity-needed", format_bytes(needed)),
+        (f"KV pool ({s.device_gib:g} GiB − {s.reserved_gib:g} GiB)", "capacity-pool", format_bytes(pool)),
+        ("sequences that fit", "capacity-fit", f"{fit:,}"),
+    ]
+    body = "".join(f'<tr><td style="padding-right:1em">{name}</td><td><b class="{cls}">{value}</b></td></tr>'
+                   for name, cls, value in rows)
+    return (f'<table>{body}</table><div class="capacity-verdict">{s.num_seqs} requested: {verdict}. '
+            f'Cache stores {kind} per token and layer.</div>')
+
+
+def draw(ax: plt.Axes, shape: ModelShape, pool_bytes: float, label: str | None = None, **style) -> None:
+    """Sequences that fit in ``pool_bytes`` against context length (log-log; zero is not drawn)."""
+    fits = np.array([pool_bytes // shape.cache_bytes(int(t), apply_window=False) for t in CONTEXTS], dtype=float)
+    fits[fits == 0] = np.nan
+    ax.plot(CONTEXTS, fits, marker=".", label=label, **style)
+    ax.set_xscale("log", base=2)
+    ax.set_yscale("log")
+    ax.set_xlabel("context length (tokens)")
+    ax.set_ylabel("sequences that fit")
+
+
+class CapacityExplorer:
+    """The widget. ``CapacityExplorer()`` in a cell shows it; ``.setting`` is what it shows."""
+
+    def __init__(self, preset: str = "teaching model", context_len: int = 8192, num_seqs: int = 3,
+                 device_gib: float = 24, reserved_gib: float = 17):
+        style, layout = {"description_width": "11em"}, widgets.Layout(width="32em")
+
+        def slider(cls, key, value, lo, hi, step):
+            return cls(value=value, min=lo, max=hi, step=step, description=LABELS[key], style=style,
+                       layout=layout, continuous_update=False)
+
+        self.preset = widgets.Dropdown(options=list(capacity.PRESETS), value=preset, description="preset",
+                                       style=style, layout=layout)
+        self.sliders = {
+            "num_layers": slider(widgets.IntSlider, "num_layers", 32, 1, 128, 1),
+            "num_kv_heads": slider(widgets.IntSlider, "num_kv_heads", 8, 1, 128, 1),
+            "head_dim": slider(widgets.IntSlider, "head_dim", 128, 16, 1024, 16),
+            "dtype_bytes": widgets.SelectionSlider(options=[1, 2, 4], value=2, description=LABELS["dtype_bytes"],
+                                                   style=style, layout=layout, continuous_update=False),
+            "context_len": slider(widgets.IntSlider, "context_len", context_len, 512, 131072, 512),
+            "num_seqs": slider(widgets.IntSlider, "num_seqs", num_seqs, 1, 256, 1),
+            "device_gib": slider(widgets.IntSlider, "device_gib", device_gib, 1, 192, 1),
+            "reserved_gib": slider(widgets.FloatSlider, "reserved_gib", reserved_gib, 0, 192, 0.5),
+        }
+        self.readout = widgets.HTML()
+        self.readout.add_class("capacity-readout")
+        self.plot = widgets.Output(layout=widgets.Layout(width="36em"))
+        self._latent = False
+        self._applying_preset = False
+        self._apply_preset(preset)
+        self.preset.observe(lambda change: self._apply_preset(change["new"]), names="value")
+        for s in self.sliders.values():
+            s.observe(lambda change: self._update(), names="value")
+        controls = widgets.VBox([self.preset, *self.sliders.values(), self.readout])
+        self.ui = widgets.HBox([controls, self.plot])
+        self.ui.add_class("capacity-explorer")
+        self._update()
+
+    @property
+    def setting(self) -> Setting:
+        v = {k: s.value for k, s in self.sliders.items()}
+        shape = ModelShape(self.preset.value if not self._edited() else "custom", v["num_layers"],
+                           1 if self._latent else v["num_kv_heads"], v["head_dim"], v["dtype_bytes"],
+                           latent=self._latent)
+        return Setting(shape, v["context_len"], v["num_seqs"], v["device_gib"], v["reserved_gib"])
+
+    def _edited(self) -> bool:
+        p = capacity.PRESETS[self.preset.value]
+        return (p.num_layers, p.num_kv_heads, p.head_dim, p.dtype_bytes) != tuple(
+            self.sliders[k].value for k in ("num_layers", "num_kv_heads", "head_dim", "dtype_bytes"))
+
+    def _apply_preset(self, name: str) -> None:
+        p = capacity.PRESETS[name]
+        self._latent = p.latent
+        self._applying_preset = True  # one redraw for the whole preset, not one per slider
+        try:
+            for key in ("num_layers", "num_kv_heads", "head_dim", "dtype_bytes"):
+                self.sliders[key].value = getattr(p, key)
+        finally:
+            self._applying_preset = False
+        self.sliders["num_kv_heads"].disabled = p.latent  # a latent cache has no KV heads to change
+        self._update()
+
+    def _update(self) -> None:
+        if self._applying_preset:
+            return
+        s = self.setting
+        self.readout.value = readout_html(s)
+        with self.plot:
+            clear_output(wait=True)
+            pool = s.device_gib * GiB - s.reserved_gib * GiB
+            if pool <= 0:
+                print("No memory left for the KV cache: lower 'set aside' or raise 'device memory'.")
+                return
+            fig, ax = plt.subplots(figsize=(6, 3.5))
+            draw(ax, s.shape, pool, label=s.shape.name)
+            ax.axhline(s.num_seqs, color="grey", linestyle="--", label=f"{s.num_seqs} requested")
+            fit = s.sequences_that_fit
+            if fit:
+                ax.plot([s.context_len], [fit], "o", color="C3", label="this setting")
+            ax.set_title(f"{fit:,} sequences of {s.context_len:,} tokens fit in {format_bytes(pool)}")
+            ax.legend(loc="upper right", fontsize="small")
+            fig.tight_layout()
+            display(fig)
+            plt.close(fig)
+
+    def _repr_mimebundle_(self, **kwargs):
+        return self.ui._repr_mimebundle_(**kwargs)
+
+
+def static_figure(names: list[str], pool_bytes: float) -> Figure:
+    """Sequences that fit in one pool against context length, one line per preset."""
+    fig, ax = plt.subplots(figsize=(7, 3.5))
+    for name in names:
+        shape = capacity.PRESETS[name]
+        draw(ax, shape, pool_bytes, label=f"{name} ({format_bytes(shape.bytes_per_token())}/token)")
+    ax.set_title(f"In a {format_bytes(pool_bytes)} pool, fewer bytes per token means more long sequences")
+    ax.legend(fontsize="small")
+    fig.tight_layout()
+    return fig

@@ -1,0 +1,67 @@
+"""labkit.device decides before kernels exist; exercise checkers never break a chapter."""
+
+import os
+import subprocess
+import sys
+
+import pytest
+import torch
+
+import labkit
+from labkit.device import RUNTIME, Runtime
+from labkit.exercises import Exercises
+
+
+def test_runtime_matches_the_machine():
+    if torch.cuda.is_available() and os.environ.get("LABKIT_DEVICE") != "cpu":
+        assert RUNTIME.device.type == "cuda"
+    else:
+        assert RUNTIME.device.type == "cpu"
+        assert RUNTIME.triton_mode in ("interpreter", "unavailable")
+        if RUNTIME.triton_mode == "interpreter":
+            assert os.environ["TRITON_INTERPRET"] == "1"
+    assert RUNTIME.reason and str(RUNTIME.device) in labkit.describe()
+
+
+def test_import_labkit_alone_switches_the_interpreter_on():
+    code = "import os, labkit; print(labkit.RUNTIME.triton_mode, os.environ.get('TRITON_INTERPRET'))"
+    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
+    env["LABKIT_DEVICE"] = "cpu"
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, env=env, check=True).stdout
+    assert out.split() in (["interpreter", "1"], ["unavailable", "None"])
+
+
+def test_old_gpus_get_a_fallback_not_a_crash():
+    t4 = Runtime(torch.device("cuda"), "compiled", "T4", (7, 5))
+    assert t4.kernels_can_run(torch.float16) and not t4.kernels_can_run(torch.bfloat16)
+    p100 = Runtime(torch.device("cuda"), "unavailable", "P100", (6, 0))
+    assert not p100.kernels_can_run(torch.float16)
+    h100 = Runtime(torch.device("cuda"), "compiled", "H100", (9, 0))
+    assert h100.kernels_can_run(torch.bfloat16)
+
+
+def test_checker_reports_not_solved_wrong_and_right(capsys):
+    ex = Exercises("01_x")
+    assert ex.check("e1", None, 3) is False
+    assert "not solved yet" in capsys.readouterr().out
+    assert ex.check("e1", 4, 3) is False
+    assert "not yet" in capsys.readouterr().out
+    assert ex.check("e1", 3, 3) is True
+    assert ex.check("e2", 0.1 + 0.2, 0.3, rel_tol=1e-9) is True
+
+    def stub(x):
+        raise NotImplementedError("your code here")
+
+    assert ex.check_function("f", stub, [((1,), 2)]) is False
+    assert "solutions/01_x.ipynb" in capsys.readouterr().out
+    assert ex.check_function("f", lambda x: 2 * x, [((1,), 2), ((5,), 10)]) is True
+    assert ex.check_function("f", lambda x: x, [((1,), 2)]) is False
+
+
+def test_strict_checker_raises():
+    ex = Exercises("01_x", strict=True)
+    with pytest.raises(AssertionError, match="not solved"):
+        ex.check("e1", None, 3)
+    with pytest.raises(AssertionError):
+        ex.check("e1", 4, 3)
+    assert ex.check("e1", 3, 3)

@@ -1,0 +1,110 @@
+"""The chapter-01 decoder: Llama compatibility, GQA, and bad input."""
+
+import pytest
+import torch
+
+from labkit.model import Decoder, DecoderConfig, causal_attention
+
+TINY = DecoderConfig(vocab_size=97, hidden_size=64, intermediate_size=96, num_hidden_layers=2,
+                     num_attention_heads=4, num_key_value_heads=2)
+
+
+def test_forward_shape_and_determinism():
+    model = Decoder.random(TINY, seed=3)
+    ids = torch.randint(0, TINY.vocab_size, (3, 9))
+    logits = model(ids)
+    assert logits.shape == (3, 9, TINY.vocab_size)
+    assert torch.equal(logits, Decoder.random(TINY, seed=3)(ids))
+    assert not torch.equal(logits, Decoder.random(TINY, seed=4)(ids))
+
+
+def test_state_dict_keys_are_llama_checkpoint_keys():
+    keys = set(Decoder(TINY).state_dict())
+    for name in ["model.embed_tokens.weight", "model.norm.weight", "lm_head.weight",
+                 "model.layers.1.self_attn.q_proj.weight", "model.layers.1.self_attn.k_proj.weight",
+                 "model.layers.1.self_attn.v_proj.weight", "model.layers.1.self_attn.o_proj.weight",
+                 "model.layers.1.mlp.gate_proj.weight", "model.layers.1.mlp.up_proj.weight",
+                 "model.layers.1.mlp.down_proj.weight", "model.layers.1.input_layernorm.weight",
+                 "model.layers.1.post_attention_layernorm.weight"]:
+        assert name in keys
+    # K and V projections are sized by the KV heads, not the query heads (GQA).
+    sd = Decoder(TINY).state_dict()
+    assert sd["model.layers.0.self_attn.k_proj.weight"].shape == (2 * TINY.head_dim, TINY.hidden_size)
+    assert sd["model.layers.0.self_attn.q_proj.weight"].shape == (4 * TINY.head_dim, TINY.hidden_size)
+
+
+def test_matches_hugging_face_llama():
+    transformers = pytest.importorskip("transformers")
+    hf_config = transformers.LlamaConfig(**TINY.to_dict(), attn_implementation="eager")
+    hf = transformers.LlamaForCausalLM(hf_config).eval()
+    with torch.no_grad():
+        for p in hf.parameters():
+            p.normal_(0, 0.2)
+    ours = Decoder(DecoderConfig.from_dict(hf_config.to_dict()))
+    ours.load_state_dict(hf.state_dict())
+    ids = torch.randint(0, TINY.vocab_size, (2, 13))
+    with torch.no_grad():
+        torch.testing.assert_close(ours(ids), hf(ids).logits, atol=1e-5, rtol=1e-5)
+
+
+def test_gqa_equals_mha_with_repeated_kv_heads():
+    """Attention with 2 KV heads for 4 query heads is MHA where each KV head is copied to its group."""
+    torch.manual_seed(0)
+    q = torch.randn(2, 5, 4, 8, dtype=torch.float64)
+    k, v = torch.randn(2, 5, 2, 8, dtype=torch.float64), torch.randn(2, 5, 2, 8, dtype=torch.float64)
+    gqa = causal_attention(q, k, v)
+    mha = causal_attention(q, k.repeat_interleave(2, dim=2), v.repeat_interleave(2, dim=2))
+    torch.testing.assert_close(gqa, mha)
+    # Query heads 0 and 1 share KV head 0: with identical queries they get identical outputs.
+    q[:, :, 1] = q[:, :, 0]
+    out = causal_attention(q, k, v)
+    torch.testing.assert_close(out[:, :, 0], out[:, :, 1])
+    assert not torch.allclose(out[:, :, 0], out[:, :, 2])
+
+
+def test_causal_attention_matches_sdpa_in_float64():
+    torch.manual_seed(1)
+    q = torch.randn(1, 3, 4, 16, dtype=torch.float64)
+    k, v = torch.randn(1, 7, 4, 16, dtype=torch.float64), torch.randn(1, 7, 4, 16, dtype=torch.float64)
+    mask = torch.ones(3, 7, dtype=torch.bool).tril(diagonal=7 - 3)  # query i sees keys <= 4 + i
+    ref = torch.nn.functional.scaled_dot_product_attention(
+        q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2), attn_mask=mask).transpose(1, 2)
+    torch.testing.assert_close(causal_attention(q, k, v), ref)
+
+
+@pytest.mark.parametrize("kwargs, name", [
+    (dict(num_attention_heads=6, num_key_value_heads=4), "num_attention_heads"),
+    (dict(num_hidden_layers=-1), "num_hidden_layers"),
+    (dict(vocab_size=0), "vocab_size"),
+    (dict(head_dim=7), "head_dim"),
+    (dict(rope_theta=0.0), "rope_theta"),
+    (dict(hidden_size=65, head_dim=None), "hidden_size"),
+])
+def test_bad_config_names_the_parameter(kwargs, name):
+    with pytest.raises(ValueError, match=name):
+        DecoderConfig(**{**TINY.to_dict(), **kwargs})
+
+
+def test_from_dict_refuses_what_it_cannot_compute():
+    with pytest.raises(ValueError, match="rope_scaling"):
+        DecoderConfig.from_dict({**TINY.to_dict(), "rope_scaling": {"rope_type": "llama3", "factor": 8.0}})
+    cfg = DecoderConfig.from_dict({"hidden_size": 64, "num_attention_heads": 4, "vocab_size": 10,
+                                   "intermediate_size": 8, "num_hidden_layers": 1, "model_type": "llama"})
+    assert cfg.num_key_value_heads == 4 and cfg.head_dim == 16
+
+
+@pytest.mark.parametrize("bad, name", [
+    (torch.zeros(5, dtype=torch.long), "input_ids"),          # wrong rank
+    (torch.zeros(1, 5), "input_ids"),                         # float ids
+    (torch.full((1, 3), 97), "input_ids"),                    # out of vocabulary
+    (torch.full((1, 3), -1), "input_ids"),                    # negative id
+    (torch.zeros(1, 0, dtype=torch.long), "input_ids"),       # no tokens
+])
+def test_bad_input_ids(bad, name):
+    with pytest.raises(ValueError, match=name):
+        Decoder.random(TINY)(bad)
+
+
+def test_bad_positions_shape():
+    with pytest.raises(ValueError, match="positions"):
+        Decoder.random(TINY)(torch.zeros(1, 4, dtype=torch.long), positions=torch.arange(3)[None])

@@ -1,0 +1,387 @@
+"""Tests for labkit.prefix: hash chain, matching, sharing, copy-on-write, eviction.
+
+The property tests model the K/V pool as a dict slot -> content, where the content of
+a token's slot is (computation key, the whole token prefix up to and including it):
+exactly what K/V depend on. If the cache ever reused a block computed after another
+prefix or under another key, or let an append overwrite a block someone else holds,
+reading a table's slots back would show it.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+
+import pytest
+from hypothesis import HealthCheck, settings
+from hypothesis import strategies as st
+from hypothesis.stateful import RuleBasedStateMachine, initialize, invariant, precondition, rule
+
+from labkit.paging import BlockAllocator, BlockTable, OutOfBlocksError
+from labkit.prefix import CacheKey, CachedBlockTable, PrefixCache, block_hash, hash_chain
+
+
+def reference_chain(tokens, block_size, key):
+    """A plain re-statement of the hash chain, written independently of labkit."""
+    out, parent = [], None
+    fields = [key.model, key.adapter, key.cache_dtype, key.cache_layout, key.rope_theta, key.rope_scaling, key.salt]
+    for i in range(len(tokens) // block_size):
+        blob = json.dumps([parent, list(tokens[i * block_size:(i + 1) * block_size]), fields], separators=(",", ":"))
+        parent = hashlib.sha256(blob.encode()).hexdigest()
+        out.append(parent)
+    return out
+
+
+def snapshot(cache: PrefixCache):
+    a = cache.allocator
+    return (list(a.ref_counts), list(a._free), dict(cache._by_hash), dict(cache._by_block), repr(cache.stats))
+
+
+# ------------------------------------------------------------------------------------------ hashes
+def test_hash_chain_matches_reference_and_is_stable():
+    key = CacheKey(adapter="legal-lora", salt="tenant-7")
+    tokens = [5, 1, 9, 2, 2, 8, 0, 3, 4, 4]
+    assert hash_chain(tokens, 4, key) == reference_chain(tokens, 4, key)
+    assert len(hash_chain(tokens, 4, key)) == 2  # the partial third block has no name
+    assert hash_chain(tokens, 4, key) == hash_chain(list(tokens), 4, CacheKey(adapter="legal-lora", salt="tenant-7"))
+
+
+def test_hash_depends_on_parent_tokens_and_every_key_field():
+    tokens = [1, 2, 3, 4]
+    base = block_hash(None, tokens, CacheKey())
+    assert block_hash("0" * 64, tokens, CacheKey()) != base
+    assert block_hash(None, [1, 2, 3, 5], CacheKey()) != base
+    for change in (dict(model="other"), dict(adapter="a"), dict(cache_dtype="bfloat16"), dict(cache_layout="HND"),
+                   dict(rope_theta=500000.0), dict(rope_scaling="yarn"), dict(salt="s")):
+        assert block_hash(None, tokens, CacheKey(**change)) != base, change
+
+
+def test_same_block_after_different_prefix_has_different_name():
+    a = hash_chain([7, 7, 1, 2, 3, 4], 2)
+    b = hash_chain([9, 9, 1, 2, 3, 4], 2)
+    assert all(x != y for x, y in zip(a, b))
+
+
+# ------------------------------------------------------------------------------------------ match
+def make(num_blocks=16, block_size=4, **kw):
+    return PrefixCache(BlockAllocator(num_blocks), block_size, **kw)
+
+
+def prefill(cache, tokens, key=CacheKey()):
+    table, hit = cache.allocate(tokens, key)
+    cache.commit(table)
+    return table, hit
+
+
+def test_match_is_capped_so_one_token_is_computed_and_has_no_side_effects():
+    cache = make()
+    t, _ = prefill(cache, list(range(8)))  # exactly two blocks
+    before = snapshot(cache)
+    m = cache.match(list(range(8)))
+    assert m.num_cached_tokens == 4 and m.block_ids == (t.block_ids[0],)
+    assert cache.match(list(range(9))).num_cached_tokens == 8
+    assert cache.match(list(range(3))).num_cached_tokens == 0
+    assert snapshot(cache) == before
+
+
+@pytest.mark.parametrize("block_size", [1, 3, 4, 16])
+def test_hits_are_the_longest_cached_run_of_full_blocks(block_size):
+    import random
+    rng = random.Random(block_size)
+    cache = make(num_blocks=64, block_size=block_size)
+    shared = [rng.randrange(50) for _ in range(rng.randrange(1, 30))]
+    first = shared + [rng.randrange(50) for _ in range(5)]
+    prefill(cache, first)
+    second = shared + [99, 98, 97]
+    _, hit = cache.allocate(second)
+    common = len(shared)  # first and second agree exactly on `shared` (99 never appears in first)
+    assert hit == min(common // block_size, (len(second) - 1) // block_size) * block_size
+
+
+def test_reuse_refused_for_other_prefix_key_and_short_prefixes():
+    cache = make(num_blocks=64, block_size=4)
+    report = [3, 1, 4, 1, 5, 9, 2, 6, 5, 3, 5, 8]
+    prefill(cache, report + [7])
+    assert cache.allocate(report + [8])[1] == 12
+    assert cache.allocate([0] + report + [8])[1] == 0            # same text after another prefix
+    assert cache.allocate(report + [8], CacheKey(adapter="x"))[1] == 0
+    assert cache.allocate(report + [8], CacheKey(cache_dtype="bfloat16"))[1] == 0
+    short = make(block_size=16)
+    prefill(short, report + [7])                                  # 13 tokens < one block: nothing named
+    assert short.num_cached_blocks == 0 and short.allocate(report + [8])[1] == 0
+
+
+def test_weak_hash_collisions_never_cause_wrong_reuse():
+    collide = lambda parent, tokens, key: "same"  # noqa: E731  every block gets the same name
+    cache = make(block_size=2, hash_fn=collide)
+    prefill(cache, [1, 2, 3, 4, 5])                   # [3, 4] (a second block) took the name last
+    assert cache.num_cached_blocks == 1
+    assert cache.allocate([1, 2, 9])[1] == 0          # a collision costs a hit...
+    assert cache.allocate([3, 4, 1, 2, 0])[1] == 0    # ...but [3, 4] is never reused as a first block
+    prefill(cache, [7, 8, 1])
+    assert cache.allocate([7, 8, 9])[1] == 2          # verified: reused
+    assert cache.allocate([7, 8, 9], CacheKey(adapter="a"))[1] == 0
+
+
+# ------------------------------------------------------------------------------------- allocation
+def test_allocate_shares_in_use_blocks_and_revives_free_cached_ones():
+    cache = make(num_blocks=8, block_size=4)
+    a = cache.allocator
+    t1, _ = prefill(cache, list(range(10)))
+    t2, hit = cache.allocate(list(range(10)))
+    assert hit == 8 and t2.block_ids[:2] == t1.block_ids[:2] and t2.block_ids[2] != t1.block_ids[2]
+    assert [a.ref_counts[b] for b in t1.block_ids] == [2, 2, 1]
+    cache.release(t1)
+    cache.release(t2)
+    assert a.num_free == 8 and cache.num_cached_blocks == 2  # finished, still cached
+    t3, hit = cache.allocate(list(range(9)))
+    assert hit == 8 and [a.ref_counts[b] for b in t3.block_ids] == [1, 1, 1]
+    assert cache.stats.hit_tokens == 16 and cache.stats.miss_tokens == 10 + 2 + 1
+    assert cache.stats.hit_blocks == 4 and cache.stats.miss_blocks == 3 + 1 + 1
+
+
+def test_free_blocks_needed_predicts_what_allocate_takes():
+    cache = make(num_blocks=12, block_size=4)
+    t, _ = prefill(cache, list(range(12)))
+    cache.release(t)
+    other, _ = prefill(cache, [50] * 6)
+    for prompt in ([*range(12), 1], list(range(5)), [50] * 9, [60] * 3, list(range(4))):
+        predicted = cache.free_blocks_needed(prompt)
+        free = cache.allocator.num_free
+        table, _ = cache.allocate(prompt)
+        assert free - cache.allocator.num_free == predicted, prompt
+        cache.release(table)
+
+
+def test_eviction_is_least_recently_used_and_counted():
+    cache = make(num_blocks=4, block_size=2)
+    a_table, _ = prefill(cache, [1, 1, 1])   # block A1 cached
+    b_table, _ = prefill(cache, [2, 2, 2])   # block B1 cached
+    a_block, b_block = a_table.block_ids[0], b_table.block_ids[0]
+    cache.release(a_table)                   # A freed first: least recently used
+    cache.release(b_table)
+    assert cache.evictable_block_ids() == [a_block, b_block]
+    cache.allocate([3, 3, 3, 3, 3])          # 3 fresh blocks: the 2 uncached free ones first, then A
+    assert not cache.is_cached(a_block) and cache.is_cached(b_block)
+    assert cache.stats.evicted_blocks == 1
+    assert cache.match([1, 1, 1]).num_cached_tokens == 0 and cache.match([2, 2, 2]).num_cached_tokens == 2
+
+
+def test_evict_and_clear_only_touch_unreferenced_blocks():
+    cache = make(num_blocks=8, block_size=2)
+    keep, _ = prefill(cache, [1, 2, 3])
+    gone, _ = prefill(cache, [4, 5, 6, 7, 8])
+    first, second = gone.block_ids[:2]
+    cache.release(gone)                                  # tail first: [6, 7] is freed before [4, 5]
+    assert cache.evictable_block_ids() == [second, first]
+    assert cache.evict(1) == [second] and cache.stats.evicted_blocks == 1
+    assert cache.match([4, 5, 6, 7, 0]).num_cached_tokens == 2
+    assert cache.clear() == 1 and cache.evictable_block_ids() == []
+    assert cache.is_cached(keep.block_ids[0])            # in use: clear leaves it
+    assert cache.match([1, 2, 0]).num_cached_tokens == 2
+    cache.release(keep)
+    assert cache.clear() == 1 and cache.num_cached_blocks == 0
+    assert cache.allocator.num_free == 8
+
+
+def test_copy_on_write_of_a_shared_tail():
+    cache = make(num_blocks=8, block_size=4)
+    parent, _ = prefill(cache, [1, 2, 3, 4, 5, 6])       # tail block half full
+    child = cache.fork(parent)
+    tail = parent.block_ids[-1]
+    assert cache.extra_blocks(child, 1) == 1
+    result = cache.append(child, [7])
+    assert result.copies == [(tail, child.block_ids[-1])] and child.block_ids[-1] != tail
+    assert parent.block_ids[-1] == tail and cache.allocator.ref_counts[tail] == 1
+    assert result.slot_mapping == [child.block_ids[-1] * 4 + 2]
+    again = cache.append(child, [8, 9])                   # private now: no second copy
+    assert again.copies == [] and len(child.block_ids) == 3
+    assert cache.append(parent, [7]).copies == []         # parent holds its tail alone
+
+
+def test_out_of_blocks_changes_nothing():
+    cache = make(num_blocks=3, block_size=2)
+    t, _ = prefill(cache, [1, 2, 3])
+    before = snapshot(cache)
+    with pytest.raises(OutOfBlocksError):
+        cache.allocate([1, 2, 5, 6, 7, 8, 9])
+    assert snapshot(cache) == before
+    child = cache.fork(t)
+    cache.append(child, [4])                              # uses the last free block (copy-on-write)
+    before = snapshot(cache)
+    with pytest.raises(OutOfBlocksError):
+        cache.append(t, [4, 5])                           # fills the tail, then needs one more block
+    assert snapshot(cache) == before and t.num_tokens == 3 and t.token_ids == [1, 2, 3]
+
+
+@pytest.mark.parametrize("call, param", [
+    (lambda c, t: c.allocate("abc"), "token_ids"),
+    (lambda c, t: c.allocate([1, -2]), "token_ids"),
+    (lambda c, t: c.allocate([1, 2.0]), "token_ids"),
+    (lambda c, t: c.allocate([True]), "token_ids"),
+    (lambda c, t: c.allocate([]), "token_ids"),
+    (lambda c, t: c.allocate([1], key="lora"), "key"),
+    (lambda c, t: c.match([1], key=None), "key"),
+    (lambda c, t: c.append(t, [3, -1]), "token_ids"),
+    (lambda c, t: c.append(BlockTable(4), [1]), "table"),
+    (lambda c, t: c.append(PrefixCache(c.allocator, 2).allocate([9])[0], [1]), "block_size"),
+    (lambda c, t: c.release(make().allocate([1])[0]), "table"),
+    (lambda c, t: c.commit(t, t.num_tokens + 1), "num_computed_tokens"),
+    (lambda c, t: c.evict(-1), "num_blocks"),
+    (lambda c, t: c.extra_blocks(t, -3), "num_new_tokens"),
+])
+def test_bad_input_raises_value_error_and_changes_nothing(call, param):
+    cache = make(num_blocks=8, block_size=4)
+    table, _ = prefill(cache, [1, 2, 3, 4, 5])
+    before = snapshot(cache), list(table.block_ids), table.num_tokens
+    with pytest.raises(ValueError, match=param):
+        call(cache, table)
+    assert (snapshot(cache), list(table.block_ids), table.num_tokens)[1:] == before[1:]
+    assert snapshot(cache)[2:] == before[0][2:]
+
+
+def test_constructor_checks():
+    with pytest.raises(ValueError, match="allocator"):
+        PrefixCache(object(), 4)
+    with pytest.raises(ValueError, match="block_size"):
+        PrefixCache(BlockAllocator(2), 0)
+    with pytest.raises(ValueError, match="rope_theta"):
+        CacheKey(rope_theta=-1.0)
+    with pytest.raises(ValueError, match="adapter"):
+        CacheKey(adapter=3)
+
+
+def test_article_figure_two_sequences_sharing_half():
+    """§04: two 8,192-token sequences sharing 4,096 tokens hold 768 blocks of 16 = 1.5 GiB."""
+    bytes_per_token = 2 * 32 * 8 * 128 * 2
+    cache = make(num_blocks=1024, block_size=16)
+    report = list(range(4096))
+    a, _ = prefill(cache, report + [10_000 + i for i in range(4096)])
+    b, hit = cache.allocate(report + [20_000 + i for i in range(4096)])
+    assert hit == 4096
+    held = cache.allocator.num_used
+    assert held == 768 and held * 16 * bytes_per_token == 3 * 2 ** 29   # 1.5 GiB
+    assert len(set(a.block_ids) & set(b.block_ids)) == 256               # 0.5 GiB shared
+
+
+# ----------------------------------------------------------------------------- property tests
+VOCAB = st.integers(0, 2)
+KEYS = [CacheKey(), CacheKey(adapter="lora-1")]
+
+
+class PrefixMachine(RuleBasedStateMachine):
+    """Random allocate / append / fork / commit / finish / evict / clear against a pool model."""
+
+    hash_fn = staticmethod(block_hash)
+
+    @initialize(num_blocks=st.integers(2, 10), block_size=st.integers(1, 3))
+    def setup(self, num_blocks, block_size):
+        self.cache = PrefixCache(BlockAllocator(num_blocks), block_size, hash_fn=self.hash_fn)
+        self.tables: list[CachedBlockTable] = []
+        self.pool: dict[int, tuple] = {}  # slot -> (key, prefix tuple): what the K/V there encode
+
+    def _write(self, table, start):
+        for p in range(start, table.num_tokens):
+            self.pool[table.slot(p)] = (table.key, tuple(table.token_ids[:p + 1]))
+
+    @rule(tokens=st.lists(VOCAB, min_size=1, max_size=9), key_idx=st.integers(0, 1), commit=st.booleans())
+    def allocate(self, tokens, key_idx, commit):
+        before = snapshot(self.cache)
+        predicted = self.cache.free_blocks_needed(tokens, KEYS[key_idx])
+        free = self.cache.allocator.num_free
+        try:
+            table, hit = self.cache.allocate(tokens, KEYS[key_idx])
+        except OutOfBlocksError:
+            assert predicted > free and snapshot(self.cache) == before
+            return
+        assert free - self.cache.allocator.num_free == predicted
+        self._write(table, hit)  # compute only the uncached suffix
+        if commit:
+            self.cache.commit(table)
+        self.tables.append(table)
+
+    @precondition(lambda self: self.tables)
+    @rule(data=st.data(), tokens=st.lists(VOCAB, min_size=0, max_size=5))
+    def append(self, data, tokens):
+        table = data.draw(st.sampled_from(self.tables))
+        before = snapshot(self.cache), list(table.block_ids)
+        try:
+            result = self.cache.append(table, tokens)
+        except OutOfBlocksError:
+            assert (snapshot(self.cache), list(table.block_ids)) == before
+            return
+        bs = self.cache.block_size
+        for src, dst in result.copies:  # copy-on-write: the caller copies the K/V
+            for off in range(bs):
+                if src * bs + off in self.pool:
+                    self.pool[dst * bs + off] = self.pool[src * bs + off]
+        self._write(table, table.num_tokens - len(tokens))
+        self.cache.commit(table)
+
+    @precondition(lambda self: self.tables)
+    @rule(data=st.data())
+    def fork(self, data):
+        self.tables.append(self.cache.fork(data.draw(st.sampled_from(self.tables))))
+
+    @precondition(lambda self: self.tables)
+    @rule(data=st.data())
+    def finish(self, data):
+        table = data.draw(st.sampled_from(self.tables))
+        self.tables.remove(table)
+        self.cache.release(table)
+
+    @rule(n=st.integers(0, 3))
+    def evict(self, n):
+        self.cache.evict(n)
+
+    @rule()
+    def clear(self):
+        self.cache.clear()
+
+    @invariant()
+    def ref_counts_equal_holders(self):
+        a = self.cache.allocator
+        for b in range(a.num_blocks):
+            holders = sum(t.block_ids.count(b) for t in self.tables)
+            assert a.ref_counts[b] == holders
+            assert a.is_free(b) == (holders == 0)
+        assert a.num_free + a.num_used == a.num_blocks
+
+    @invariant()
+    def every_table_reads_its_own_prefix(self):
+        for t in self.tables:
+            assert len(t.block_ids) == -(-t.num_tokens // self.cache.block_size)
+            for p in range(t.num_tokens):
+                assert self.pool.get(t.slot(p)) == (t.key, tuple(t.token_ids[:p + 1]))
+
+    @invariant()
+    def cached_blocks_hold_what_their_entry_names(self):
+        bs = self.cache.block_size
+        for b in self.cache.cached_block_ids():
+            entry = self.cache.cached_block(b)
+            key, prefix = self.pool[b * bs + bs - 1]
+            assert key == entry.key and prefix[-bs:] == entry.token_ids
+
+    def teardown(self):
+        if not hasattr(self, "cache"):
+            return
+        for t in self.tables:
+            self.cache.release(t)
+        self.cache.clear()
+        a = self.cache.allocator
+        assert a.num_free == a.num_blocks and all(r == 0 for r in a.ref_counts)
+        assert self.cache.num_cached_blocks == 0
+
+
+class WeakHashMachine(PrefixMachine):
+    """The same, with a hash that collides all the time: verification must still prevent wrong reuse."""
+
+    hash_fn = staticmethod(lambda parent, tokens, key: str(sum(tokens) % 2))
+
+
+_settings = settings(max_examples=60, stateful_step_count=30, deadline=None,
+                     suppress_health_check=[HealthCheck.too_slow])
+TestPrefixMachine = PrefixMachine.TestCase
+TestPrefixMachine.settings = _settings
+TestWeakHashMachine = WeakHashMachine.TestCase
+TestWeakHashMachine.settings = _settings

@@ -1,0 +1,130 @@
+"""The set-up a reader relies on: dependency files agree, notebooks are generated and executed."""
+
+import json
+import re
+import subprocess
+import sys
+import tomllib
+from pathlib import Path
+
+import pytest
+from packaging.requirements import Requirement
+
+ROOT = Path(__file__).resolve().parent.parent
+sys.path.insert(0, str(ROOT / "tools"))
+import make_notebooks  # noqa: E402
+
+
+def _pins(lines):
+    pins = {}
+    for line in lines:
+        line = line.strip()
+        if not line or line.startswith(("#", "-")):
+            continue
+        req = Requirement(line)
+        (spec,) = req.specifier
+        assert spec.operator == "==", f"{line}: pin exactly"
+        pins[req.name.lower()] = spec.version.split("+")[0]  # "2.13.0+cpu" pins the same release
+    return pins
+
+
+def lock():
+    return _pins((ROOT / "requirements/lock.txt").read_text().splitlines())
+
+
+def test_lock_covers_pyproject_and_satisfies_its_ranges():
+    meta = tomllib.loads((ROOT / "pyproject.toml").read_text())["project"]
+    reqs = [Requirement(r) for r in meta["dependencies"]]
+    reqs += [Requirement(r) for extra in meta["optional-dependencies"].values() for r in extra]
+    pins = lock()
+    assert {r.name.lower() for r in reqs} == set(pins), "pyproject.toml and requirements/lock.txt list different packages"
+    for r in reqs:
+        assert r.specifier.contains(pins[r.name.lower()]), f"lock pins {r.name}=={pins[r.name.lower()]}, outside {r}"
+
+
+def test_environment_yml_installs_the_lock():
+    text = (ROOT / "environment.yml").read_text()
+    pip_lines = [m.group(1) for m in re.finditer(r"^\s+- (\S.*)$", text, re.M) if "==" in m.group(1)]
+    assert _pins(pip_lines) == lock()
+    assert re.search(r"^\s+- -e \.$", text, re.M), "environment.yml must install labkit itself"
+
+
+def test_binder_installs_the_lock():
+    assert _pins((ROOT / "binder/requirements.txt").read_text().splitlines()) == lock()
+    assert "pip install --no-deps -e ." in (ROOT / "binder/postBuild").read_text()
+
+
+def test_readme_gives_the_two_commands_and_ci_calls_make_test():
+    readme = (ROOT / "README.md").read_text()
+    assert "make lab" in readme and "make test" in readme
+    assert "make test" in (ROOT / ".ci/run").read_text()
+
+
+def notebooks():
+    return sorted((ROOT / "chapters").glob("*.ipynb")) + sorted((ROOT / "solutions").glob("*.ipynb"))
+
+
+def test_every_source_has_both_notebooks():
+    stems = sorted(p.stem for p in (ROOT / "book").glob("[0-9][0-9]_*.py"))
+    assert stems, "book/ holds no chapter sources"
+    assert sorted(p.stem for p in (ROOT / "chapters").glob("*.ipynb")) == stems
+    assert sorted(p.stem for p in (ROOT / "solutions").glob("*.ipynb")) == stems
+
+
+@pytest.mark.parametrize("path", notebooks(), ids=lambda p: f"{p.parent.name}/{p.name}")
+def test_notebook_is_committed_executed(path):
+    """A notebook with cleared outputs would pass nbval without checking anything."""
+    cells = json.loads(path.read_text())["cells"]
+    code = [c for c in cells if c["cell_type"] == "code" and "".join(c["source"]).strip()]
+    never = [i for i, c in enumerate(code) if c.get("execution_count") is None]
+    assert not never, f"{path.name}: code cells {never} were never executed: run `make notebooks`"
+    counts = [c["execution_count"] for c in code]
+    assert counts == list(range(1, len(code) + 1)), f"{path.name}: not executed top to bottom in one run"
+    assert any(c.get("outputs") for c in code), f"{path.name}: no outputs at all"
+
+
+@pytest.mark.parametrize("path", notebooks(), ids=lambda p: f"{p.parent.name}/{p.name}")
+def test_chapter_checks_some_figures(path):
+    if path.stem.startswith("00_"):
+        pytest.skip("the start page shows the environment, not the article's figures")
+    cells = json.loads(path.read_text())["cells"]
+    checked = [c for c in cells if c["cell_type"] == "code" and "NBVAL_CHECK_OUTPUT" in "".join(c["source"])]
+    assert checked, f"{path.name}: no cell carries # NBVAL_CHECK_OUTPUT"
+    assert all(c.get("outputs") for c in checked), f"{path.name}: a checked cell has no stored output"
+
+
+def test_committed_notebooks_match_the_generator():
+    result = subprocess.run([sys.executable, str(ROOT / "tools/make_notebooks.py"), "--check"],
+                            capture_output=True, text=True)
+    assert result.returncode == 0, result.stdout + result.stderr
+
+
+def test_generator_splits_solutions_and_stubs():
+    source = "\n".join([
+        "def f(x):",
+        "    # BEGIN SOLUTION",
+        "    return 2 * x",
+        "    # END SOLUTION",
+        "# BEGIN SOLUTION",
+        "answer = 3",
+        "# END SOLUTION",
+        "# BEGIN STUB",
+        "answer = None",
+        "# END STUB",
+        "ex.check('1', answer, 3)",
+    ])
+    chapter = make_notebooks._transform_code(source, solutions=False, where="test")
+    solution = make_notebooks._transform_code(source, solutions=True, where="test")
+    assert "return 2 * x" not in chapter and '    raise NotImplementedError("your code here")' in chapter
+    assert "answer = None" in chapter and "answer = 3" not in chapter
+    assert "return 2 * x" in solution and "answer = 3" in solution and "answer = None" not in solution
+    assert "BEGIN" not in chapter + solution and "END" not in chapter + solution
+    with pytest.raises(SystemExit, match="STUB"):
+        make_notebooks._transform_code("# BEGIN SOLUTION\nx = 1\n# END SOLUTION", solutions=False, where="t")
+
+
+def test_colab_cell_installs_only_in_colab():
+    repo, branch = make_notebooks.repository()
+    badge, install = make_notebooks.header_cells("chapters", "01_x")
+    assert f"github/{repo}/blob/{branch}/chapters/01_x.ipynb" in badge.source
+    assert 'if "google.colab" in sys.modules:' in install.source
