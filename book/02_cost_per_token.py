@@ -177,9 +177,10 @@ used = [sizes[n] / GiB for n in names]
 ax.barh(names, [1.0] * 3, color="lightgrey", label="reserved, unused")
 ax.barh(names, used, color="C0", label="holding K and V")
 ax.set_xlabel("memory (GiB)")
+ax.set_xlim(0, 1.45)
 ax.invert_yaxis()
 ax.set_title(f"Reserving 8,192 tokens each: {format_bytes(reserved)} held, {format_bytes(total_bytes)} used")
-ax.legend(loc="lower right")
+ax.legend(loc="center right")
 fig.tight_layout()
 plt.show()
 
@@ -266,9 +267,10 @@ for i, p in enumerate(order):
     ax.text(p.bytes_per_token() / KiB, i, " " + format_bytes(p.bytes_per_token()), va="center", fontsize="small")
 ax.set_xlabel("KV cache per token (KiB)")
 ax.set_xlim(0, 400)
-ax.set_title("Per-token cost ranges over 6x across models of similar size")
+ax.set_title("Per-token cost differs 6x between models; size does not predict it")
 fig.tight_layout()
 plt.show()
+assert PRESETS["Gemma-2-9B"].bytes_per_token() == 6 * PRESETS["Qwen2.5-7B"].bytes_per_token()
 
 # %% [markdown]
 # Parameters do not predict the cache: Gemma-2-9B stores 6 times more per token than
@@ -352,6 +354,7 @@ print(f"DeepSeek-V3 latent cache: {mla.bytes_per_token():,} bytes = {format_byte
 print(f"the same model caching full K and V: {format_bytes(full_mha)} per token, "
       f"{full_mha / mla.bytes_per_token():.0f}x more")
 assert mla.bytes_per_token() == 61 * (512 + 64) * 2
+assert capacity.shard(mla, tensor_parallel=8).bytes_per_token() == mla.bytes_per_token()  # replicated
 
 # %% [markdown]
 # ## 8. From bytes to capacity

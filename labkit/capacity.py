@@ -248,7 +248,9 @@ class ModelShape:
                 raise ValueError(f"config must have {key!r} (an integer >= 1)")
         num_layers = _check_int("num_hidden_layers", config["num_hidden_layers"], 1)
         num_heads = _check_int("num_attention_heads", config["num_attention_heads"], 1)
-        kv_heads = config.get("num_key_value_heads") or num_heads
+        kv_heads = config.get("num_key_value_heads")
+        if kv_heads is None:  # no GQA: one KV head per query head
+            kv_heads = num_heads
         head_dim = config.get("head_dim")
         if head_dim is None:
             head_dim = _check_int("hidden_size", config.get("hidden_size"), 1) // num_heads

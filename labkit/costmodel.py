@@ -31,6 +31,8 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
+import numpy as np
+
 from .capacity import GiB, PRESETS, ModelShape
 
 __all__ = ["Device", "DEVICES", "ModelCost", "MODEL_COSTS", "CostModel", "get_device", "get_model_cost"]
@@ -236,6 +238,14 @@ class CostModel:
         moved = self.model.weight_bytes + (num_context_tokens + num_new_tokens) * self.kv_bytes_per_token
         flops = self.model.flops_per_token * num_new_tokens + self.model.attention_flops_per_pair * num_pairs
         return max(moved / self.device.memory_bandwidth, flops / self.device.peak_flops) + self.overhead_s
+
+    def times_from_sums(self, num_new_tokens: int, num_context_tokens: np.ndarray, num_pairs: np.ndarray) -> np.ndarray:
+        """``time_from_sums`` for many steps at once (arrays of Σ context_len and Σ pairs)."""
+        moved = self.model.weight_bytes + (np.asarray(num_context_tokens, dtype=np.float64) + num_new_tokens) \
+            * self.kv_bytes_per_token
+        flops = self.model.flops_per_token * num_new_tokens \
+            + self.model.attention_flops_per_pair * np.asarray(num_pairs, dtype=np.float64)
+        return np.maximum(moved / self.device.memory_bandwidth, flops / self.device.peak_flops) + self.overhead_s
 
     def step(self, work: list[tuple[int, int]]) -> StepCost:
         """The cost of one step; ``work`` holds ``(context_len, new_tokens)`` per scheduled sequence."""

@@ -38,31 +38,29 @@ class Exercises:
         self.chapter = chapter
         self.strict = strict
 
-    def _not_solved(self, name: str) -> bool:
+    # Checkers print their verdict and return None, so a notebook cell shows only the message.
+    def _not_solved(self, name: str) -> None:
         msg = f"⏳ {name}: not solved yet. The worked answer is in solutions/{self.chapter}.ipynb."
         if self.strict:
             raise AssertionError(msg)
         print(msg)
-        return False
 
-    def _wrong(self, name: str, detail: str, hint: str) -> bool:
+    def _wrong(self, name: str, detail: str, hint: str) -> None:
         msg = f"❌ {name}: not yet. {detail}" + (f" Hint: {hint}" if hint else "")
         if self.strict:
             raise AssertionError(msg)
         print(msg)
-        return False
 
-    def check(self, name: str, answer: Any, expected: Any, *, rel_tol: float = 0.0, hint: str = "") -> bool:
+    def check(self, name: str, answer: Any, expected: Any, *, rel_tol: float = 0.0, hint: str = "") -> None:
         """Compare a value the reader computed with the expected one."""
         if answer is None or answer is Ellipsis:
             return self._not_solved(name)
         if not _close(answer, expected, rel_tol):
             return self._wrong(name, f"Your answer was {answer!r}.", hint)
         print(f"✅ {name}: correct.")
-        return True
 
     def check_function(self, name: str, fn: Callable[..., Any], cases: Iterable[tuple[tuple, Any]], *,
-                       rel_tol: float = 0.0, hint: str = "") -> bool:
+                       rel_tol: float = 0.0, hint: str = "") -> None:
         """Call the reader's ``fn(*args)`` for each ``(args, expected)`` case."""
         cases = list(cases)
         for args, expected in cases:
@@ -76,4 +74,3 @@ class Exercises:
                 shown = ", ".join(repr(a) if not hasattr(a, "shape") else f"<tensor {tuple(a.shape)}>" for a in args)
                 return self._wrong(name, f"{getattr(fn, '__name__', 'fn')}({shown}) gave {got!r}.", hint)
         print(f"✅ {name}: correct on all {len(cases)} cases.")
-        return True

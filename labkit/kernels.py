@@ -178,6 +178,8 @@ def _check_caches(k_cache: object, v_cache: object, dtype: torch.dtype, device: 
     _check_tensor("v_cache", v_cache, 4, SUPPORTED_DTYPES)
     if v_cache.shape != k_cache.shape:
         raise ValueError(f"v_cache must have the shape of k_cache {tuple(k_cache.shape)}, got {tuple(v_cache.shape)}")
+    if v_cache.stride() != k_cache.stride():  # the kernels address both pools with one set of strides
+        raise ValueError(f"v_cache must have the strides of k_cache {k_cache.stride()}, got {v_cache.stride()}")
     for name, t in (("k_cache", k_cache), ("v_cache", v_cache)):
         if t.dtype != dtype:
             raise ValueError(f"{name} must have the dtype of the queries/keys ({dtype}), got {t.dtype}")
@@ -198,8 +200,9 @@ def _check_out(out: object, q: torch.Tensor) -> None:
     if out is None:
         return
     if not isinstance(out, torch.Tensor) or out.shape != q.shape or out.dtype != q.dtype or out.device != q.device:
+        got = f"{getattr(out, 'dtype', type(out).__name__)} {tuple(getattr(out, 'shape', ()))}"
         raise ValueError(f"out must be None or a tensor shaped like q {tuple(q.shape)} with dtype {q.dtype} on "
-                         f"{q.device}, got {getattr(out, 'dtype', type(out).__name__)} {tuple(getattr(out, 'shape', ()))}")
+                         f"{q.device}, got {got}")
     if out.stride(-1) != 1:
         raise ValueError("out must be contiguous in head_dim (stride 1 in its last dimension)")
 
@@ -250,7 +253,7 @@ if triton is not None:
         BLOCK_H: tl.constexpr, BLOCK_D: tl.constexpr,
     ):
         """One program per new token: copy its [num_kv_heads, head_dim] K and V into its slot."""
-        token = tl.program_id(0)
+        token = tl.program_id(0).to(tl.int64)
         slot = tl.load(slot_ptr + token).to(tl.int64)
         heads = tl.arange(0, BLOCK_H)[:, None]
         dims = tl.arange(0, BLOCK_D)[None, :]
@@ -466,15 +469,17 @@ def _num_programs_target(device: torch.device) -> int:
 
 
 def choose_num_splits(num_seqs: int, num_kv_heads: int, max_seq_len: int, device: torch.device | str = "cpu",
-                      block_n: int = 64) -> tuple[int, int]:
+                      block_n: int = 64, target_programs: int | None = None) -> tuple[int, int]:
     """Split-K plan for decode: ``(num_splits, tokens_per_split)``.
 
     Decode launches one program per (sequence, KV head). With many sequences that
     fills the GPU; with one long sequence it leaves most multiprocessors idle while one
     program walks 32k positions. Then the positions are cut into ``num_splits`` chunks
     handled in parallel, each at least ``MIN_TOKENS_PER_SPLIT`` long, and merged.
+    ``target_programs`` (default: the device's multiprocessor count; 8 on a CPU) is how many
+    programs keep the device busy.
     """
-    target = _num_programs_target(torch.device(device))
+    target = target_programs or _num_programs_target(torch.device(device))
     programs = num_seqs * num_kv_heads
     if programs >= target or max_seq_len < 2 * MIN_TOKENS_PER_SPLIT:
         return 1, max(max_seq_len, 1)
@@ -491,7 +496,9 @@ def _tile_settings(dtype: torch.dtype, head_dim: int, max_len: int) -> dict:
         block_n = min(128, max(16, _next_pow2(max_len)))
     else:
         block_n = 64 if head_dim <= 128 else 32
-    return dict(BLOCK_D=max(16, _next_pow2(head_dim)), BLOCK_N=block_n, UPCAST=upcast, DOT_PRECISION="ieee")
+    # Upcast tiles are float32: "ieee" keeps float32 products exact (a GPU would otherwise use TF32).
+    return dict(BLOCK_D=max(16, _next_pow2(head_dim)), BLOCK_N=block_n, UPCAST=upcast,
+                DOT_PRECISION="ieee" if upcast else "tf32")
 
 
 def _group_tile(group_size: int) -> int:
@@ -679,6 +686,10 @@ def paged_prefill_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: tor
     if cu_seqlens_q.shape[0] < 1:
         raise ValueError("cu_seqlens_q must have num_seqs + 1 >= 1 entries")
     num_seqs = cu_seqlens_q.shape[0] - 1
+    _check_tensor("seq_lens", seq_lens, 1, (torch.int32,))
+    if seq_lens.shape[0] != num_seqs:
+        raise ValueError(f"cu_seqlens_q must have num_seqs + 1 = {seq_lens.shape[0] + 1} entries (one more than "
+                         f"seq_lens), got {cu_seqlens_q.shape[0]}")
     _check_attention_args(q, k_cache, v_cache, block_tables, seq_lens, num_seqs)
     cu = cu_seqlens_q.long()
     q_lens = cu[1:] - cu[:-1]

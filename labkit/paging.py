@@ -69,6 +69,10 @@ class BlockAllocator:
     def num_used(self) -> int:
         return self.num_blocks - len(self._free)
 
+    def free_block_ids(self) -> list[int]:
+        """The free blocks in the order ``allocate`` will hand them out (least recently freed first)."""
+        return list(self._free)
+
     def is_free(self, block_id: int) -> bool:
         self._check_id(block_id)
         return block_id in self._free
@@ -300,7 +304,8 @@ class PagedKVCache:
             raise ValueError(f"k and v must be [batch, new, {expected[0]}, {expected[1]}], "
                              f"got {tuple(k.shape)} and {tuple(v.shape)}")
         if q.dim() != 4 or q.shape[:2] != k.shape[:2]:
-            raise ValueError(f"q must be [batch, new, num_heads, head_dim] with k's batch and new, got {tuple(q.shape)}")
+            raise ValueError(f"q must be [batch, new, num_heads, head_dim] with k's batch and new, "
+                             f"got {tuple(q.shape)}")
         if not isinstance(layer_idx, int) or not 0 <= layer_idx < cfg.num_hidden_layers:
             raise ValueError(f"layer_idx must be an integer in [0, {cfg.num_hidden_layers - 1}], got {layer_idx!r}")
         batch, num_new = k.shape[:2]
@@ -356,6 +361,7 @@ def generate_paged(model: "Decoder", prompts: list[list[int]], max_new_tokens: i
         for row in range(len(prompts)):
             logits[row].append(step[row])
             tokens[row].append(int(step[row].argmax()))
+    held = cache.seq_lens()  # positions in the cache at the end, as Generation reports them
     for seq_id in seq_ids:
         cache.free_sequence(seq_id)
-    return [Generation(t, torch.stack(lg)) for t, lg in zip(tokens, logits)]
+    return [Generation(tokens=t, logits=torch.stack(lg), cache_tokens=n) for t, lg, n in zip(tokens, logits, held)]

@@ -68,6 +68,9 @@ __all__ = [
     "CachedBlockTable",
     "PrefixCache",
     "OutOfBlocksError",
+    "PrefixKVCache",
+    "PrefixGeneration",
+    "generate_with_prefix_cache",
 ]
 
 
@@ -83,6 +86,8 @@ class CacheKey:
       float16 cannot be read as bfloat16 or fp8, nor an ``NHD`` block as ``HND``.
     * ``rope_theta`` and ``rope_scaling``: position-encoding settings; a
       different base frequency rotates every key differently.
+    * ``attention``: the attention rule that produced the hidden states, e.g.
+      ``"causal"`` or ``"sliding-4096"`` (a window changes every later layer's input).
     * ``salt``: an optional string that keeps tenants apart even for equal prompts
       (reuse can leak timing information between users).
     """
@@ -93,10 +98,11 @@ class CacheKey:
     cache_layout: str = "NHD"
     rope_theta: float = 10000.0
     rope_scaling: str | None = None
+    attention: str = "causal"
     salt: str | None = None
 
     def __post_init__(self) -> None:
-        for name in ("model", "cache_dtype", "cache_layout"):
+        for name in ("model", "cache_dtype", "cache_layout", "attention"):
             if not isinstance(getattr(self, name), str):
                 raise ValueError(f"{name} must be a string, got {getattr(self, name)!r}")
         for name in ("adapter", "rope_scaling", "salt"):
@@ -234,7 +240,9 @@ class CachedBlockTable(BlockTable):
 class PrefixCache:
     """Reference-counted, hash-named, LRU-evicted full blocks on top of a ``BlockAllocator``.
 
-    ``allocator``: the pool (shared with whoever else allocates from it).
+    ``allocator``: the pool. Allocate from it only through this cache: a block that
+    ``allocator.allocate()`` hands to someone else directly would keep its old name here
+    while its K/V are overwritten.
     ``block_size``: tokens per block; every table this cache makes uses it.
     ``hash_fn``: ``block_hash`` by default; tests pass a weak one to show that collisions
     cannot cause wrong reuse.
@@ -485,7 +493,7 @@ class PrefixCache:
         if block_id is None:
             return None
         entry = self._by_block[block_id]
-        if entry.token_ids != tuple(tokens) or entry.key != key or False:
+        if entry.token_ids != tuple(tokens) or entry.key != key or entry.parent_entry != parent_entry:
             return None  # a hash collision or a stale child: verified, so never a wrong reuse
         return entry
 
@@ -551,3 +559,145 @@ def _check_token_ids(token_ids: object, min_len: int = 0) -> tuple[int, ...]:
     if len(tokens) < min_len:
         raise ValueError(f"token_ids must hold at least {min_len} token(s), got {len(tokens)}")
     return tokens
+
+
+# ---------------------------------------------------------------------------------------------
+# Prefix reuse with real tensors: the decoder's cache protocol on top of a PrefixCache
+# ---------------------------------------------------------------------------------------------
+
+class PrefixKVCache:
+    """Paged K/V pools for ``labkit.model.Decoder`` whose blocks are managed by a ``PrefixCache``.
+
+    ``k_caches[layer]`` / ``v_caches[layer]`` are ``[num_blocks, block_size, num_kv_heads, head_dim]``
+    (the layout of ``labkit.kernels``). One sequence runs at a time (batch 1): ``begin`` gives it a
+    block table whose cached prefix is already filled, the model then runs on the *remaining*
+    tokens only, and ``attend`` writes their K/V (``write_kv``) and attends over the whole
+    sequence through ``paged_prefill_attention``. ``reuse=False`` never names a block, so nothing
+    ever hits: the same code with prefix caching turned off, for comparisons.
+    """
+
+    def __init__(self, config, num_blocks: int, block_size: int, *, dtype=None, device=None,
+                 model_name: str = "teaching-model", reuse: bool = True):
+        import torch
+
+        from .device import DEVICE
+
+        _check_block_size(block_size)
+        dtype = torch.float32 if dtype is None else dtype
+        if dtype not in (torch.float32, torch.float16, torch.bfloat16):
+            raise ValueError(f"dtype must be torch.float32, torch.float16 or torch.bfloat16, got {dtype}")
+        self.config, self.block_size, self.dtype, self.reuse = config, block_size, dtype, bool(reuse)
+        self.device = torch.device(device) if device is not None else DEVICE
+        self.model_name = model_name
+        self.prefix = PrefixCache(BlockAllocator(num_blocks), block_size)
+        shape = (num_blocks, block_size, config.num_key_value_heads, config.head_dim)
+        self.k_caches = [torch.zeros(shape, dtype=dtype, device=self.device) for _ in range(config.num_hidden_layers)]
+        self.v_caches = [torch.zeros(shape, dtype=dtype, device=self.device) for _ in range(config.num_hidden_layers)]
+        self.table: CachedBlockTable | None = None
+        self.seq_len = 0  # tokens of the current sequence whose K/V are in the pool
+
+    def key(self, adapter: str | None = None, salt: str | None = None) -> CacheKey:
+        """The computation identity of this pool: model, dtype, layout, RoPE base; plus adapter and salt."""
+        return CacheKey(model=self.model_name, adapter=adapter, cache_dtype=str(self.dtype).replace("torch.", ""),
+                        cache_layout="NHD", rope_theta=float(self.config.rope_theta), salt=salt)
+
+    def begin(self, prompt_ids: Sequence[int], key: CacheKey | None = None) -> int:
+        """Start a sequence for ``prompt_ids``; return how many prompt tokens are already cached."""
+        if self.table is not None:
+            raise ValueError("a sequence is running: call end() before begin()")
+        self.table, num_cached = self.prefix.allocate(prompt_ids, key or self.key())
+        self.seq_len = num_cached
+        return num_cached
+
+    def extend(self, token_ids: Sequence[int]) -> None:
+        """Reserve slots for decode tokens; copy a shared tail block first (copy-on-write)."""
+        result = self.prefix.append(self._running(), token_ids)
+        for src, dst in result.copies:
+            for kc, vc in zip(self.k_caches, self.v_caches):
+                kc[dst].copy_(kc[src])
+                vc[dst].copy_(vc[src])
+
+    def end(self) -> None:
+        """The sequence finished: release its blocks (its full blocks stay cached)."""
+        self.prefix.release(self._running())
+        self.table, self.seq_len = None, 0
+
+    def _running(self) -> CachedBlockTable:
+        if self.table is None:
+            raise ValueError("no sequence is running: call begin(prompt_ids) first")
+        return self.table
+
+    def attend(self, layer_idx: int, q, k, v):
+        """Write the new tokens' K/V into their slots, then attend over the whole sequence."""
+        import torch
+
+        from .kernels import paged_prefill_attention, write_kv
+
+        table = self._running()
+        batch, num_new, hkv, d = k.shape
+        if batch != 1:
+            raise ValueError(f"q, k, v must have batch 1 (one sequence at a time), got batch {batch}")
+        start = self.seq_len
+        if start + num_new > table.num_tokens:
+            raise ValueError(f"{num_new} new tokens after {start} exceed the {table.num_tokens} reserved slots "
+                             "(begin() or extend() first)")
+        slots = torch.tensor([table.slot(p) for p in range(start, start + num_new)], device=self.device)
+        kc, vc = self.k_caches[layer_idx], self.v_caches[layer_idx]
+        write_kv(k[0].to(self.dtype).contiguous(), v[0].to(self.dtype).contiguous(), kc, vc, slots)
+        out = paged_prefill_attention(
+            q[0].to(self.dtype).contiguous(), kc, vc,
+            torch.tensor([table.block_ids], dtype=torch.int32, device=self.device),
+            torch.tensor([start + num_new], dtype=torch.int32, device=self.device),
+            torch.tensor([0, num_new], dtype=torch.int32, device=self.device))
+        if layer_idx == self.config.num_hidden_layers - 1:  # the last layer: these tokens are done
+            self.seq_len = start + num_new
+            if self.reuse:
+                self.prefix.commit(table, self.seq_len)
+        return out[None].to(q.dtype)
+
+
+@dataclass
+class PrefixGeneration:
+    """One request's greedy output, and what the prefix cache saved it.
+
+    ``num_cached_tokens``: prompt tokens found in the cache (not computed);
+    ``num_prefill_tokens``: prompt tokens the model ran on; ``num_decode_steps``: forward
+    passes of one token each after the prefill (reuse never shortens these).
+    """
+
+    tokens: list[int]
+    logits: "object"  # torch.Tensor [max_new_tokens, vocab_size]
+    num_cached_tokens: int
+    num_prefill_tokens: int
+    num_decode_steps: int
+
+
+def generate_with_prefix_cache(model, kv: PrefixKVCache, prompt_ids: Sequence[int], max_new_tokens: int,
+                               key: CacheKey | None = None) -> PrefixGeneration:
+    """Greedy decoding of one request on ``kv``: prefill only the uncached suffix, then decode.
+
+    Blocks named by earlier requests on the same ``kv`` are reused (when ``kv.reuse``);
+    this request's own full blocks are named for later ones. Its blocks are released at the
+    end and stay cached until evicted.
+    """
+    import torch
+
+    _check_count("max_new_tokens", max_new_tokens)
+    if max_new_tokens < 1:
+        raise ValueError(f"max_new_tokens must be an integer >= 1, got {max_new_tokens!r}")
+    prompt = _check_token_ids(prompt_ids, min_len=1)
+    device = model.lm_head.weight.device
+    num_cached = kv.begin(prompt, key)
+    try:
+        with torch.no_grad():
+            logits = model(torch.tensor([prompt[num_cached:]], device=device), cache=kv)[0, -1]
+            out_logits, tokens = [logits], [int(logits.argmax())]
+            for _ in range(max_new_tokens - 1):
+                kv.extend(tokens[-1:])
+                logits = model(torch.tensor([tokens[-1:]], device=device), cache=kv)[0, -1]
+                out_logits.append(logits)
+                tokens.append(int(logits.argmax()))
+    finally:
+        kv.end()
+    return PrefixGeneration(tokens, torch.stack(out_logits), num_cached, len(prompt) - num_cached,
+                            max_new_tokens - 1)

@@ -52,6 +52,7 @@ __all__ = [
     "Request",
     "extra_blocks",
     "plan_iteration",
+    "Decision",
     "ScheduledChunk",
     "StepStats",
     "Step",
@@ -195,6 +196,25 @@ def plan_iteration(candidates: Iterable[Request], free_blocks: int, token_budget
 
 
 @dataclass
+class Decision:
+    """One candidate's turn in a step's budget pass, as ``plan_iteration`` saw it.
+
+    ``tokens`` = min(next_chunk, ``token_budget``) and ``needed`` = its ``extra_blocks``,
+    against the ``free_blocks`` and ``token_budget`` left at its turn. ``outcome`` is
+    ``"planned"``, ``"skipped"`` (needed > free_blocks) or ``"stop"`` (the budget is spent).
+    """
+
+    request: Request
+    waiting: bool
+    next_chunk: int
+    tokens: int
+    needed: int
+    free_blocks: int
+    token_budget: int
+    outcome: str
+
+
+@dataclass
 class ScheduledChunk:
     """One request's share of a step: which tokens to compute and where their K/V go.
 
@@ -253,6 +273,7 @@ class Step:
 
     Apply ``copies`` (copy every layer's K/V of block ``src`` into block ``dst``) before
     writing this step's K/V. ``preempted`` requests lost their blocks in this step.
+    ``decisions`` records every candidate's turn in the budget pass (chapter 05's tables).
     """
 
     index: int
@@ -260,6 +281,7 @@ class Step:
     copies: list[tuple[int, int]]
     preempted: list[Request]
     stats: StepStats
+    decisions: list[Decision] = field(default_factory=list)
 
     @property
     def num_tokens(self) -> int:
@@ -317,6 +339,7 @@ class Scheduler:
         self.num_steps = 0
         self._chunks: list[ScheduledChunk] = []   # filled by _reserve during one schedule()
         self._copies: list[tuple[int, int]] = []
+        self._decisions: list[Decision] = []      # filled by _candidates during one schedule()
 
     # ------------------------------------------------------------------ requests
     @property
@@ -335,15 +358,41 @@ class Scheduler:
                 raise ValueError("max_new_tokens must be given (an integer >= 1) with prompt token ids")
             request = Request(list(request) if not isinstance(request, (list, tuple, range)) else request,
                               max_new_tokens, eos_token_id)
-        if request.status is not RequestStatus.WAITING or request.num_computed_tokens or request.table:
-            raise ValueError("request must be new (waiting, nothing computed, no blocks)")
+        self.check_fits(request)
+        self.waiting.append(request)
+        return request
+
+    def check_fits(self, request: Request) -> None:
+        """ValueError unless ``request`` is new and its whole length fits in the pool."""
+        if not isinstance(request, Request):
+            raise ValueError(f"request must be a Request, got {type(request).__name__}")
+        if (request.status is not RequestStatus.WAITING or request.num_computed_tokens or request.table is not None
+                or request.output_token_ids or any(request is r for r in self.waiting)):
+            raise ValueError("request must be new: waiting, not queued yet, nothing computed, no blocks")
         need = blocks_needed(len(request.prompt_token_ids) + request.max_new_tokens, self.block_size)
         if need > self.num_blocks:
             raise ValueError(f"max_new_tokens: prompt ({len(request.prompt_token_ids)}) + max_new_tokens "
                              f"({request.max_new_tokens}) tokens need {need} blocks of {self.block_size}, "
                              f"more than the pool's {self.num_blocks}")
-        self.waiting.append(request)
-        return request
+
+    def fork(self, request: Request) -> Request:
+        """A twin of a running request that shares all of its blocks (parallel sampling, beam search).
+
+        Nothing is copied now. The first of the two that writes into their shared, partly
+        filled tail block gets a private copy of it first (copy-on-write): one of the cases
+        ``extra_blocks`` counts, and a ``(src, dst)`` pair in that step's ``copies``.
+        """
+        if not isinstance(request, Request) or request.status is not RequestStatus.RUNNING \
+                or not any(request is r for r in self.running):
+            raise ValueError("request must be a running request of this scheduler")
+        child = Request(list(request.prompt_token_ids), request.max_new_tokens, request.eos_token_id)
+        child.output_token_ids = list(request.output_token_ids)
+        child.num_computed_tokens = request.num_computed_tokens
+        child.table = self.prefix_cache.fork(request.table)
+        child.block_table = list(child.table.block_ids)
+        child.status = RequestStatus.RUNNING
+        self.running.append(child)
+        return child
 
     def has_unfinished(self) -> bool:
         return bool(self.waiting or self.running)
@@ -352,16 +401,19 @@ class Scheduler:
     def schedule(self) -> Step:
         """Plan the next step: preempt if the running requests cannot grow, then the budget pass."""
         self.num_steps += 1
-        self._chunks, self._copies = [], []
+        self._chunks, self._copies, self._decisions = [], [], []
         preempted = self._preempt_until_running_fit()
         if self.priority is not None:
             self.waiting = deque(sorted(self.waiting, key=self.priority))
-        plan_iteration(self._candidates(), self.allocator.num_free, self.max_num_batched_tokens,
-                       self.block_size, reserve=self._reserve)
+        # After a preemption no waiting request is admitted this step (as in vLLM): the
+        # blocks just freed go to the running requests that needed them, not to newcomers.
+        plan = plan_iteration(self._candidates(include_waiting=not preempted), self.allocator.num_free,
+                              self.max_num_batched_tokens, self.block_size, reserve=self._reserve)
         for request in self.waiting:  # those not admitted: drop their tentative prefix hit
             self._forget_lookup(request)
-        chunks, copies = self._chunks, self._copies
-        self._chunks, self._copies = [], []
+        chunks, copies, decisions = self._chunks, self._copies, self._decisions
+        self._chunks, self._copies, self._decisions = [], [], []
+        assert [d.request for d in decisions if d.outcome == "planned"] == [r for r, _ in plan]
         stats = StepStats(
             step=self.num_steps,
             scheduled_tokens=sum(c.num_tokens for c in chunks),
@@ -377,7 +429,7 @@ class Scheduler:
             num_running=len(self.running),
             num_waiting=len(self.waiting),
         )
-        return Step(self.num_steps, chunks, copies, preempted, stats)
+        return Step(self.num_steps, chunks, copies, preempted, stats, decisions)
 
     def postprocess(self, step: Step, sampled_token_ids: Sequence[int]) -> list[Request]:
         """After the model ran: append one sampled token per sampling chunk; finish and release.
@@ -409,7 +461,7 @@ class Scheduler:
         return finished
 
     # ------------------------------------------------------------------ helpers
-    def _candidates(self) -> Iterator[Request]:
+    def _candidates(self, include_waiting: bool = True) -> Iterator[Request]:
         """Running requests first (oldest first), then the waiting queue in order.
 
         A generator, so that each request's shared tail and prefix hit are looked at
@@ -417,10 +469,24 @@ class Scheduler:
         """
         for request in list(self.running):
             self._refresh_tail(request)
+            self._record_turn(request, waiting=False)
             yield request
+        if not include_waiting:
+            return
         for request in list(self.waiting):
             self._look_up_prefix(request)
+            self._record_turn(request, waiting=True)
             yield request
+
+    def _record_turn(self, request: Request, waiting: bool) -> None:
+        """Note what ``plan_iteration`` is about to see for ``request`` (for ``Step.decisions``)."""
+        budget = self.max_num_batched_tokens - sum(c.num_tokens for c in self._chunks)
+        free = self.allocator.num_free
+        tokens = min(request.next_chunk, budget)
+        needed = extra_blocks(request, tokens, self.block_size)
+        outcome = "stop" if tokens == 0 else "skipped" if needed > free else "planned"
+        self._decisions.append(Decision(request, waiting, request.next_chunk, tokens, needed, free, budget,
+                                        outcome))
 
     def _refresh_tail(self, request: Request) -> None:
         table = request.table

@@ -24,7 +24,8 @@ from labkit.prefix import CacheKey, CachedBlockTable, PrefixCache, block_hash, h
 def reference_chain(tokens, block_size, key):
     """A plain re-statement of the hash chain, written independently of labkit."""
     out, parent = [], None
-    fields = [key.model, key.adapter, key.cache_dtype, key.cache_layout, key.rope_theta, key.rope_scaling, key.salt]
+    fields = [key.model, key.adapter, key.cache_dtype, key.cache_layout, key.rope_theta, key.rope_scaling,
+              key.attention, key.salt]
     for i in range(len(tokens) // block_size):
         blob = json.dumps([parent, list(tokens[i * block_size:(i + 1) * block_size]), fields], separators=(",", ":"))
         parent = hashlib.sha256(blob.encode()).hexdigest()
@@ -52,7 +53,8 @@ def test_hash_depends_on_parent_tokens_and_every_key_field():
     assert block_hash("0" * 64, tokens, CacheKey()) != base
     assert block_hash(None, [1, 2, 3, 5], CacheKey()) != base
     for change in (dict(model="other"), dict(adapter="a"), dict(cache_dtype="bfloat16"), dict(cache_layout="HND"),
-                   dict(rope_theta=500000.0), dict(rope_scaling="yarn"), dict(salt="s")):
+                   dict(rope_theta=500000.0), dict(rope_scaling="yarn"), dict(attention="sliding-4096"),
+                   dict(salt="s")):
         assert block_hash(None, tokens, CacheKey(**change)) != base, change
 
 
@@ -215,29 +217,32 @@ def test_out_of_blocks_changes_nothing():
 
 
 @pytest.mark.parametrize("call, param", [
-    (lambda c, t: c.allocate("abc"), "token_ids"),
-    (lambda c, t: c.allocate([1, -2]), "token_ids"),
-    (lambda c, t: c.allocate([1, 2.0]), "token_ids"),
-    (lambda c, t: c.allocate([True]), "token_ids"),
-    (lambda c, t: c.allocate([]), "token_ids"),
-    (lambda c, t: c.allocate([1], key="lora"), "key"),
-    (lambda c, t: c.match([1], key=None), "key"),
-    (lambda c, t: c.append(t, [3, -1]), "token_ids"),
-    (lambda c, t: c.append(BlockTable(4), [1]), "table"),
-    (lambda c, t: c.append(PrefixCache(c.allocator, 2).allocate([9])[0], [1]), "block_size"),
-    (lambda c, t: c.release(make().allocate([1])[0]), "table"),
-    (lambda c, t: c.commit(t, t.num_tokens + 1), "num_computed_tokens"),
-    (lambda c, t: c.evict(-1), "num_blocks"),
-    (lambda c, t: c.extra_blocks(t, -3), "num_new_tokens"),
+    (lambda c, t, other: c.allocate("abc"), "token_ids"),
+    (lambda c, t, other: c.allocate([1, -2]), "token_ids"),
+    (lambda c, t, other: c.allocate([1, 2.0]), "token_ids"),
+    (lambda c, t, other: c.allocate([True]), "token_ids"),
+    (lambda c, t, other: c.allocate([]), "token_ids"),
+    (lambda c, t, other: c.allocate([1], key="lora"), "key"),
+    (lambda c, t, other: c.match([1], key=None), "key"),
+    (lambda c, t, other: c.free_blocks_needed((1, 2, -3)), "token_ids"),
+    (lambda c, t, other: c.append(t, [3, -1]), "token_ids"),
+    (lambda c, t, other: c.append(BlockTable(4), [1]), "table"),
+    (lambda c, t, other: c.append(other["small_blocks"], [1]), "block_size"),
+    (lambda c, t, other: c.release(other["other_cache"]), "table"),
+    (lambda c, t, other: c.fork(other["other_cache"]), "table"),
+    (lambda c, t, other: c.commit(t, t.num_tokens + 1), "num_computed_tokens"),
+    (lambda c, t, other: c.evict(-1), "num_blocks"),
+    (lambda c, t, other: c.extra_blocks(t, -3), "num_new_tokens"),
 ])
 def test_bad_input_raises_value_error_and_changes_nothing(call, param):
     cache = make(num_blocks=8, block_size=4)
     table, _ = prefill(cache, [1, 2, 3, 4, 5])
-    before = snapshot(cache), list(table.block_ids), table.num_tokens
+    other = {"small_blocks": PrefixCache(BlockAllocator(2), 2).allocate([9])[0],
+             "other_cache": make().allocate([1])[0]}
+    before = snapshot(cache), list(table.block_ids), list(table.token_ids)
     with pytest.raises(ValueError, match=param):
-        call(cache, table)
-    assert (snapshot(cache), list(table.block_ids), table.num_tokens)[1:] == before[1:]
-    assert snapshot(cache)[2:] == before[0][2:]
+        call(cache, table, other)
+    assert (snapshot(cache), list(table.block_ids), list(table.token_ids)) == before
 
 
 def test_constructor_checks():
@@ -303,7 +308,10 @@ class PrefixMachine(RuleBasedStateMachine):
     @precondition(lambda self: self.tables)
     @rule(data=st.data(), tokens=st.lists(VOCAB, min_size=0, max_size=5))
     def append(self, data, tokens):
-        table = data.draw(st.sampled_from(self.tables))
+        self.append_to(data.draw(st.sampled_from(self.tables)), tokens)
+
+    def append_to(self, table, tokens):
+        others = {id(t): [self.pool.get(t.slot(p)) for p in range(t.num_tokens)] for t in self.tables if t is not table}
         before = snapshot(self.cache), list(table.block_ids)
         try:
             result = self.cache.append(table, tokens)
@@ -317,11 +325,23 @@ class PrefixMachine(RuleBasedStateMachine):
                     self.pool[dst * bs + off] = self.pool[src * bs + off]
         self._write(table, table.num_tokens - len(tokens))
         self.cache.commit(table)
+        for t in self.tables:  # what every other sequence reads (shared blocks included) is untouched
+            if t is not table:
+                assert [self.pool.get(t.slot(p)) for p in range(t.num_tokens)] == others[id(t)]
 
     @precondition(lambda self: self.tables)
     @rule(data=st.data())
     def fork(self, data):
         self.tables.append(self.cache.fork(data.draw(st.sampled_from(self.tables))))
+
+    @precondition(lambda self: self.tables)
+    @rule(data=st.data(), a=st.lists(VOCAB, min_size=1, max_size=3), b=st.lists(VOCAB, min_size=1, max_size=3))
+    def fork_and_diverge(self, data, a, b):
+        """Parallel sampling: two sharers append different tokens into their shared tail."""
+        parent = data.draw(st.sampled_from(self.tables))
+        self.tables.append(self.cache.fork(parent))
+        self.append_to(self.tables[-1], a)
+        self.append_to(parent, b)
 
     @precondition(lambda self: self.tables)
     @rule(data=st.data())
@@ -379,9 +399,85 @@ class WeakHashMachine(PrefixMachine):
     hash_fn = staticmethod(lambda parent, tokens, key: str(sum(tokens) % 2))
 
 
-_settings = settings(max_examples=60, stateful_step_count=30, deadline=None,
+_settings = settings(max_examples=120, stateful_step_count=40, deadline=None,
                      suppress_health_check=[HealthCheck.too_slow])
 TestPrefixMachine = PrefixMachine.TestCase
 TestPrefixMachine.settings = _settings
 TestWeakHashMachine = WeakHashMachine.TestCase
 TestWeakHashMachine.settings = _settings
+
+
+# ------------------------------------------------------------------------- with real tensors
+def test_prefix_kv_cache_reuse_gives_the_same_tokens_and_logits():
+    import torch
+
+    from labkit.cache import generate
+    from labkit.model import Decoder, DecoderConfig
+    from labkit.prefix import PrefixKVCache, generate_with_prefix_cache
+
+    cfg = DecoderConfig(vocab_size=97, hidden_size=32, intermediate_size=64, num_hidden_layers=2,
+                        num_attention_heads=4, num_key_value_heads=2)
+    model = Decoder.random(cfg, seed=3)
+    gen = torch.Generator().manual_seed(5)
+    shared = torch.randint(0, 97, (13,), generator=gen).tolist()   # ragged: not a multiple of the block size
+    prompts = [shared + torch.randint(0, 97, (n,), generator=gen).tolist() for n in (1, 4, 7)]
+    on = PrefixKVCache(cfg, num_blocks=32, block_size=4, reuse=True)
+    off = PrefixKVCache(cfg, num_blocks=32, block_size=4, reuse=False)
+    for i, prompt in enumerate(prompts):
+        a = generate_with_prefix_cache(model, on, prompt, 2)
+        b = generate_with_prefix_cache(model, off, prompt, 2)
+        ref = generate(model, prompt, 2)
+        assert a.num_cached_tokens == (0 if i == 0 else 12) and b.num_cached_tokens == 0
+        assert a.num_prefill_tokens == len(prompt) - a.num_cached_tokens and a.num_decode_steps == 1
+        assert a.tokens == b.tokens == ref.tokens
+        torch.testing.assert_close(a.logits.double(), ref.logits.double(), atol=1e-4, rtol=1e-4)
+        torch.testing.assert_close(a.logits, b.logits, atol=1e-4, rtol=1e-4)
+    assert off.prefix.num_cached_blocks == 0 and off.prefix.allocator.num_free == 32
+    assert on.prefix.allocator.num_free == 32 and on.prefix.num_cached_blocks > 0  # released, still cached
+
+
+def test_prefix_kv_cache_checks_its_use():
+    from labkit.model import DecoderConfig
+    from labkit.prefix import PrefixKVCache
+
+    cfg = DecoderConfig(vocab_size=16, hidden_size=16, intermediate_size=16, num_hidden_layers=1,
+                        num_attention_heads=2, num_key_value_heads=1)
+    kv = PrefixKVCache(cfg, num_blocks=4, block_size=2)
+    with pytest.raises(ValueError, match="begin"):
+        kv.extend([1])
+    kv.begin([1, 2, 3])
+    with pytest.raises(ValueError, match="end"):
+        kv.begin([1])
+    kv.end()
+    assert kv.prefix.allocator.num_free == 4
+    assert kv.key().cache_dtype == "float32" and kv.key(adapter="x").adapter == "x"
+
+
+# ------------------------------------------------------------------------------- the widget
+def test_story_is_consistent_and_shows_every_event():
+    from labkit.widgets.prefix_stepper import story
+
+    snaps = story()
+    for s in snaps:
+        for b, ref in enumerate(s.ref_counts):
+            assert ref == sum(ids.count(b) for _, ids, _ in s.tables)
+    kinds = {"copies": [i for i, s in enumerate(snaps) if s.copies],
+             "evicted": [i for i, s in enumerate(snaps) if s.evicted],
+             "shared": [i for i, s in enumerate(snaps) if max(s.ref_counts) > 1]}
+    assert all(kinds.values()), kinds
+    idle = [s for s in snaps if not s.tables and sum(s.cached)]
+    assert idle, "some step should show cached blocks with no sequence holding them"
+
+
+def test_stepper_widget_and_static_figure():
+    import matplotlib
+
+    matplotlib.use("Agg")
+    from labkit.widgets.prefix_stepper import PrefixStepper, static_figure, story
+
+    w = PrefixStepper()
+    first = w.caption.value
+    w.slider.value = 4
+    assert w.caption.value != first and "copy" in w.caption.value
+    fig = static_figure(story(), [1, 2, 3])
+    assert len([ax for ax in fig.axes if ax.patches]) == 3

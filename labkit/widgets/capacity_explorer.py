@@ -23,6 +23,7 @@ import matplotlib.pyplot as plt
 import numpy as np
 from IPython.display import clear_output, display
 from matplotlib.figure import Figure
+from matplotlib.ticker import StrMethodFormatter
 
 from .. import capacity
 from ..capacity import GiB, ModelShape, format_bytes
@@ -93,6 +94,7 @@ def draw(ax: plt.Axes, shape: ModelShape, pool_bytes: float, label: str | None =
     ax.plot(CONTEXTS, fits, marker=".", label=label, **style)
     ax.set_xscale("log", base=2)
     ax.set_yscale("log")
+    ax.yaxis.set_major_formatter(StrMethodFormatter("{x:g}"))
     ax.set_xlabel("context length (tokens)")
     ax.set_ylabel("sequences that fit")
 
@@ -102,7 +104,7 @@ class CapacityExplorer:
 
     def __init__(self, preset: str = "teaching model", context_len: int = 8192, num_seqs: int = 3,
                  device_gib: float = 24, reserved_gib: float = 17):
-        style, layout = {"description_width": "11em"}, widgets.Layout(width="32em")
+        style, layout = {"description_width": "13em"}, widgets.Layout(width="34em")
 
         def slider(cls, key, value, lo, hi, step):
             return cls(value=value, min=lo, max=hi, step=step, description=LABELS[key], style=style,

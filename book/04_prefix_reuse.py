@@ -1,0 +1,520 @@
+# ---
+# jupyter:
+#   jupytext:
+#     text_representation:
+#       extension: .py
+#       format_name: percent
+#   kernelspec:
+#     display_name: Python 3 (ipykernel)
+#     language: python
+#     name: python3
+# ---
+
+# %% [markdown]
+# # 04 · Which prefixes can be shared
+#
+# A research assistant reads one long report, then answers many questions about it. Every one of
+# those requests starts with the same thousands of tokens. Chapter 03 put each sequence's keys and
+# values in blocks of a shared pool; this chapter lets several sequences point at the *same*
+# blocks, computes the common prefix once, and proves that the answers do not change.
+#
+# **What you will learn**
+#
+# - why the K/V of a prefix can be reused, and exactly when they cannot (a *computation* must be
+#   identical, not just the text);
+# - how a serving engine names a block: a hash chain over the parent block, the block's tokens and
+#   the settings that change the numbers;
+# - reference counts, copy-on-write of a shared tail block, and least-recently-used eviction of
+#   blocks that finished requests leave behind;
+# - that a decoder prefilling only the uncached suffix produces the same tokens and logits;
+# - what reuse saves (prefill work and memory) and what it does not (decode steps).
+
+# %%
+import zlib
+
+import matplotlib.pyplot as plt
+import torch
+
+import labkit
+from labkit import capacity
+from labkit.cache import generate
+from labkit.model import Decoder, DecoderConfig
+from labkit.paging import BlockAllocator
+from labkit.prefix import (CacheKey, PrefixCache, PrefixKVCache, block_hash, generate_with_prefix_cache,
+                           hash_chain)
+from labkit.units import format_bytes
+
+torch.set_num_threads(2)
+print(labkit.describe())
+
+# %% [markdown]
+# ## Why a prefix can be reused at all
+#
+# Attention is causal: position `i` sees only positions `0..i`. So the keys and values of the first
+# 4,096 tokens of a prompt depend on those 4,096 tokens and on the model, and on nothing that
+# comes after them. Two requests that begin with the same report produce the same K/V for the
+# report, bit for bit, whatever questions follow. Compute them once, keep the blocks, and let the
+# second request's block table point at them: that is *prefix caching* (vLLM calls it automatic
+# prefix caching, SGLang RadixAttention).
+#
+# The same argument says what may **not** be shared. The K/V at position `i` depend on *every*
+# token before `i`, on the weights (and any adapter), on the position encoding and on how the cache
+# stores numbers. Equal-looking text is not enough.
+
+# %% [markdown]
+# ## Naming a block: the hash chain
+#
+# Only *full* blocks are shared. Block `i` of a prompt gets a name computed from three things:
+#
+# ```
+# hash_i = SHA-256(hash_{i-1}, token ids of block i, extra keys)
+# ```
+#
+# The parent hash makes the name stand for the *whole* prefix up to the end of the block. The
+# extra keys (`CacheKey`) carry everything else that changes the numbers: model, adapter, cache
+# dtype and layout, RoPE settings, the attention rule (causal, sliding window), and an optional
+# salt that keeps tenants apart. A lookup walks the prompt's chain from the
+# first block and stops at the first name the cache does not hold.
+
+# %%
+# NBVAL_CHECK_OUTPUT
+block_size = 4
+key = CacheKey()
+prompt = [7, 3, 9, 1, 4, 4, 2, 8, 5, 6]
+chain = hash_chain(prompt, block_size, key)
+print(f"{len(prompt)} tokens, block size {block_size}: {len(chain)} full blocks get names "
+      f"(the last {len(prompt) % block_size} tokens do not)")
+for i, h in enumerate(chain):
+    print(f"  block {i}: tokens {prompt[i * block_size:(i + 1) * block_size]} -> {h[:16]}...")
+
+edited = [0] + prompt[1:]  # change only the first token
+edited_chain = hash_chain(edited, block_size, key)
+print("names that change when only token 0 changes:", [a != b for a, b in zip(chain, edited_chain)])
+assert all(a != b for a, b in zip(chain, edited_chain))
+assert chain[0] == block_hash(None, prompt[:4], key) and chain[1] == block_hash(chain[0], prompt[4:8], key)
+
+# %% [markdown]
+# Changing one early token renames every later block, even though blocks 1 and 2 hold the same
+# tokens as before. That is right: their K/V were computed after a different token 0.
+#
+# ## The article's figure: two long requests sharing half their tokens
+#
+# With the teaching model of chapter 02 (32 layers, 8 KV heads, head dim 128, 2-byte elements) a
+# token costs 128 KiB, and a 16-token block 2 MiB. Two requests of 8,192 tokens each share their
+# first 4,096 tokens (a report) and differ after that (their questions and answers). We run the
+# real `PrefixCache` bookkeeping on a pool of 16-token blocks (no tensors: at this size they would
+# take gigabytes) and count the blocks the pool actually holds.
+
+# %%
+# NBVAL_CHECK_OUTPUT
+shape = capacity.TEACHING_MODEL
+block_bytes = 16 * capacity.bytes_per_token(shape.num_layers, shape.num_kv_heads, shape.head_dim, shape.dtype_bytes)
+report_tokens = list(range(4096))
+request_a = report_tokens + [100_000 + i for i in range(4096)]
+request_b = report_tokens + [200_000 + i for i in range(4096)]
+
+
+def blocks_held(share: bool) -> tuple[int, int, PrefixCache]:
+    """Prefill A, then B, on a fresh 16-token pool; return (blocks used, B's cached tokens)."""
+    cache = PrefixCache(BlockAllocator(1024), block_size=16)
+    table_a, _ = cache.allocate(request_a)
+    if share:
+        cache.commit(table_a)  # A's full blocks are written: name them
+    table_b, hit = cache.allocate(request_b)
+    return cache.allocator.num_used, hit, cache
+
+
+used_without, _, _ = blocks_held(share=False)
+used_with, hit_b, cache_ab = blocks_held(share=True)
+shared = sum(1 for b in range(1024) if cache_ab.allocator.ref_counts[b] == 2)
+private = used_with - shared
+print(f"block: 16 tokens = {format_bytes(block_bytes)}")
+print(f"without sharing : {used_without} blocks = {format_bytes(used_without * block_bytes, 'GiB')}")
+print(f"with sharing    : {used_with} blocks = {format_bytes(used_with * block_bytes, 'GiB')}")
+print(f"  shared prefix : {shared} blocks (reference count 2) = {format_bytes(shared * block_bytes, 'GiB')}")
+print(f"  two suffixes  : {private} blocks = 2 x {format_bytes(private // 2 * block_bytes, 'GiB')}")
+print(f"B found {hit_b:,} of its {len(request_b):,} prompt tokens in the cache")
+GiB = 2 ** 30
+assert used_without * block_bytes == 2 * GiB and used_with * block_bytes == 1.5 * GiB
+assert shared * block_bytes == 0.5 * GiB and private * block_bytes == GiB and hit_b == 4096
+
+# %% [markdown]
+# 2 GiB become 1.5 GiB: one copy of the report, two private suffixes. The saving holds only because
+# the report's K/V are the *same computation* in both requests; the cases below show when they are not.
+#
+# A scheduler (chapter 05) must know this *before* it admits a request: `free_blocks_needed` says
+# how many blocks a prompt would take from the free pool, given what the cache already holds.
+
+# %%
+# NBVAL_CHECK_OUTPUT
+request_c = report_tokens + [300_000 + i for i in range(4096)]
+needed_c = cache_ab.free_blocks_needed(request_c)
+alone = PrefixCache(BlockAllocator(1024), block_size=16).free_blocks_needed(request_c)
+print(f"a third request on the same report needs {needed_c} free blocks ({format_bytes(needed_c * block_bytes)}); "
+      f"on an empty cache {alone} ({format_bytes(alone * block_bytes)})")
+assert needed_c == 256 and alone == 512
+
+# %% [markdown]
+# ## A picture: block tables pointing at shared blocks
+#
+# The step-through story further down runs a small scenario on a real `PrefixCache` with 4-token
+# blocks and an 8-block pool. Here is its step 3: A and B asked different questions about the
+# same 8-token report, and A' is a second sample forked from A. The top row is the pool (the number
+# is each block's reference count, orange = shared); each row below is one sequence's block table,
+# with a line from each logical block to the physical block it uses.
+
+# %%
+from labkit.widgets.prefix_stepper import PrefixStepper, draw_snapshot, static_figure, story
+
+snaps = story()
+fig, ax = plt.subplots(figsize=(7, 3.5))
+draw_snapshot(ax, snaps[3], title="Three sequences, one copy of the report: blocks 0 and 1 have 3 references")
+plt.show()
+assert snaps[3].ref_counts[:3] == (3, 3, 2)
+
+# %% [markdown]
+# ## Proof, not assertion: the same answers with and without reuse
+#
+# Now with tensors. `PrefixKVCache` keeps a paged K/V pool per layer (chapter 03's layout) and lets
+# a `PrefixCache` manage its blocks. For a new request it looks up the prompt's cached prefix, and
+# the decoder runs **only on the remaining tokens**: `write_kv` stores their K/V in their slots and
+# `paged_prefill_attention` lets them attend over the cached prefix and themselves. Then decode
+# proceeds one token at a time as usual.
+#
+# We write a short "report", turn words into token ids with a toy tokenizer, and ask four
+# questions about it. Each request is run three ways: with reuse, with reuse switched off (same
+# code, no block ever named), and with chapter 01's contiguous cache.
+
+# %%
+tiny = DecoderConfig(vocab_size=512, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
+                     num_attention_heads=4, num_key_value_heads=2)
+model = Decoder.random(tiny, seed=0)
+
+
+def encode(text: str) -> list[int]:
+    """A toy tokenizer: one token per word, the id a checksum of the word."""
+    return [zlib.crc32(word.encode()) % tiny.vocab_size for word in text.lower().split()]
+
+
+report = encode("quarterly report : revenue rose twelve percent while costs fell and the new plant opened "
+                "in march ; margins improved in every region except the north where demand was flat")
+questions = [encode(q) for q in ("question : why did margins improve ?",
+                                 "question : which region lagged ?",
+                                 "question : when did the plant open ?",
+                                 "question : summarise the report in one line")]
+print(f"report: {len(report)} tokens; questions: {[len(q) for q in questions]} tokens")
+
+# %%
+# NBVAL_CHECK_OUTPUT
+proof_block_size, max_new_tokens = 4, 3
+with_reuse = PrefixKVCache(tiny, num_blocks=64, block_size=proof_block_size, reuse=True)
+without_reuse = PrefixKVCache(tiny, num_blocks=64, block_size=proof_block_size, reuse=False)
+results = []
+print("request  prompt  cached  prefilled  decode steps  tokens (reuse / off / contiguous)   same")
+for r, question in enumerate(questions):
+    prompt = report + question
+    on = generate_with_prefix_cache(model, with_reuse, prompt, max_new_tokens)
+    off = generate_with_prefix_cache(model, without_reuse, prompt, max_new_tokens)
+    plain = generate(model, prompt, max_new_tokens)
+    same = on.tokens == off.tokens == plain.tokens
+    results.append((on, off, plain))
+    print(f"{r:>7}  {len(prompt):>6}  {on.num_cached_tokens:>6}  {on.num_prefill_tokens:>9}  "
+          f"{on.num_decode_steps:>12}  {on.tokens} / {off.tokens} / {plain.tokens}   {same}")
+    assert same
+max_diff = max(float((on.logits - off.logits).abs().max()) for on, off, _ in results)
+max_diff_plain = max(float((on.logits - plain.logits).abs().max()) for on, _, plain in results)
+print(f"largest |logit difference|: reuse vs off below 1e-4: {max_diff < 1e-4}; "
+      f"reuse vs contiguous below 1e-4: {max_diff_plain < 1e-4}")
+assert max_diff < 1e-4 and max_diff_plain < 1e-4
+assert results[0][0].num_cached_tokens == 0
+
+
+def common_prefix_len(a: list[int], b: list[int]) -> int:
+    return next((i for i, (x, y) in enumerate(zip(a, b)) if x != y), min(len(a), len(b)))
+
+
+for r in range(1, len(questions)):  # what each request could reuse: full blocks of its common prefix with request 0
+    common = common_prefix_len(report + questions[0], report + questions[r])
+    assert results[r][0].num_cached_tokens == common // proof_block_size * proof_block_size
+
+# %% [markdown]
+# The first request finds nothing and names its full blocks; the next three find the blocks of
+# the report (and of the words "question :", which all questions begin with) and prefill only the
+# rest of their question. The tokens are identical three ways and the logits
+# agree to float32 rounding: the cached K/V *are* the K/V the model would have computed.
+#
+# ## What reuse saves, and what it does not
+#
+# Reuse skips **prefill** work for the cached tokens (and their memory, as the figure above showed).
+# It does nothing for **decode**: every output token is still one forward pass that reads the whole
+# history, cached or not.
+
+# %%
+# NBVAL_CHECK_OUTPUT
+prefill_on = [on.num_prefill_tokens for on, _, _ in results]
+prefill_off = [off.num_prefill_tokens for _, off, _ in results]
+decode_on = [on.num_decode_steps for on, _, _ in results]
+decode_off = [off.num_decode_steps for _, off, _ in results]
+print(f"prefill tokens computed: {sum(prefill_on)} with reuse, {sum(prefill_off)} without "
+      f"({1 - sum(prefill_on) / sum(prefill_off):.0%} skipped)")
+print(f"decode steps           : {sum(decode_on)} with reuse, {sum(decode_off)} without")
+print(f"prefix-cache hit rate  : {with_reuse.prefix.stats.hit_rate:.0%} of prompt tokens")
+assert decode_on == decode_off and sum(prefill_on) < sum(prefill_off)
+
+fig, axes = plt.subplots(1, 2, figsize=(8, 3.4))
+x = torch.arange(len(results)).numpy()
+for ax, (on_vals, off_vals, what) in zip(axes, [(prefill_on, prefill_off, "prefill tokens computed"),
+                                               (decode_on, decode_off, "decode steps (forward passes)")]):
+    ax.bar(x - 0.2, off_vals, width=0.4, label="reuse off")
+    ax.bar(x + 0.2, on_vals, width=0.4, label="reuse on")
+    ax.set_xlabel("request")
+    ax.set_ylabel(what)
+    ax.set_xticks(x)
+    ax.set_ylim(0, max(off_vals + on_vals) * 1.35)
+    ax.yaxis.set_major_locator(plt.MaxNLocator(integer=True))
+    ax.legend(ncol=2, loc="upper center", fontsize=8)
+fig.suptitle("Reuse removes prefill work for the shared report; decode steps stay the same")
+fig.tight_layout()
+plt.show()
+
+# %% [markdown]
+# ## When reuse must not happen
+#
+# Each case below reaches the same lookup, and each must miss. First the reason for the first case,
+# measured on the model. Take the question after the report, and after the report with only its
+# first word changed (same length, so every question token keeps its position). Layer 0 computes
+# keys from each token and its position alone, so there they agree exactly; from layer 1 on,
+# attention has mixed the earlier tokens into every hidden state, and the keys differ.
+
+# %%
+def stored_keys(prompt: list[int]) -> list[torch.Tensor]:
+    """The keys every layer stores for ``prompt`` (a contiguous cache, no reuse involved)."""
+    from labkit.cache import KVCache
+
+    kv = KVCache(tiny)
+    with torch.no_grad():
+        model(torch.tensor([prompt]), cache=kv)
+    return [k[0] for k in kv.k]
+
+
+text = questions[0]
+edited_report = encode("annual") + report[1:]
+assert len(edited_report) == len(report) and edited_report != report
+after_report = stored_keys(report + text)
+after_edited = stored_keys(edited_report + text)
+diffs = [float((a[-len(text):] - b[-len(text):]).abs().max()) for a, b in zip(after_report, after_edited)]
+for layer, d in enumerate(diffs):
+    print(f"layer {layer}: largest difference in the question's keys = {d:.3f}")
+assert diffs[0] == 0.0 and all(d > 0.1 for d in diffs[1:])
+
+# %% [markdown]
+# Now the four cases, on one `PrefixCache` that has seen the report followed by a question:
+#
+# 1. the report's text after a different earlier prefix (a changed system prompt or template);
+# 2. a request served with a different adapter (LoRA);
+# 3. a pool that stores K/V in another dtype (bfloat16 instead of float32);
+# 4. a prompt whose shared part is shorter than one block: with 16-token blocks, a 12-token
+#    shared prefix gives a 0% hit rate, a common surprise for engine users.
+
+# %%
+# NBVAL_CHECK_OUTPUT
+base = with_reuse.key()  # model, float32 pool, NHD layout, RoPE base, causal attention
+bf16_pool = PrefixKVCache(tiny, num_blocks=4, block_size=4, dtype=torch.bfloat16)
+print("extra keys of the float32 pool:", base)
+cache = PrefixCache(BlockAllocator(64), block_size=4)
+seen, _ = cache.allocate(report + questions[0], base)
+cache.commit(seen)
+probe = report + questions[1]
+cases = {
+    "same report, same settings (control)": (probe, base, cache),
+    "same report after another prefix": (encode("system : be brief") + probe, base, cache),
+    "different adapter id": (probe, with_reuse.key(adapter="finance-lora"), cache),
+    "different cache dtype (bfloat16 pool)": (probe, bf16_pool.key(), cache),
+}
+big_blocks = PrefixCache(BlockAllocator(64), block_size=16)
+short_prefix = report[:12]
+seen16, _ = big_blocks.allocate(short_prefix + questions[0], base)
+big_blocks.commit(seen16)
+cases["12 shared tokens, 16-token blocks"] = (short_prefix + questions[1], base, big_blocks)
+hits = {}
+for name, (tokens, k, c) in cases.items():
+    hits[name] = c.match(tokens, k).num_cached_tokens
+    print(f"{name:<38} reusable tokens {hits[name]:>3} of {len(tokens):>3}  ({hits[name] / len(tokens):.0%})")
+assert hits["same report, same settings (control)"] == common_prefix_len(report + questions[0], probe) // 4 * 4
+assert all(v == 0 for n, v in hits.items() if "control" not in n)
+
+# %% [markdown]
+# The control hits; every other case misses, and each for a reason the hash chain encodes: the
+# parent hash (case 1), the extra keys (cases 2 and 3), and "full blocks only" (case 4). In the last
+# case the 12 shared tokens never filled a 16-token block, so no block got a name.
+#
+# Lookups also guard against hash collisions. A hash is only an index: on a hit the cache compares
+# the stored token ids, extra keys and parent entry with the request's. With a deliberately terrible
+# hash that gives every block the same name, collisions cost hits but never cause a wrong reuse.
+
+# %%
+weak = PrefixCache(BlockAllocator(16), block_size=4, hash_fn=lambda parent, tokens, key: "same name")
+t, _ = weak.allocate([1, 2, 3, 4, 9])
+weak.commit(t)
+assert weak.match([1, 2, 3, 4, 5]).num_cached_tokens == 4   # verified: a real hit
+assert weak.match([5, 6, 7, 8, 9]).num_cached_tokens == 0   # same name, other tokens: refused
+print("a colliding name is refused after comparing the stored tokens")
+
+# %% [markdown]
+# With SHA-256 a collision would need about 2^128 blocks before it became likely, so the
+# comparison almost never fires; it is there so that correctness never rests on luck (and a
+# faster, weaker hash stays safe).
+#
+# ## Sharing, copy-on-write, finishing and eviction, step by step
+#
+# Blocks carry reference counts: the number of block tables that hold them. A finished request
+# drops its references, but its full blocks **stay cached**: they sit in the allocator's free queue
+# with their names, and a later request can revive them. Only when the pool needs a block and hands
+# out one of these is its name dropped: an *eviction*, least recently used first. (Engine
+# dashboards that show KV usage falling to 0% after requests end are counting referenced blocks,
+# not cached ones.)
+#
+# When two sequences share a partly filled tail block (a fork for parallel sampling), the first
+# one to write into it gets a private copy first: *copy-on-write*. `append` returns the
+# `(src, dst)` pair so the engine can copy the K/V of that block in every layer.
+#
+# Move the slider to step through the story.
+
+# %%
+PrefixStepper(snaps)
+
+# %% [markdown]
+# Without a live kernel the slider does nothing; here are four of its steps.
+
+# %%
+fig = static_figure(snaps, [2, 4, 7, 9])
+plt.show()
+
+# %%
+# NBVAL_CHECK_OUTPUT
+for i in (2, 4, 6, 7, 9):
+    s = snaps[i]
+    print(f"step {i}: copies {list(s.copies)}, evicted {list(s.evicted)}, blocks in use "
+          f"{sum(r > 0 for r in s.ref_counts)}, cached {sum(s.cached)}; {s.caption}")
+assert snaps[4].copies and snaps[7].evicted and sum(snaps[6].ref_counts) == 0 and sum(snaps[6].cached) >= 2
+
+# %% [markdown]
+# ## Two designs: a hash chain (vLLM) and a radix tree (SGLang)
+#
+# Both find the longest cached prefix; they organise it differently.
+#
+# | | hash chain per block (vLLM) | radix tree of tokens (SGLang RadixAttention) |
+# |---|---|---|
+# | unit of sharing | full blocks only | any token boundary (a node holds a run of tokens) |
+# | lookup | hash each full block, look names up one by one | walk the tree from the root, matching tokens |
+# | state | a flat dict name -> block, plus the free queue | a tree whose edges are token runs; nodes point at K/V slots |
+# | eviction | LRU over free cached blocks | LRU over leaves no running request locks |
+# | easy | names are stateless and portable (compute them anywhere, share across workers or a disk tier); O(1) per block | partial-block prefixes, seeing the structure of all cached prefixes at once, scheduling by longest shared prefix |
+# | harder | sharing below one block; knowing what else shares a prefix | bookkeeping of splits and merges; distributing the tree |
+#
+# The book's `PrefixCache` is the hash-chain design; its entry check (parent entry + tokens) is a
+# tree edge in disguise, which is why collisions cannot hurt it.
+#
+# ## Summary
+#
+# - Causal attention makes the K/V of a prefix a function of that prefix and the computation only,
+#   so requests that begin with the same tokens can share them.
+# - A block is named by a hash chain: parent name, its tokens, and the extra keys (model, adapter,
+#   cache dtype and layout, position encoding, attention rule, salt). Only full blocks get names; a hit is capped
+#   so at least one prompt token is computed to produce logits.
+# - Two 8,192-token requests sharing 4,096 tokens hold 1.5 GiB instead of 2 GiB in the teaching model.
+# - Prefilling only the uncached suffix gives the same tokens and logits: reuse saves prefill work
+#   and memory, never decode steps.
+# - Reference counts track sharing; a shared tail is copied on write; finished requests leave
+#   cached blocks that are evicted least recently used first.
+# - Reuse must not cross a different earlier prefix, adapter, cache dtype or layout, and a prefix
+#   shorter than one block cannot be reused at all.
+#
+# Next, chapter 05 puts these blocks into the scheduler's decisions.
+#
+# ## Exercises
+
+# %%
+from labkit.exercises import Exercises
+
+ex = Exercises("04_prefix_reuse")
+
+# %%
+# SOLUTIONS ONLY
+ex.strict = True  # in solutions/, every checker must pass
+
+# %% [markdown]
+# **Exercise 1.** Write `my_hash_chain(token_ids, block_size, key)`: the names of every full block,
+# using `block_hash(parent_hash, block_tokens, key)` (the first block's parent is `None`). The
+# checker compares it with labkit on ragged prompts and several block sizes.
+
+# %%
+def my_hash_chain(token_ids: list[int], block_size: int, key: CacheKey) -> list[str]:
+    # BEGIN SOLUTION
+    names, parent = [], None
+    for start in range(0, len(token_ids) // block_size * block_size, block_size):
+        parent = block_hash(parent, token_ids[start:start + block_size], key)
+        names.append(parent)
+    return names
+    # END SOLUTION
+
+
+gen = torch.Generator().manual_seed(4)
+ex_cases = []
+for n, bs in [(0, 4), (3, 4), (8, 4), (13, 4), (17, 16), (33, 16), (7, 1)]:
+    tokens = torch.randint(0, 100, (n,), generator=gen).tolist()
+    ex_cases.append(((tokens, bs, CacheKey(adapter="a" if n % 2 else None)),
+                     hash_chain(tokens, bs, CacheKey(adapter="a" if n % 2 else None))))
+ex.check_function("Exercise 1", my_hash_chain, ex_cases)
+
+# %% [markdown]
+# **Exercise 2.** Request X has been served and its blocks are cached (16-token blocks). For each
+# later request below, may it reuse at least one block of X? Answer with a list of four booleans.
+#
+# | | X | later request |
+# |---|---|---|
+# | a | system prompt S (20 tokens) + document D (64 tokens), base model | S + D + another question |
+# | b | S + D, base model | a new system prompt S' (20 tokens) + D + a question |
+# | c | S + D, base model | S + D + a question, served with adapter "legal" |
+# | d | S (20 tokens) + a question, base model | S + another question |
+
+# %%
+# BEGIN SOLUTION
+answer_2 = [True, False, False, True]  # d: S fills one 16-token block
+# END SOLUTION
+# BEGIN STUB
+answer_2 = None  # e.g. [True, True, False, False]
+# END STUB
+S, S2 = list(range(1000, 1020)), list(range(2000, 2020))
+D, Q1, Q2 = list(range(3000, 3064)), [1, 2, 3], [4, 5]
+
+
+def may_share(x: list[int], later: list[int], later_key: CacheKey) -> bool:
+    c = PrefixCache(BlockAllocator(64), block_size=16)
+    table, _ = c.allocate(x)
+    c.commit(table)
+    return c.match(later, later_key).num_cached_tokens > 0
+
+
+expected_2 = [may_share(S + D, S + D + Q1, CacheKey()), may_share(S + D, S2 + D + Q1, CacheKey()),
+              may_share(S + D, S + D + Q1, CacheKey(adapter="legal")), may_share(S + Q1, S + Q2, CacheKey())]
+ex.check("Exercise 2", answer_2, expected=expected_2,
+         hint="a block's name depends on every token before it and on the extra keys; only full blocks have names")
+
+# %% [markdown]
+# **Exercise 3.** Three requests of 8,192 tokens each share their first 4,096 tokens (the teaching
+# model, 16-token blocks). How many bytes does the pool hold once all three are prefilled?
+
+# %%
+# BEGIN SOLUTION
+answer_3 = (4096 + 3 * 4096) * capacity.bytes_per_token(32, 8, 128, 2)
+# END SOLUTION
+# BEGIN STUB
+answer_3 = None  # a number of bytes
+# END STUB
+three = PrefixCache(BlockAllocator(2048), block_size=16)
+for r in range(3):
+    tbl, _ = three.allocate(report_tokens + [(r + 1) * 100_000 + i for i in range(4096)])
+    three.commit(tbl)
+ex.check("Exercise 3", answer_3, expected=three.allocator.num_used * block_bytes,
+         hint="one copy of the shared prefix, one private suffix per request")

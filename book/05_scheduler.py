@@ -1,0 +1,622 @@
+# ---
+# jupyter:
+#   jupytext:
+#     text_representation:
+#       extension: .py
+#       format_name: percent
+#   kernelspec:
+#     display_name: Python 3 (ipykernel)
+#     language: python
+#     name: python3
+# ---
+
+# %% [markdown]
+# # 05 · Capacity in the scheduler
+#
+# Chapters 03 and 04 built the memory: a pool of fixed-size blocks, block tables, shared prefixes.
+# None of that says *which* request gets the next free block. A serving engine decides that once
+# per iteration (a *step*): it picks requests and a number of tokens for each, and the model
+# computes all of them in one batched forward pass. This chapter writes that decision down, runs
+# it, and then builds a small engine on top of it that ties the whole book together.
+#
+# **What you will learn**
+#
+# - why every step has two budgets, tokens of compute and blocks of memory, and how the article's
+#   `plan_iteration` spends both;
+# - what `extra_blocks` counts: new blocks, a shared tail block copied before it is written, and
+#   cached blocks revived from the free queue;
+# - that the order of the candidates decides who gets memory first, and paging decides nothing
+#   about priority;
+# - what an engine does when blocks run out: preemption by recompute, and swapping as the
+#   alternative;
+# - how chapters 01 to 04 become one engine (decoder, paged cache, prefix cache, scheduler, Triton
+#   kernels), and a proof that batching, chunking, reuse and preemption change no token.
+
+# %%
+import inspect
+
+import matplotlib.pyplot as plt
+import numpy as np
+import torch
+from matplotlib.patches import Patch
+
+import labkit
+from labkit import capacity
+from labkit.cache import generate
+from labkit.engine import Engine
+from labkit.model import Decoder, DecoderConfig
+from labkit.paging import blocks_needed
+from labkit.scheduler import Request, Scheduler, extra_blocks, plan_iteration
+from labkit.units import format_bytes
+
+torch.set_num_threads(2)
+print(labkit.describe())
+
+# %% [markdown]
+# ## Two budgets per step
+#
+# A step computes some tokens: a few hundred prompt tokens of a new request (prefill), one token
+# for each request that is already generating (decode), or both at once. Two things bound it.
+#
+# - **Tokens.** The forward pass has a cost that grows with the number of tokens in it. Engines cap
+#   it with a *token budget* (vLLM calls it `max_num_batched_tokens`). A prompt longer than what is
+#   left of the budget is not refused: it is cut, and the rest waits for the next step. That is
+#   *chunked prefill*.
+# - **Blocks.** Every computed token leaves its keys and values in a slot of the pool, and the slot
+#   must belong to a block that the request holds *before* the pass writes it. So the step must
+#   also fit in the free blocks.
+#
+# The article's §05 puts both budgets into one pass over the candidates. Here it is, as
+# `labkit.scheduler` has it (the `reserve` hook is where the article reserves the blocks; without
+# it the function only plans):
+
+# %%
+print(inspect.getsource(plan_iteration).split('"""')[0] + '"""...docstring..."""' +
+      inspect.getsource(plan_iteration).split('"""')[2])
+
+# %% [markdown]
+# Three rules follow from the code:
+#
+# 1. each candidate asks for `min(next_chunk, token_budget)` tokens, where `next_chunk` is what it
+#    still has to compute: the rest of its prompt while prefilling, one token while decoding;
+# 2. when the token budget is spent (`tokens == 0`), the pass **stops**;
+# 3. a candidate whose blocks do not fit is **skipped** (`continue`), and a later, smaller
+#    candidate may still get in.
+
+# %% [markdown]
+# ## What a step takes from the pool: `extra_blocks`
+#
+# How many free blocks does computing `tokens` more tokens of a request use? Positions
+# `num_computed_tokens ... num_computed_tokens + tokens - 1` need
+# `ceil((num_computed_tokens + tokens) / block_size)` blocks, and the request already holds some.
+# Two more cases add blocks:
+#
+# - **a shared tail.** If the block the next token goes into is partly filled *and* another request
+#   holds it too (chapter 04's fork: parallel sampling, beam search), writing into it would change
+#   the other request's history. The writer first gets a private copy: one more block
+#   (copy-on-write);
+# - **revived blocks.** A prefix hit (chapter 04) may point at cached blocks that no request holds
+#   any more. They sit in the free queue, and taking them back uses free blocks like new ones.
+#
+# The article's figure from chapter 03 is the first row below: a 37-token prompt in 16-token
+# blocks needs 3 blocks; decoding its 38th token needs none, since the tail block has 11 empty
+# slots.
+
+# %%
+# NBVAL_CHECK_OUTPUT
+def toy(num_computed, held, chunk, shared_tail=False, revived=0, name=""):
+    """A request that has computed `num_computed` tokens, holds `held` blocks and has `chunk` to go."""
+    r = Request(list(range(1, num_computed + chunk + 1)), 8, request_id=name)
+    r.num_computed_tokens, r.block_table = num_computed, list(range(held))
+    r.shared_tail, r.revived_blocks = shared_tail, revived
+    return r
+
+
+BS = 16
+cases = [  # (what, request, tokens)
+    ("prefill a 37-token prompt", toy(0, 0, 37), 37),
+    ("decode token 38", toy(37, 3, 1), 1),
+    ("decode token 49 (3 blocks are full)", toy(48, 3, 1), 1),
+    ("decode token 38, tail shared", toy(37, 3, 1, shared_tail=True), 1),
+    ("decode token 49, full tail shared", toy(48, 3, 1, shared_tail=True), 1),
+    ("prefix hit of 2 free cached blocks + 5 tokens", toy(32, 2, 5, revived=2), 5),
+]
+print(f"{'case':<46} {'computed':>8} {'held':>4} {'tokens':>6} {'extra_blocks':>12}")
+for what, r, tokens in cases:
+    print(f"{what:<46} {r.num_computed_tokens:>8} {len(r.block_table):>4} {tokens:>6} "
+          f"{extra_blocks(r, tokens, BS):>12}")
+assert [extra_blocks(r, t, BS) for _, r, t in cases] == [3, 0, 1, 1, 1, 3]
+
+# %% [markdown]
+# A full shared block never needs a copy: nobody writes into it again. Only a *partly filled*
+# shared tail does.
+#
+# ## The pass, iteration by iteration
+#
+# Four requests arrive together in a small pool: 8 blocks of 4 tokens, a budget of 12 tokens per
+# step. A has a 10-token prompt, B 14, C 5 and D 3; they want 3, 2, 2 and 3 new tokens. The
+# `Scheduler` keeps a *running* list (admitted, holding blocks) and a *waiting* queue (first come,
+# first served), and offers the running requests first. Every `Step` records each candidate's turn
+# in the pass: what it asked for, what it needed, what was left, and the outcome.
+
+# %%
+def serve(scheduler, arrivals, max_steps=500):
+    """Drive a Scheduler without a model (every sampled token is 0). `arrivals`: {step: [Request]}."""
+    steps, t = [], 0
+    while scheduler.has_unfinished() or any(k >= t for k in arrivals):
+        for r in arrivals.get(t, []):
+            scheduler.add_request(r)
+        t += 1
+        step = scheduler.schedule()
+        scheduler.postprocess(step, [0] * len(step.sampling_chunks))
+        steps.append(step)
+        assert len(steps) <= max_steps
+    return steps
+
+
+def named_requests(specs):
+    """Requests with readable names and distinct token ids (so no prefix is shared)."""
+    reqs, next_id = [], 1
+    for name, prompt_len, max_new in specs:
+        reqs.append(Request(list(range(next_id, next_id + prompt_len)), max_new, request_id=name))
+        next_id += prompt_len
+    return reqs
+
+
+def show_step(step):
+    preempted = ", ".join(r.request_id for r in step.preempted) or "-"
+    print(f"step {step.index}   (preempted before the pass: {preempted})")
+    print(f"  {'req':<4}{'queue':<9}{'next_chunk':>10}{'tokens':>8}{'needed':>8}{'free':>6}{'budget':>8}  outcome")
+    for d in step.decisions:
+        print(f"  {d.request.request_id:<4}{'waiting' if d.waiting else 'running':<9}{d.next_chunk:>10}"
+              f"{d.tokens:>8}{d.needed:>8}{d.free_blocks:>6}{d.token_budget:>8}  {d.outcome}")
+    s = step.stats
+    print(f"  -> {s.scheduled_tokens} tokens, {s.used_blocks} blocks in use, {s.free_blocks} free, "
+          f"{s.finished} finished\n")
+
+
+walk = Scheduler(num_blocks=8, block_size=4, max_num_batched_tokens=12, enable_prefix_caching=False)
+walk_reqs = named_requests([("A", 10, 3), ("B", 14, 2), ("C", 5, 2), ("D", 3, 3)])
+walk_steps = serve(walk, {0: walk_reqs})
+
+# %%
+# NBVAL_CHECK_OUTPUT
+for step in walk_steps:
+    show_step(step)
+
+# %% [markdown]
+# Read it step by step:
+#
+# - **Step 1.** A takes all 10 prompt tokens and 3 blocks. B gets only the 2 tokens left in the
+#   budget: its prompt is split (chunked prefill). C's turn finds the budget spent: the pass stops.
+# - **Step 2.** Running requests first: A decodes 1 token, B continues its prompt with 11 more.
+#   The budget is spent again before C.
+# - **Step 3.** Only 1 block is free. C needs 2 for its 5 tokens: **skipped**. D needs 1: it gets
+#   in *ahead of* C, which arrived first. A reaches its 3 tokens and finishes; its blocks go back.
+# - **Steps 4 and 5.** With A's blocks free, C is admitted; everyone finishes and the pool is whole.
+#
+# The claims, checked:
+
+# %%
+budget = walk.max_num_batched_tokens
+assert all(s.num_tokens <= budget for s in walk_steps)
+assert [c.num_tokens for c in walk_steps[0].chunks] == [10, 2]            # B's prompt is cut to fit
+assert [d.outcome for d in walk_steps[2].decisions] == ["planned", "planned", "skipped", "planned"]
+assert walk.allocator.num_free == walk.num_blocks                          # every block came back
+assert [len(r.output_token_ids) for r in walk_reqs] == [3, 2, 2, 3]
+
+# %% [markdown]
+# ## Who gets space first: the order, not the paging
+#
+# The allocator hands out whichever block is free; it has no idea which request matters more.
+# Priority lives entirely in the order of the candidates. The same three waiting requests, the same
+# 4 free blocks, two orders:
+
+# %%
+# NBVAL_CHECK_OUTPUT
+def fresh_trio():
+    return named_requests([("L", 12, 4), ("S1", 4, 4), ("S2", 3, 4)])  # one long prompt, two short ones
+
+
+def planned(plan):
+    return [(r.request_id, n) for r, n in plan]
+
+
+L, S1, S2 = fresh_trio()
+fcfs_plan = plan_iteration([L, S1, S2], free_blocks=4, token_budget=32, block_size=4)
+short_plan = plan_iteration(sorted([L, S1, S2], key=lambda r: r.next_chunk), free_blocks=4, token_budget=32,
+                            block_size=4)
+print("first come, first served:", planned(fcfs_plan))
+print("shortest prompt first:   ", planned(short_plan))
+assert planned(fcfs_plan) == [("L", 12), ("S1", 4)]
+assert planned(short_plan) == [("S2", 3), ("S1", 4)]
+
+# %% [markdown]
+# Under first-come-first-served the long request L takes 3 of the 4 blocks and S2 waits; shortest
+# first admits both short ones and L waits. Same pool, same blocks, same `plan_iteration`: only
+# the order changed. Over a whole run the choice moves waiting time between requests. The
+# `Scheduler` takes a `priority` key for its waiting queue; here is a run of ten requests with
+# mixed lengths under both orders, measured in steps until each one's first token (1 means it got
+# its first token in the step it arrived):
+
+# %%
+def workload():
+    rng = np.random.default_rng(5)
+    specs = [(f"R{i}", int(rng.integers(3, 31)), int(rng.integers(2, 9))) for i in range(10)]
+    reqs = named_requests(specs)
+    arrivals = {}
+    for i, r in enumerate(reqs):
+        arrivals.setdefault(i // 2, []).append(r)  # two new requests per step
+    return reqs, arrivals
+
+
+def first_token_waits(priority):
+    reqs, arrivals = workload()
+    sched = Scheduler(num_blocks=16, block_size=4, max_num_batched_tokens=16, enable_prefix_caching=False,
+                      priority=priority)
+    steps = serve(sched, arrivals)
+    arrived = {r.request_id: t for t, rs in arrivals.items() for r in rs}
+    first = {}
+    for step in steps:
+        for c in step.sampling_chunks:
+            first.setdefault(c.request.request_id, step.index)
+    return reqs, steps, sched, {name: first[name] - arrived[name] for name in arrived}
+
+
+reqs_f, steps_f, sched_f, waits_fcfs = first_token_waits(None)
+reqs_s, steps_s, sched_s, waits_short = first_token_waits(lambda r: len(r.prompt_token_ids))
+
+# %%
+# NBVAL_CHECK_OUTPUT
+names = list(waits_fcfs)
+prompt_len = {r.request_id: len(r.prompt_token_ids) for r in reqs_f}
+print(f"{'request':<8}{'prompt':>7}{'FCFS wait':>11}{'shortest-first wait':>21}")
+for n in names:
+    print(f"{n:<8}{prompt_len[n]:>7}{waits_fcfs[n]:>11}{waits_short[n]:>21}")
+mean_f, mean_s = np.mean(list(waits_fcfs.values())), np.mean(list(waits_short.values()))
+longest = max(names, key=prompt_len.get)
+print(f"mean wait: FCFS {mean_f:.2f} steps, shortest-first {mean_s:.2f} steps; "
+      f"longest prompt {longest}: {waits_fcfs[longest]} vs {waits_short[longest]} steps")
+assert sched_f.num_blocks == sched_s.num_blocks and sched_f.block_size == sched_s.block_size
+assert waits_short[longest] >= waits_fcfs[longest]  # the long request pays for the short ones
+
+# %%
+fig, ax = plt.subplots(figsize=(7, 3.5))
+x = np.arange(len(names))
+ax.bar(x - 0.2, [waits_fcfs[n] for n in names], 0.4, label="first come, first served")
+ax.bar(x + 0.2, [waits_short[n] for n in names], 0.4, label="shortest prompt first")
+ax.set_xticks(x, [f"{n}\n({prompt_len[n]})" for n in names])
+ax.set_xlabel("request (prompt length in tokens)")
+ax.set_ylabel("steps until first token")
+ax.set_title("The candidate order, not paging, decides who waits")
+ax.legend()
+fig.tight_layout()
+plt.show()
+
+# %% [markdown]
+# Skipping (rule 3) keeps the pool busy, but it also lets small requests overtake a big one again
+# and again. With a finite set of requests everyone finishes: running requests end and free their
+# blocks. Under a never-ending stream of small requests a big one could wait very long, which is
+# why vLLM's scheduler stops at the first *waiting* request that does not fit instead of skipping
+# it. Both are reasonable; they trade pool use against strict arrival order.
+#
+# ## A chart of iterations
+#
+# The same ten requests under first-come-first-served, step by step: which requests got tokens
+# (a prompt chunk or a decode token), which were waiting, and how many blocks were in use.
+
+# %%
+def iteration_grid(reqs, arrivals, steps):
+    """codes[request, step]: 0 absent, 1 waiting, 2 decode token, 3 prompt chunk, 4 preempted."""
+    row = {r.request_id: i for i, r in enumerate(reqs)}
+    arrived = {r.request_id: t for t, rs in arrivals.items() for r in rs}
+    last = {c.request.request_id: j for j, step in enumerate(steps) for c in step.chunks}
+    codes = np.zeros((len(reqs), len(steps)), dtype=int)
+    for name, i in row.items():
+        codes[i, arrived[name]:last[name] + 1] = 1  # present from arrival to its last step
+    for j, step in enumerate(steps):
+        for c in step.chunks:
+            codes[row[c.request.request_id], j] = 2 if (c.num_tokens == 1 and c.samples) else 3
+        for r in step.preempted:
+            codes[row[r.request_id], j] = 4
+    return codes
+
+
+_, arrivals_f = workload()
+codes = iteration_grid(reqs_f, arrivals_f, steps_f)
+colors = ["white", "#dddddd", "tab:blue", "tab:orange", "tab:red"]
+labels = ["", "waiting", "decode token", "prompt chunk", "preempted"]
+fig, (ax1, ax2) = plt.subplots(2, 1, figsize=(8, 5.5), sharex=True, gridspec_kw={"height_ratios": [2, 1]})
+ax1.imshow(codes, aspect="auto", interpolation="nearest",
+           cmap=plt.matplotlib.colors.ListedColormap(colors), vmin=0, vmax=4,
+           extent=(0.5, len(steps_f) + 0.5, len(reqs_f) - 0.5, -0.5))
+ax1.set_yticks(range(len(reqs_f)), [r.request_id for r in reqs_f])
+ax1.set_ylabel("request")
+ax1.set_title("Which requests got tokens in each step (FCFS, 16 blocks, 16-token budget)")
+ax1.legend(handles=[Patch(color=c, label=l) for c, l in zip(colors[1:], labels[1:])], loc="upper left",
+           bbox_to_anchor=(1.01, 1), fontsize=8)
+used = [s.stats.used_blocks for s in steps_f]
+ax2.step(range(1, len(steps_f) + 1), used, where="mid", label="blocks in use")
+ax2.axhline(sched_f.num_blocks, color="gray", linestyle="--", label="pool size")
+ax2.set_xlabel("step")
+ax2.set_ylabel("blocks")
+ax2.set_ylim(0, sched_f.num_blocks + 1)
+ax2.legend(loc="upper left", bbox_to_anchor=(1.01, 1), fontsize=8)
+ax2.xaxis.set_major_locator(plt.MaxNLocator(integer=True))
+fig.tight_layout()
+plt.show()
+assert max(used) <= sched_f.num_blocks and sched_f.allocator.num_free == sched_f.num_blocks
+assert any(s.preempted for s in steps_f) and (codes == 3).any() and (codes == 2).any()
+
+# %% [markdown]
+# Patterns to look for: orange cells (prompt chunks) share steps with blue ones (decode tokens),
+# since a step mixes prefill and decode; grey cells pile up while the blocks in use press against
+# the pool size, so memory, not compute, keeps those requests waiting; and red cells mark
+# requests that lost their blocks, the subject of the next section.
+#
+# ## When blocks run out: preemption
+#
+# A request that is already running holds blocks and needs one more every `block_size` tokens.
+# Skipping it is not enough: if every running request waited for a block that only another
+# running request could free, none would ever move. Engines **preempt**. Before the pass, the
+# scheduler runs the same budget arithmetic over the running requests alone; if one of them would
+# not fit, the *newest* running request gives back all its blocks and goes to the *front* of the
+# waiting queue. Its K/V are simply dropped: when it comes back, its prompt and the tokens it had
+# already generated are computed again (**recompute**, what vLLM does). In the same step no waiting
+# request is admitted, so the freed blocks go to the requests that needed them.
+#
+# Three requests, 6 blocks of 4 tokens: A and B (6-token prompts, 6 new tokens each) need 3 blocks
+# apiece at full length, so C (3 + 4 tokens) cannot stay.
+
+# %%
+# NBVAL_CHECK_OUTPUT
+pre = Scheduler(num_blocks=6, block_size=4, max_num_batched_tokens=12, enable_prefix_caching=False)
+pre_reqs = named_requests([("A", 6, 6), ("B", 6, 6), ("C", 3, 4)])
+pre_steps = serve(pre, {0: pre_reqs})
+for step in pre_steps[2:7]:
+    show_step(step)
+
+# %%
+A, B, C = pre_reqs
+victim_step = next(s for s in pre_steps if s.preempted)
+assert victim_step.preempted == [C] and C.num_preemptions == 1
+computed_by_C = sum(c.num_tokens for s in pre_steps for c in s.chunks if c.request is C)
+print(f"C computed {computed_by_C} tokens for a sequence of {len(C.prompt_token_ids)} + "
+      f"{len(C.output_token_ids)} tokens: the recompute cost of its preemption")
+# without the preemption: 3 prompt tokens + 3 outputs fed back; with it, 4 of those computed twice
+assert computed_by_C == (3 + 3) + 4
+assert all(r.is_finished for r in pre_reqs) and pre.allocator.num_free == 6
+
+# %% [markdown]
+# In step 4, A and B each need a new block and only one is free: C, the newest, is preempted and
+# both fit. C waits at the head of the queue (skipped while its 5 tokens need 2 blocks) until A and
+# B finish, then computes its 3 prompt tokens *and both earlier outputs* in one 5-token chunk. With
+# prefix caching on, the full blocks of a preempted request often survive in the cache, and the
+# recompute shrinks to a prefix hit.
+#
+# **Swapping** is the other way out: copy the victim's blocks to CPU memory and copy them back
+# later, instead of recomputing. It trades compute for transfers. For the article's teaching model
+# the bytes are easy to count:
+
+# %%
+# NBVAL_CHECK_OUTPUT
+per_token = capacity.TEACHING_MODEL.bytes_per_token()
+for tokens in (2_048, 8_192, 32_768):
+    print(f"{tokens:>6,} tokens: {format_bytes(tokens * per_token):>9} out to CPU memory and the same back again")
+assert 8_192 * per_token == 2**30
+
+# %% [markdown]
+# A swap moves those bytes twice over the link between CPU and GPU, and holds that much CPU
+# memory meanwhile; a recompute costs one prefill of the same tokens (with no new memory). Which is
+# cheaper depends on the link's bandwidth, the model's prefill speed and the length; vLLM's older
+# engine offered both, its current one recomputes. Either way, preemption is a cost the pool size
+# decides: chapter 06 measures it.
+#
+# ## A small engine
+#
+# Now the whole book in one loop. `labkit.engine.Engine` holds a `Decoder` (chapter 01), one K/V
+# pool per layer shaped `[num_blocks, block_size, num_kv_heads, head_dim]` (chapter 03), and a
+# `Scheduler` with its prefix cache (chapters 04 and 05). Each `step()`:
+#
+# 1. asks the scheduler for a `Step`: chunks of tokens, their positions and slot mappings, the
+#    block tables, copy-on-write pairs;
+# 2. copies the shared tail blocks that must become private (every layer);
+# 3. flattens every chunk's tokens into one batch `[1, total_tokens]` with explicit positions;
+# 4. runs the decoder once; in each layer `attend` calls `write_kv` and then the paged attention
+#    kernel, request `i` owning query rows `cu_seqlens_q[i]:cu_seqlens_q[i+1]` (a decode token is
+#    simply a chunk of length 1);
+# 5. takes the argmax at the last token of every chunk that reached the end of its prompt, and
+#    hands the new tokens back to `scheduler.postprocess`.
+#
+# The attention backend is a page of code:
+
+# %%
+print(inspect.getsource(labkit.engine.PagedAttentionBackend.attend))
+
+# %% [markdown]
+# A research assistant's load: four questions about the same 24-token report, in a pool of 24
+# blocks of 4 tokens, with a budget of 16 tokens per step. (Small, because without a GPU the
+# Triton kernels run in the interpreter.)
+
+# %%
+cpu = labkit.RUNTIME.triton_mode != "compiled"
+cfg = DecoderConfig(vocab_size=128, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
+                    num_attention_heads=4, num_key_value_heads=2)
+model = Decoder.random(cfg, seed=0).to(labkit.DEVICE)
+gen = torch.Generator().manual_seed(0)
+report = torch.randint(0, cfg.vocab_size, (24,), generator=gen).tolist()
+questions = [torch.randint(0, cfg.vocab_size, (n,), generator=gen).tolist() for n in (3, 5, 2, 4)]
+prompts = [report + q for q in questions]
+NEW = 5
+
+POOL = 24
+engine = Engine(model, num_blocks=POOL, block_size=4, max_num_batched_tokens=16)
+for p in prompts:
+    engine.add_request(p, NEW)
+steps = []
+while engine.has_unfinished():
+    steps.append(engine.step())
+served = sorted(engine.scheduler.finished, key=lambda r: r.request_id)  # in arrival order
+outputs = [r.output_token_ids for r in served]
+
+# %%
+# NBVAL_CHECK_OUTPUT
+print(f"{'step':>4}{'tokens':>8}{'prefill':>9}{'decode':>8}{'prefix hits':>13}{'free blocks':>13}"
+      f"{'preempted':>11}{'finished':>10}")
+for s in engine.stats:
+    print(f"{s.step:>4}{s.scheduled_tokens:>8}{s.prefill_tokens:>9}{s.decode_tokens:>8}{s.prefix_hit_tokens:>13}"
+          f"{s.free_blocks:>13}{s.preemptions:>11}{s.finished:>10}")
+for i, r in enumerate(served):
+    print(f"request {i}: {r.num_cached_tokens:>2} of {len(r.prompt_token_ids)} prompt tokens from the prefix cache")
+hits = sum(s.prefix_hit_tokens for s in engine.stats)
+assert hits == sum(r.num_cached_tokens for r in served) > 0
+
+# %% [markdown]
+# The first request computes the report, 16 tokens per step. A block enters the prefix cache when
+# the step that wrote its K/V is done, so a request admitted while the report is still being
+# computed reuses only the blocks that already exist, and computes the rest itself; a request
+# admitted later reuses all 6 of the report's blocks (24 tokens).
+#
+# Now the proof. Chapter 01's `generate` runs each prompt alone on a contiguous cache, with plain
+# PyTorch attention. The engine mixed the prompts in one batch, cut prompts into chunks, reused
+# the report's blocks, and ran Triton kernels. The tokens must be identical:
+
+# %%
+alone = [generate(model, p, NEW).tokens for p in prompts]
+for p, a, o in zip(prompts, alone, outputs):
+    print(f"prompt of {len(p)} tokens: alone {a}  engine {o}")
+assert outputs == alone
+assert engine.scheduler.allocator.num_free == POOL
+
+# %% [markdown]
+# And the same work without prefix caching, and with a pool too small for everyone at once, so that
+# the scheduler must preempt. Still the same tokens. (On a CPU these runs call the kernels' PyTorch
+# references, which chapter 03 proves equal to the Triton kernels, to keep the chapter quick.)
+
+# %%
+def run_engine(**kw):
+    e = Engine(model, block_size=4, max_num_batched_tokens=16, use_triton=not cpu, **kw)
+    return e.generate(prompts, NEW), e.stats
+
+
+out_off, stats_off = run_engine(num_blocks=POOL, enable_prefix_caching=False)
+out_small, stats_small = run_engine(num_blocks=10)
+for label, st in [("prefix caching on", engine.stats), ("prefix caching off", stats_off),
+                  ("10-block pool", stats_small)]:
+    print(f"{label:<19}: {len(st):>2} steps, {sum(s.scheduled_tokens for s in st):>3} tokens computed, "
+          f"{sum(s.preemptions for s in st)} preemptions")
+assert out_off == alone and out_small == alone
+assert sum(s.scheduled_tokens for s in stats_off) > sum(s.scheduled_tokens for s in engine.stats)
+assert sum(s.preemptions for s in stats_small) > 0
+
+# %% [markdown]
+# Prefix caching cut the tokens computed; the small pool forced preemptions and recomputation; none
+# of it changed an output token. That is the contract of every mechanism in this book: it changes
+# *where* K/V live and *when* they are computed, never what attention computes.
+#
+# ## Summary
+#
+# - A step has two budgets: tokens (compute) and free blocks (memory). `plan_iteration` gives each
+#   candidate `min(next_chunk, budget)` tokens, stops when the budget is spent, and skips a
+#   candidate whose `extra_blocks` do not fit.
+# - `extra_blocks` counts the new blocks for the slots, a private copy of a shared, partly filled
+#   tail (copy-on-write), and cached blocks revived from the free queue by a prefix hit.
+# - Long prompts are split across steps (chunked prefill), and one step mixes prompt chunks with
+#   decode tokens.
+# - Finished requests release their blocks; blocks still shared, or cached, stay.
+# - The candidate order decides who gets memory first; paging has no notion of priority.
+# - When running requests cannot grow, the newest is preempted and recomputed later; swapping to
+#   CPU memory is the alternative, trading transfers for compute.
+# - The engine built from chapters 01 to 05 gives exactly the tokens of generating each prompt
+#   alone, with batching, chunking, prefix reuse and preemption all at work.
+#
+# Chapter 06 drives this same `Scheduler` with synthetic requests and a cost model to ask the next
+# question: fitting in memory is one thing; serving fast enough is another.
+
+# %% [markdown]
+# ## Exercises
+
+# %%
+from labkit.exercises import Exercises
+
+ex = Exercises("05_scheduler")
+
+# %%
+# SOLUTIONS ONLY
+ex.strict = True  # in solutions/ a failing checker fails the notebook tests
+
+# %% [markdown]
+# **Exercise 1.** Write `blocks_to_take(num_computed, held, tokens, block_size, shared_tail)`: the
+# free blocks a request that has computed `num_computed` tokens and holds `held` blocks uses to
+# compute `tokens` more, when `shared_tail` says whether another request shares its tail block.
+# Mind the block boundaries, and remember when a shared tail really must be copied. (No prefix hits
+# here; do not call `labkit`.)
+
+# %%
+def blocks_to_take(num_computed, held, tokens, block_size, shared_tail):
+    # BEGIN SOLUTION
+    if tokens == 0:
+        return 0
+    new = max(0, -(-(num_computed + tokens) // block_size) - held)
+    copy = 1 if shared_tail and num_computed % block_size else 0
+    return new + copy
+    # END SOLUTION
+
+
+ex1_cases = [(c, blocks_needed(c, bs), t, bs, sh)
+             for bs in (4, 16) for c in (0, bs - 1, bs, bs + 1) for t in (0, 1, bs - 1, bs + 1)
+             for sh in (False, True)]
+ex.check_function("Exercise 1", blocks_to_take,
+                  [(args, extra_blocks(toy(args[0], args[1], max(args[2], 1), shared_tail=args[4]), args[2], args[3]))
+                   for args in ex1_cases],
+                  hint="new blocks = ceil((num_computed + tokens) / block_size) - held; a copy only for a partly "
+                       "filled shared tail.")
+
+# %% [markdown]
+# **Exercise 2.** One iteration by hand. Blocks hold 4 tokens; 3 blocks are free; the token budget
+# is 10. The candidates, in order:
+#
+# | request | computed | blocks held | next_chunk | shared tail |
+# |---|---|---|---|---|
+# | P | 7 | 2 | 1 | yes |
+# | Q | 8 | 2 | 1 | no |
+# | R | 0 | 0 | 9 | no |
+# | S | 0 | 0 | 4 | no |
+# | T | 0 | 0 | 2 | no |
+#
+# Which requests get tokens this step, and how many? Answer as a list of `(name, tokens)` pairs in
+# the order `plan_iteration` plans them.
+
+# %%
+# BEGIN SOLUTION
+# P: 1 token, tail shared and partly filled (7 % 4 = 3) -> 1 copy; free 2, budget 9
+# Q: 1 token at position 8 -> a new block; free 1, budget 8
+# R: min(9, 8) = 8 tokens -> 2 blocks > 1 free: skipped
+# S: 4 tokens -> 1 block; free 0, budget 4
+# T: 2 tokens -> 1 block > 0 free: skipped
+answer_2 = [("P", 1), ("Q", 1), ("S", 4)]
+# END SOLUTION
+# BEGIN STUB
+answer_2 = None  # e.g. [("P", 1), ...]
+# END STUB
+ex2 = [toy(7, 2, 1, shared_tail=True, name="P"), toy(8, 2, 1, name="Q"), toy(0, 0, 9, name="R"),
+       toy(0, 0, 4, name="S"), toy(0, 0, 2, name="T")]
+ex.check("Exercise 2", answer_2, expected=planned(plan_iteration(ex2, 3, 10, 4)),
+         hint="Work through the candidates in order, keeping the free blocks and the budget left.")
+
+# %% [markdown]
+# **Exercise 3.** In the preemption example above, suppose C had produced 3 tokens (not 2) before it
+# was preempted. How many tokens must it compute in the chunk that brings it back (prefix caching
+# off)? Answer with a number.
+
+# %%
+# BEGIN SOLUTION
+answer_3 = 3 + 3  # its prompt and every output: the last output's K/V were never computed either
+# END SOLUTION
+# BEGIN STUB
+answer_3 = None  # replace None with your answer
+# END STUB
+ex3 = toy(0, 0, 6)  # a preempted request holds nothing and has computed nothing
+ex3.prompt_token_ids, ex3.output_token_ids = [1, 2, 3], [7, 7, 7]
+ex.check("Exercise 3", answer_3, expected=ex3.next_chunk,
+         hint="After a preemption nothing is computed: next_chunk = prompt + outputs.")

@@ -1,0 +1,769 @@
+"""From fitting to serving: the KV pool of a device, and a serving simulator (chapter 06).
+
+Chapter 02's formula says how many sequences *fit* in the memory left after
+the weights. Whether they are *served* well is another question, and this
+module answers it by simulation:
+
+* :func:`plan_pool` carves a device's memory into a KV pool of blocks, and counts
+  what the block tables and other bookkeeping cost (§06's 24 GiB example).
+* :func:`reservation_shares` redoes the PagedAttention paper's Fig. 2: how much of
+  the memory a policy reserves holds live token states, for reservation at the
+  maximum length, at the next power of two, at the exact length (an oracle), and
+  in 16-token pages.
+* :class:`Simulator` serves a workload (``labkit.workloads``) with **labkit's own
+  scheduler** (chapter 05's ``Scheduler`` with its ``plan_iteration``), which runs
+  on labkit's own ``BlockAllocator`` and ``PrefixCache``. No tensors and no model:
+  the sampled tokens are synthetic ids, and each step's duration comes from the
+  roofline cost model (``labkit.costmodel``). It reports time to first token
+  (TTFT), the interval between tokens (ITL), throughput, cache occupancy over
+  time and the share of prompt tokens served from the prefix cache.
+
+Speed. Serving 10,000 requests takes millions of (request, step) pairs. Most
+steps are alike: the same requests each decode one token, nobody arrives or
+finishes, no request is preempted. The simulator detects such a stretch after a
+real step and applies all of its steps at once (*skip-ahead*): the same blocks
+taken from the allocator in the same order, the same full blocks registered in
+the prefix cache, the same token ids appended. The result is identical to
+stepping (``skip_ahead=False``); the tests check it step by step.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass, field
+from itertools import islice
+from typing import Sequence
+
+import numpy as np
+
+from .capacity import GiB, TEACHING_MODEL, ModelShape, format_bytes
+from .costmodel import CostModel
+from .paging import BlockAllocator, blocks_needed
+from .prefix import PrefixCache
+from .scheduler import Request, Scheduler, Step
+from .workloads import RequestSpec
+
+__all__ = ["PoolPlan", "plan_pool", "reservation_shares", "RESERVATION_POLICIES", "PAPER_FIG2",
+           "Simulator", "SimResult", "simulate", "weighted_percentile"]
+
+
+# =========================================================================== the pool of one device
+
+
+@dataclass(frozen=True)
+class PoolPlan:
+    """A device's memory turned into a KV pool, with the bookkeeping counted.
+
+    ``management`` lists the device-side tensors an engine keeps *besides* the
+    K/V blocks, sized for its limits: the block tables (one int32 entry per
+    block a sequence may hold, for every sequence slot), the sequence lengths
+    (int32) and the slot mapping of one step (int64 per scheduled token). If they
+    come out of the pool, the pool loses whole blocks.
+    """
+
+    model: ModelShape
+    device_bytes: float
+    set_aside_bytes: float
+    block_size: int
+    max_num_seqs: int
+    max_model_len: int
+    max_num_batched_tokens: int
+
+    @property
+    def pool_bytes(self) -> float:
+        return self.device_bytes - self.set_aside_bytes
+
+    @property
+    def block_bytes(self) -> int:
+        return self.model.block_bytes(self.block_size)
+
+    @property
+    def num_blocks(self) -> int:
+        """Blocks in the pool, before any bookkeeping."""
+        return int(self.pool_bytes // self.block_bytes)
+
+    @property
+    def blocks_per_sequence(self) -> int:
+        """Blocks one sequence of ``max_model_len`` tokens holds."""
+        return blocks_needed(self.max_model_len, self.block_size)
+
+    @property
+    def sequences_that_fit(self) -> int:
+        """Sequences of ``max_model_len`` tokens the bare pool holds (the formula's answer)."""
+        return self.num_blocks // self.blocks_per_sequence
+
+    @property
+    def management(self) -> dict[str, int]:
+        """Bytes of each device-side bookkeeping tensor."""
+        return {
+            "block tables (int32)": 4 * self.max_num_seqs * self.blocks_per_sequence,
+            "sequence lengths (int32)": 4 * self.max_num_seqs,
+            "slot mapping (int64)": 8 * self.max_num_batched_tokens,
+        }
+
+    @property
+    def management_bytes(self) -> int:
+        return sum(self.management.values())
+
+    @property
+    def num_blocks_after_management(self) -> int:
+        """Whole blocks left when the bookkeeping is paid out of the pool."""
+        return int((self.pool_bytes - self.management_bytes) // self.block_bytes)
+
+    @property
+    def sequences_after_management(self) -> int:
+        return self.num_blocks_after_management // self.blocks_per_sequence
+
+    def host_metadata_bytes(self, bytes_per_block: int = 48) -> int:
+        """Host (CPU) memory for per-block metadata: reference count, hash, free-queue links...
+
+        ``bytes_per_block`` is an estimate (4 ref count + 32 hash + 8 links + 4 id):
+        host memory, so it does not shrink the pool, but it grows with the pool.
+        """
+        return bytes_per_block * self.num_blocks
+
+    def describe(self) -> str:
+        lines = [
+            f"device {format_bytes(self.device_bytes)} - set aside {format_bytes(self.set_aside_bytes)} "
+            f"= pool {format_bytes(self.pool_bytes)}",
+            f"block of {self.block_size} tokens = {format_bytes(self.block_bytes)}: {self.num_blocks:,} blocks",
+            f"one sequence of {self.max_model_len:,} tokens = {self.blocks_per_sequence:,} blocks "
+            f"= {format_bytes(self.blocks_per_sequence * self.block_bytes)}: "
+            f"{self.sequences_that_fit} sequences fit",
+        ]
+        return "\n".join(lines)
+
+
+def plan_pool(device_bytes: float = 24 * GiB, set_aside_bytes: float = 17 * GiB, model: ModelShape = TEACHING_MODEL,
+              block_size: int = 16, max_num_seqs: int = 256, max_model_len: int = 8192,
+              max_num_batched_tokens: int = 8192) -> PoolPlan:
+    """The KV pool left on a device after the weights, the workspace and a reserve (``set_aside_bytes``).
+
+    Defaults are §06's example: a 24 GiB device, 17 GiB set aside, the teaching
+    model, 16-token blocks; the engine limits (256 sequence slots, 8,192-token
+    sequences and steps) are typical engine defaults, not from the article.
+    """
+    for name, value in (("device_bytes", device_bytes), ("set_aside_bytes", set_aside_bytes)):
+        if isinstance(value, bool) or not isinstance(value, (int, float)) or not value >= 0:
+            raise ValueError(f"{name} must be a number of bytes >= 0, got {value!r}")
+    if set_aside_bytes > device_bytes:
+        raise ValueError(f"set_aside_bytes must be in [0, device_bytes = {format_bytes(device_bytes)}], "
+                         f"got {format_bytes(set_aside_bytes)}")
+    for name, value in (("block_size", block_size), ("max_num_seqs", max_num_seqs),
+                        ("max_model_len", max_model_len), ("max_num_batched_tokens", max_num_batched_tokens)):
+        if isinstance(value, bool) or not isinstance(value, int) or value < 1:
+            raise ValueError(f"{name} must be an integer >= 1, got {value!r}")
+    plan = PoolPlan(model, device_bytes, set_aside_bytes, block_size, max_num_seqs, max_model_len,
+                    max_num_batched_tokens)
+    if plan.num_blocks < 1:
+        raise ValueError(f"set_aside_bytes leaves a pool of {format_bytes(plan.pool_bytes)}, smaller than one "
+                         f"block ({format_bytes(plan.block_bytes)}): it must leave at least one block")
+    return plan
+
+
+# =========================================================================== the paper's Fig. 2
+
+# Share of KV memory holding token states in the PagedAttention paper's Fig. 2 (Kwon et al. 2023).
+PAPER_FIG2 = {"reserve max length": 0.204, "reserve power of two": 0.268, "reserve exact length (oracle)": 0.382,
+              "paged, 16-token blocks": 0.963}
+RESERVATION_POLICIES = tuple(PAPER_FIG2)
+
+
+def reservation_shares(requests: Sequence[RequestSpec], max_len: int = 2048, block_size: int = 16) -> dict[str, float]:
+    """The share of reserved KV slots that hold live token states, under four policies.
+
+    Every request is looked at during each of its decode steps: after step ``t``
+    (``t = 1 .. output_len``) it holds ``prompt_len + t`` live tokens. What it has
+    reserved meanwhile depends on the policy:
+
+    * **max length**: ``max_len`` slots, whatever the request (Orca (Max));
+    * **power of two**: the next power of two at or above its final length
+      (a length known within a factor of 2: Orca (Pow2));
+    * **oracle**: exactly its final length ``prompt_len + output_len`` (Orca (Oracle));
+    * **paged**: only the blocks its live tokens occupy, ``ceil(live / block_size)``
+      blocks (vLLM): waste is at most one partly filled block.
+
+    The share is Σ live / Σ reserved over all (request, step) pairs, i.e. the
+    average over time when requests run side by side. External fragmentation
+    (holes between contiguous reservations) is not modelled, so the three
+    reservation policies come out *higher* here than in a real system.
+    """
+    if not requests:
+        raise ValueError("requests must hold at least one request")
+    if isinstance(max_len, bool) or not isinstance(max_len, int) or max_len < 1:
+        raise ValueError(f"max_len must be an integer >= 1, got {max_len!r}")
+    if isinstance(block_size, bool) or not isinstance(block_size, int) or block_size < 1:
+        raise ValueError(f"block_size must be an integer >= 1, got {block_size!r}")
+    prompt = np.array([r.prompt_len for r in requests], dtype=np.float64)
+    output = np.array([r.output_len for r in requests], dtype=np.float64)
+    total = prompt + output
+    if total.max() > max_len:
+        raise ValueError(f"max_len must be at least the longest request ({int(total.max())} tokens), got {max_len}")
+    live = (output * prompt + output * (output + 1) / 2).sum()  # Σ_r Σ_t (prompt + t)
+    pow2 = 2.0 ** np.ceil(np.log2(total))
+    # Paged: every live length the requests pass through, rounded up to whole blocks.
+    lengths = np.concatenate([np.arange(p + 1, p + o + 1) for p, o in zip(prompt.astype(np.int64),
+                                                                           output.astype(np.int64))])
+    paged = (np.ceil(lengths / block_size) * block_size).sum()
+    return {
+        "reserve max length": live / (output * max_len).sum(),
+        "reserve power of two": live / (output * pow2).sum(),
+        "reserve exact length (oracle)": live / (output * total).sum(),
+        "paged, 16-token blocks" if block_size == 16 else f"paged, {block_size}-token blocks": live / paged,
+    }
+
+
+# =========================================================================== results
+
+
+def weighted_percentile(values: np.ndarray, weights: np.ndarray, q: float) -> float:
+    """The ``q``-th percentile (0-100) of ``values`` where each value counts ``weights`` times.
+
+    The lower value at a tie (no interpolation), so ``weighted_percentile(v, ones, q)``
+    equals ``np.percentile(v, q, method="inverted_cdf")``.
+    """
+    if len(values) == 0:
+        return float("nan")
+    order = np.argsort(values, kind="stable")
+    cum = np.cumsum(weights[order])
+    rank = q / 100 * cum[-1]
+    index = int(np.searchsorted(cum, rank, side="left"))
+    return float(values[order][min(index, len(values) - 1)])
+
+
+@dataclass
+class SimResult:
+    """What a simulated run measured. Times are seconds since the first arrival.
+
+    Per request (arrays in request order): ``arrival``, ``first_token`` (end of the
+    step that sampled its first token), ``finish``, ``prompt_len``, ``output_len``,
+    ``hit_tokens`` (prompt tokens found in the prefix cache when first admitted),
+    ``preemptions``. Per step: ``step_start``, ``step_end``, ``step_tokens``,
+    ``num_running``, ``num_waiting``, ``used_blocks`` (held by a request) and
+    ``live_tokens`` (K/V of unfinished requests). ``itl`` / ``itl_weight``: every
+    interval between two tokens of one request, with how many tokens it stands for.
+    ``schedule`` (with ``record_schedule``): per step, ``(request_id, start, num_tokens,
+    block_table)`` of each scheduled request; ``queued_at_step``: the first step in
+    which each request was a candidate; ``scheduler``: the scheduler after the run.
+    """
+
+    num_blocks: int
+    block_size: int
+    arrival: np.ndarray
+    first_token: np.ndarray
+    finish: np.ndarray
+    prompt_len: np.ndarray
+    output_len: np.ndarray
+    hit_tokens: np.ndarray
+    shared_prefix_len: np.ndarray
+    preemptions: np.ndarray
+    step_start: np.ndarray
+    step_end: np.ndarray
+    step_tokens: np.ndarray
+    num_running: np.ndarray
+    num_waiting: np.ndarray
+    used_blocks: np.ndarray
+    live_tokens: np.ndarray
+    itl: np.ndarray
+    itl_weight: np.ndarray
+    recomputed_tokens: int = 0
+    schedule: list = field(default_factory=list, repr=False)
+    skipped_steps: int = 0
+    queued_at_step: np.ndarray | None = field(default=None, repr=False)
+    scheduler: Scheduler | None = field(default=None, repr=False)
+
+    # ------------------------------------------------------------ latency
+    @property
+    def ttft(self) -> np.ndarray:
+        """Time to first token of every request: queueing + prefill."""
+        return self.first_token - self.arrival
+
+    def ttft_percentiles(self) -> dict[str, float]:
+        return {f"p{q}": float(np.percentile(self.ttft, q)) for q in (50, 90, 99)}
+
+    def itl_percentiles(self) -> dict[str, float]:
+        return {f"p{q}": weighted_percentile(self.itl, self.itl_weight, q) for q in (50, 90, 99)}
+
+    # ------------------------------------------------------------ throughput
+    @property
+    def makespan(self) -> float:
+        """From the first arrival to the last token."""
+        return float(self.finish.max() - self.arrival.min())
+
+    @property
+    def num_steps(self) -> int:
+        return len(self.step_start)
+
+    @property
+    def output_tokens_per_s(self) -> float:
+        return float(self.output_len.sum() / self.makespan)
+
+    @property
+    def requests_per_s(self) -> float:
+        return len(self.arrival) / self.makespan
+
+    # ------------------------------------------------------------ memory
+    @property
+    def step_time(self) -> np.ndarray:
+        return self.step_end - self.step_start
+
+    @property
+    def mean_occupancy(self) -> float:
+        """Time-average share of the pool's blocks held by requests (idle time counts as 0)."""
+        return float((self.used_blocks * self.step_time).sum() / (self.num_blocks * self.makespan))
+
+    @property
+    def live_token_share(self) -> float:
+        """Of the slots in held blocks, the share holding live K/V (time-average while busy).
+
+        With prefix sharing one block serves several requests, so this can exceed 1.
+        """
+        held = (self.used_blocks * self.block_size * self.step_time).sum()
+        return float((self.live_tokens * self.step_time).sum() / held) if held else 0.0
+
+    @property
+    def reuse_ratio(self) -> float:
+        """Share of prompt tokens served from the prefix cache instead of computed."""
+        return float(self.hit_tokens.sum() / self.prompt_len.sum())
+
+    @property
+    def reusable_ratio(self) -> float:
+        """Share of prompt tokens that *could* be reused: full blocks of a prefix another request shares."""
+        reusable = (self.shared_prefix_len // self.block_size) * self.block_size
+        return float(np.minimum(reusable, self.prompt_len - 1).sum() / self.prompt_len.sum())
+
+    def summary(self) -> dict[str, float]:
+        """The chapter's measurements in one row (milliseconds for latencies)."""
+        ttft, itl = self.ttft_percentiles(), self.itl_percentiles()
+        row = {f"TTFT {k} (ms)": v * 1e3 for k, v in ttft.items()}
+        row.update({f"ITL {k} (ms)": v * 1e3 for k, v in itl.items()})
+        row.update({"output tokens/s": self.output_tokens_per_s, "requests/s": self.requests_per_s,
+                    "mean occupancy": self.mean_occupancy, "reuse ratio": self.reuse_ratio,
+                    "preemptions": int(self.preemptions.sum()), "steps": self.num_steps})
+        return row
+
+
+# =========================================================================== the simulator
+
+
+def _fast_block_hash(parent_hash, token_ids, key) -> int:
+    """Python's tuple hash as the prefix cache's block name: fast, and safe because
+    ``PrefixCache`` verifies token ids, extra keys and parent on every hit."""
+    return hash((parent_hash, tuple(token_ids), key))
+
+
+def _check_number(name: str, value: object, minimum: float, *, integer: bool = False, strict: bool = False) -> None:
+    kind = int if integer else (int, float)
+    bad = isinstance(value, bool) or not isinstance(value, kind)
+    if not bad:
+        bad = value <= minimum if strict else value < minimum
+    if bad:
+        what = "an integer" if integer else "a number"
+        raise ValueError(f"{name} must be {what} {'>' if strict else '>='} {minimum}, got {value!r}")
+
+
+class Simulator:
+    """Serve a workload with labkit's scheduler, timing each step with a roofline cost model.
+
+    ``cost_model``: a :class:`labkit.costmodel.CostModel` (its model sets the block
+    bytes). The pool is ``num_blocks`` blocks, or ``pool_bytes`` of memory (at least
+    one block). ``block_size``, ``max_num_batched_tokens`` and ``enable_prefix_caching``
+    go to the ``Scheduler``. ``skip_ahead=False`` steps through every iteration (slow,
+    the reference); ``record_schedule`` keeps, for every step, what each request was
+    given: ``(request_id, start, num_tokens, block_table)``.
+    """
+
+    def __init__(self, cost_model: CostModel | None = None, *, num_blocks: int | None = None,
+                 pool_bytes: float | None = None, block_size: int = 16, max_num_batched_tokens: int = 2048,
+                 enable_prefix_caching: bool = True, skip_ahead: bool = True, record_schedule: bool = False):
+        self.cost_model = cost_model if cost_model is not None else CostModel()
+        if not isinstance(self.cost_model, CostModel):
+            raise ValueError(f"cost_model must be a labkit.costmodel.CostModel, got {type(cost_model).__name__}")
+        _check_number("block_size", block_size, 1, integer=True)
+        _check_number("max_num_batched_tokens", max_num_batched_tokens, 1, integer=True)
+        if (num_blocks is None) == (pool_bytes is None):
+            raise ValueError("give exactly one of num_blocks (an integer >= 1) or pool_bytes (bytes >= one block)")
+        block_bytes = self.cost_model.model.shape.block_bytes(block_size)
+        if pool_bytes is not None:
+            _check_number("pool_bytes", pool_bytes, 0)
+            if pool_bytes < block_bytes:
+                raise ValueError(f"pool_bytes must hold at least one block of {block_size} tokens "
+                                 f"({format_bytes(block_bytes)}), got {format_bytes(pool_bytes)}")
+            num_blocks = int(pool_bytes // block_bytes)
+        _check_number("num_blocks", num_blocks, 1, integer=True)
+        self.num_blocks = num_blocks
+        self.block_size = block_size
+        self.max_num_batched_tokens = max_num_batched_tokens
+        self.enable_prefix_caching = bool(enable_prefix_caching)
+        self.skip_ahead = bool(skip_ahead)
+        self.record_schedule = bool(record_schedule)
+
+    def __repr__(self) -> str:
+        return (f"Simulator({self.num_blocks:,} blocks of {self.block_size} tokens, budget "
+                f"{self.max_num_batched_tokens} tokens/step, prefix caching "
+                f"{'on' if self.enable_prefix_caching else 'off'}, {self.cost_model!r})")
+
+    def new_scheduler(self) -> Scheduler:
+        """A fresh chapter-05 scheduler over a fresh allocator and prefix cache."""
+        cache = PrefixCache(BlockAllocator(self.num_blocks), self.block_size, hash_fn=_fast_block_hash)
+        return Scheduler(block_size=self.block_size, max_num_batched_tokens=self.max_num_batched_tokens,
+                         enable_prefix_caching=self.enable_prefix_caching, prefix_cache=cache)
+
+    def run(self, requests: Sequence[RequestSpec], progress: bool = False) -> SimResult:
+        """Serve ``requests`` (arriving at their ``arrival_time``) to completion."""
+        return _Run(self, requests, progress).result()
+
+
+def simulate(requests: Sequence[RequestSpec], cost_model: CostModel | None = None, **settings) -> SimResult:
+    """``Simulator(cost_model, **settings).run(requests)`` in one call."""
+    return Simulator(cost_model, **settings).run(requests)
+
+
+# Synthetic output ids: unique per (request, position), above any vocabulary, so no two
+# requests ever produce the same full block by accident.
+_OUTPUT_ID_BASE = 1 << 20
+_OUTPUT_ID_STRIDE = 1 << 16
+
+
+def _output_id(index: int, position: int) -> int:
+    return _OUTPUT_ID_BASE + index * _OUTPUT_ID_STRIDE + position
+
+
+class _Columns:
+    """Named columns filled one value at a time (real steps) or one array at a time (skipped stretches)."""
+
+    def __init__(self, *names: str):
+        self._buffer: dict[str, list] = {k: [] for k in names}
+        self._segments: dict[str, list[np.ndarray]] = {k: [] for k in names}
+
+    def add(self, **values) -> None:
+        for k, v in values.items():
+            self._buffer[k].append(v)
+
+    def extend(self, **arrays) -> None:
+        self._flush()
+        for k, a in arrays.items():
+            self._segments[k].append(np.asarray(a))
+
+    def _flush(self) -> None:
+        for k, values in self._buffer.items():
+            if values:
+                self._segments[k].append(np.asarray(values))
+                self._buffer[k] = []
+
+    def array(self, name: str, dtype=np.float64) -> np.ndarray:
+        self._flush()
+        parts = self._segments[name]
+        return np.concatenate(parts).astype(dtype) if parts else np.zeros(0, dtype=dtype)
+
+
+class _Run:
+    """One simulated run: the event loop, the records, and the skip-ahead."""
+
+    def __init__(self, sim: Simulator, specs: Sequence[RequestSpec], progress: bool):
+        if len(specs) == 0:
+            raise ValueError("requests must hold at least one RequestSpec")
+        self.sim = sim
+        self.cost = sim.cost_model
+        self.sched = sim.new_scheduler()
+        self.block_size = sim.block_size
+        self.specs = sorted(specs, key=lambda s: (s.arrival_time, s.request_id))
+        n = len(self.specs)
+        self.requests: list[Request] = []
+        self.index: dict[int, int] = {}  # id(Request) -> position in self.specs
+        for i, spec in enumerate(self.specs):  # check every request before serving any
+            if not isinstance(spec, RequestSpec):
+                raise ValueError(f"requests must hold RequestSpec objects, got {type(spec).__name__}")
+            if spec.output_len >= _OUTPUT_ID_STRIDE:
+                raise ValueError(f"output_len must be < {_OUTPUT_ID_STRIDE}, got {spec.output_len}")
+            request = Request(spec.prompt_token_ids, spec.output_len, request_id=spec.request_id)
+            self.sched.check_fits(request)
+            self.index[id(request)] = i
+            self.requests.append(request)
+        self.first_token = np.full(n, np.nan)
+        self.finish = np.full(n, np.nan)
+        self.last_token = np.zeros(n)
+        self.hit_tokens = np.zeros(n, dtype=np.int64)
+        self.admitted = np.zeros(n, dtype=bool)
+        self.queued_at_step = np.zeros(n, dtype=np.int64)
+        self.steps = _Columns("start", "end", "tokens", "running", "waiting", "used", "live")
+        self.itl = _Columns("value", "weight")
+        self.schedule: list = []
+        self.skipped_steps = 0
+        self._first_tokens_this_step = 0
+        self.bar = None
+        if progress:
+            from tqdm.auto import tqdm
+            self.bar = tqdm(total=n, desc="requests served", unit="req", mininterval=0.5)
+        try:
+            self._loop()
+        finally:
+            if self.bar is not None:
+                self.bar.close()
+
+    # ------------------------------------------------------------ main loop
+    def _loop(self) -> None:
+        sched, specs = self.sched, self.specs
+        n, nxt = len(specs), 0
+        clock = specs[0].arrival_time
+        while nxt < n or sched.has_unfinished():
+            while nxt < n and specs[nxt].arrival_time <= clock:
+                sched.add_request(self.requests[nxt])
+                self.queued_at_step[nxt] = sched.num_steps + 1  # it is a candidate from this step on
+                nxt += 1
+            if not sched.has_unfinished():
+                clock = specs[nxt].arrival_time  # idle until the next arrival
+                continue
+            step = sched.schedule()
+            if not step.chunks:
+                raise RuntimeError("the scheduler planned nothing although requests are unfinished")
+            end = clock + self._step_time(step)
+            self._record_step(step, clock, end)
+            clock = end
+            if self.sim.skip_ahead:
+                clock = self._skip(clock, specs[nxt].arrival_time if nxt < n else math.inf, step)
+
+    def _step_time(self, step: Step) -> float:
+        """The cost model's time for the step: Σ new tokens, Σ context, Σ attention pairs."""
+        new = ctx = 0
+        pairs = 0.0
+        for c in step.chunks:
+            k = c.num_tokens
+            new += k
+            ctx += c.start
+            pairs += k * c.start + k * (k + 1) / 2
+        return self.cost.time_from_sums(new, ctx, pairs)
+
+    def _record_step(self, step: Step, start: float, end: float) -> None:
+        sched, index = self.sched, self.index
+        sampled = []
+        self._first_tokens_this_step = 0
+        for c in step.chunks:
+            r = c.request
+            i = index[id(r)]
+            if not self.admitted[i]:
+                self.admitted[i] = True
+                self.hit_tokens[i] = c.num_cached_tokens
+            if c.samples:
+                sampled.append(_output_id(i, len(r.output_token_ids)))
+                if self.first_token[i] != self.first_token[i]:  # NaN: no token yet
+                    self.first_token[i] = end
+                    self._first_tokens_this_step += 1
+                else:
+                    self.itl.add(value=end - self.last_token[i], weight=1)
+                self.last_token[i] = end
+        if self.sim.record_schedule:
+            self.schedule.append([(c.request.request_id, c.start, c.num_tokens, tuple(c.block_table))
+                                  for c in step.chunks])
+        stats = step.stats
+        self.steps.add(start=start, end=end, tokens=stats.scheduled_tokens, running=stats.num_running,
+                       waiting=stats.num_waiting, used=stats.used_blocks,
+                       live=sum(r.num_computed_tokens for r in sched.running))
+        finished = sched.postprocess(step, sampled)
+        for r in finished:
+            self.finish[index[id(r)]] = end
+        if self.bar is not None and finished:
+            self.bar.update(len(finished))
+
+    # ------------------------------------------------------------ skip-ahead
+    def _pure_decode(self, step: Step) -> bool:
+        """The step just done had every running request decode one token, and nothing else happened:
+        no admission, no first token, no preemption, no copy, no request finished."""
+        if step.preempted or step.copies or self._first_tokens_this_step:
+            return False
+        if len(step.chunks) != len(self.sched.running):
+            return False  # someone finished, or was not scheduled
+        return all(c.num_tokens == 1 and c.samples for c in step.chunks)
+
+    def _skip(self, clock: float, next_arrival: float, step: Step) -> float:
+        """Apply the coming pure-decode steps at once; returns the clock after them.
+
+        A *pure-decode* step gives every running request one token and does nothing
+        else. The coming steps are pure decode while no request arrives, every running
+        request is decoding (its prompt done), the token budget covers them all, the
+        free blocks cover their new blocks (else the scheduler would preempt), and no
+        waiting request can be admitted. That last point is easy when nobody waits.
+        When requests wait, the step just done must itself have been pure decode (so
+        the scheduler just judged them inadmissible), and the stretch ends before
+        anything could change that judgement: a request finishing (it frees blocks) or
+        the allocator handing out a cached block (that could shrink a prefix hit).
+        With nobody waiting, requests may finish inside the stretch.
+        """
+        sched, bs, alloc = self.sched, self.block_size, self.sched.allocator
+        running = list(sched.running)
+        b = len(running)
+        if b == 0 or b > sched.max_num_batched_tokens:
+            return clock
+        waiting = bool(sched.waiting)
+        if waiting and not self._pure_decode(step):
+            return clock
+        for r in running:
+            if r.num_computed_tokens != r.num_tokens - 1:
+                return clock  # still prefilling
+            t = r.table  # a shared, partly filled tail would be copied on write: step normally
+            if t.num_tokens % bs and alloc.ref_counts[t.block_ids[-1]] > 1:
+                return clock
+        computed = np.fromiter((r.num_computed_tokens for r in running), dtype=np.int64, count=b)
+        # Request j decodes in window steps 0 .. last[j]; it finishes in step last[j].
+        last = np.fromiter((r.max_new_tokens - len(r.output_token_ids) for r in running), dtype=np.int64,
+                           count=b) - 1
+        k = int(last.min()) if waiting else int(last.max()) + 1
+        if k < 1:
+            return clock
+        # Step i computes position computed + i, which needs a new block when it is a multiple of bs.
+        first_alloc = (-computed) % bs
+        alloc_steps = first_alloc[:, None] + bs * np.arange(-(-k // bs))[None, :]  # [b, blocks]
+        alloc_steps = np.where(alloc_steps <= last[:, None], alloc_steps, k)  # none after finishing
+        cum_blocks = np.cumsum(np.bincount(alloc_steps[alloc_steps < k], minlength=k))
+        free_limit = alloc.num_free  # finished requests' blocks are not counted on: a safe bound
+        if waiting and cum_blocks[-1]:
+            free_limit = self._uncached_free_blocks(int(min(cum_blocks[-1], free_limit)))
+        k = int(np.searchsorted(cum_blocks, free_limit, side="right"))
+        if k < 1:
+            return clock
+        # Who is active in step i, the history they read and the pairs they attend to.
+        i = np.arange(k)
+        done_before = np.zeros(k + 1, dtype=np.int64)
+        done_computed = np.zeros(k + 1, dtype=np.int64)
+        finishing = last < k
+        np.add.at(done_before, last[finishing] + 1, 1)
+        np.add.at(done_computed, last[finishing] + 1, computed[finishing])
+        active = b - np.cumsum(done_before)[:k]
+        context = computed.sum() - np.cumsum(done_computed)[:k] + i * active
+        durations = self.cost.times_from_sums(active, context, context + active)
+        # Summed one step at a time from the clock, exactly as stepping adds them.
+        ends = np.cumsum(np.concatenate(([clock], durations)))[1:]
+        starts = np.concatenate(([clock], ends[:-1]))
+        k = min(k, int(np.searchsorted(starts, next_arrival, side="left")))  # steps that start before it
+        if k < 1:
+            return clock
+        active, context, starts, ends = active[:k], context[:k], starts[:k], ends[:k]
+        used = alloc.num_used + cum_blocks[:k]
+        freed = self._apply_decode_steps(running, computed, last, alloc_steps, k, ends)
+        used = used - np.concatenate(([0], np.cumsum(freed)[:-1]))
+        self.steps.extend(start=starts, end=ends, tokens=active, running=active,
+                          waiting=np.full(k, len(sched.waiting)), used=used, live=context + active)
+        self.itl.extend(value=ends - starts, weight=active)
+        for j, r in enumerate(running):
+            self.last_token[self.index[id(r)]] = ends[min(k, int(last[j]) + 1) - 1]
+        sched.num_steps += k
+        self.skipped_steps += k
+        return float(ends[-1])
+
+    def _uncached_free_blocks(self, limit: int) -> int:
+        """How many blocks at the front of the free queue (the next to be handed out) hold no
+        cached prefix, looking at most ``limit`` deep."""
+        cache = self.sched.prefix_cache
+        count = 0
+        for block_id in islice(self.sched.allocator._free, limit):  # noqa: SLF001  (the LRU free queue)
+            if cache.is_cached(block_id):
+                break
+            count += 1
+        return count
+
+    def _apply_decode_steps(self, running: list[Request], computed: np.ndarray, last: np.ndarray,
+                            alloc_steps: np.ndarray, k: int, ends: np.ndarray) -> np.ndarray:
+        """Change the scheduler's state as ``k`` decode steps would, in the same order.
+
+        In each step, stepping first allocates a block for every request crossing a
+        block boundary, in running order (``schedule``), then registers the blocks that
+        became full and finishes requests, in the same order (``postprocess``). Only
+        these events touch the allocator and the prefix cache; appending tokens inside
+        a block touches neither, so it is batched. Returns the blocks freed per step.
+        """
+        sched, bs, cache, alloc = self.sched, self.block_size, self.sched.prefix_cache, self.sched.allocator
+        steps_done = np.minimum(last + 1, k)  # tokens each request computes in the stretch
+        for j, r in enumerate(running):  # the tokens sampled in the stretch
+            i = self.index[id(r)]
+            start = len(r.output_token_ids)
+            first = _output_id(i, start)
+            r.output_token_ids.extend(range(first, first + int(steps_done[j])))
+        # Events (step, phase, order): phase 0 allocates in schedule; in postprocess
+        # phase 1 registers full blocks, then phase 2 finishes requests.
+        rows, cols = np.nonzero(alloc_steps < k)
+        ev = [(alloc_steps[rows, cols], np.zeros(len(rows), dtype=np.int64), rows)]
+        if sched.enable_prefix_caching:
+            first_full = (-(computed + 1)) % bs
+            full_steps = first_full[:, None] + bs * np.arange(-(-k // bs))[None, :]
+            rows_c, cols_c = np.nonzero((full_steps < k) & (full_steps <= last[:, None]))
+            ev.append((full_steps[rows_c, cols_c], np.ones(len(rows_c), dtype=np.int64), rows_c))
+        fin = np.nonzero(last < k)[0]
+        ev.append((last[fin], np.full(len(fin), 2, dtype=np.int64), fin))
+        step_, phase, order = (np.concatenate(parts) for parts in zip(*ev))
+        freed = np.zeros(k, dtype=np.int64)
+        prompt_lens = [len(r.prompt_token_ids) for r in running]
+        final_tables = [None] * len(running)
+        sequence = np.lexsort((order, phase, step_))
+        computed_list = computed.tolist()
+        for j, s, ph in zip(order[sequence].tolist(), step_[sequence].tolist(), phase[sequence].tolist()):
+            r = running[j]
+            end = computed_list[j] + s + 1  # tokens in the table once step s computed its token
+            self._append_up_to(r, prompt_lens[j], end)
+            if ph == 1:
+                cache.commit(r.table, end)
+            elif ph == 2:
+                r.num_computed_tokens = end
+                r.block_table = list(r.table.block_ids)
+                final_tables[j] = list(r.table.block_ids)
+                free_before = alloc.num_free
+                sched._finish(r)  # noqa: SLF001  (the scheduler's own finish: release, then bookkeeping)
+                freed[s] += alloc.num_free - free_before
+                self.finish[self.index[id(r)]] = ends[s]
+        for j, r in enumerate(running):
+            if last[j] >= k:
+                self._append_up_to(r, prompt_lens[j], int(computed[j]) + k)
+                r.num_computed_tokens = int(computed[j]) + k
+                r.block_table = list(r.table.block_ids)
+                final_tables[j] = r.block_table
+        if self.bar is not None and len(fin):
+            self.bar.update(len(fin))
+        if self.sim.record_schedule:
+            for s in range(k):
+                self.schedule.append([(r.request_id, int(computed[j]) + s, 1,
+                                       tuple(final_tables[j][:blocks_needed(int(computed[j]) + s + 1, bs)]))
+                                      for j, r in enumerate(running) if s <= last[j]])
+        return freed
+
+    def _append_up_to(self, r: Request, prompt_len: int, end: int) -> None:
+        """Put the tokens at positions [table.num_tokens, end) into ``r``'s block table.
+
+        Only the last of them may start a new block (the events are placed so). Tokens
+        that land in blocks the table already has need no allocator and no cache work:
+        ``append`` would only extend the table's token list and count, and that is done
+        directly here, which saves a slot computation per token. A token that starts a
+        new block goes through ``PrefixCache.append``, which takes the block from the
+        allocator (evicting a cached one if that is next in the free queue).
+        """
+        table = r.table
+        if end <= table.num_tokens:
+            return
+        out = r.output_token_ids
+        direct_end = end - 1 if (end - 1) % self.block_size == 0 else end  # does the last token start a block?
+        if direct_end > table.num_tokens:
+            table.token_ids.extend(out[table.num_tokens - prompt_len:direct_end - prompt_len])
+            table.num_tokens = direct_end
+        if direct_end < end:
+            self.sched.prefix_cache.append(table, [out[end - 1 - prompt_len]])
+
+    # ------------------------------------------------------------ result
+    def result(self) -> SimResult:
+        steps = self.steps
+        prompt_len = np.array([sp.prompt_len for sp in self.specs])
+        output_len = np.array([sp.output_len for sp in self.specs])
+        step_tokens = steps.array("tokens", np.int64)
+        # Every prompt token not found in the cache is computed once, every output but the
+        # last once; anything beyond that was computed again after a preemption.
+        useful = int((prompt_len - self.hit_tokens).sum() + (output_len - 1).sum())
+        return SimResult(
+            num_blocks=self.sim.num_blocks, block_size=self.sim.block_size,
+            arrival=np.array([sp.arrival_time for sp in self.specs]),
+            first_token=self.first_token, finish=self.finish, prompt_len=prompt_len, output_len=output_len,
+            hit_tokens=self.hit_tokens, shared_prefix_len=np.array([sp.prefix_len for sp in self.specs]),
+            preemptions=np.array([r.num_preemptions for r in self.requests]),
+            step_start=steps.array("start"), step_end=steps.array("end"), step_tokens=step_tokens,
+            num_running=steps.array("running", np.int64), num_waiting=steps.array("waiting", np.int64),
+            used_blocks=steps.array("used", np.int64), live_tokens=steps.array("live", np.int64),
+            itl=self.itl.array("value"), itl_weight=self.itl.array("weight"),
+            recomputed_tokens=int(step_tokens.sum()) - useful, schedule=self.schedule,
+            skipped_steps=self.skipped_steps, queued_at_step=self.queued_at_step, scheduler=self.sched,
+        )

@@ -1,0 +1,367 @@
+"""labkit.capacity: the byte formula against real tensors and plain references; presets; sharding; capacity."""
+
+from __future__ import annotations
+
+import random
+import re
+
+import matplotlib
+
+matplotlib.use("Agg")
+
+import pytest
+import torch
+
+from labkit import capacity, paging, units
+from labkit.cache import KVCache
+from labkit.capacity import GiB, KiB, MiB, PRESETS, TEACHING_MODEL, ModelShape
+from labkit.model import Decoder, DecoderConfig
+
+
+def allocated_bytes(length: int, num_layers: int, num_kv_heads: int, head_dim: int, dtype: torch.dtype) -> int:
+    """The plain reference: allocate one K and one V tensor [length, Hkv, D] per layer and count."""
+    return sum(torch.empty(length, num_kv_heads, head_dim, dtype=dtype).nbytes for _ in range(2 * num_layers))
+
+
+# ------------------------------------------------------------------ the formula
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float16, torch.bfloat16, torch.float8_e4m3fn])
+def test_formula_matches_allocated_tensors_for_random_shapes(dtype):
+    rng = random.Random(str(dtype))
+    for _ in range(20):
+        layers, heads, dim, length = rng.randint(1, 6), rng.randint(1, 9), rng.randint(1, 40), rng.randint(0, 23)
+        expected = allocated_bytes(length, layers, heads, dim, dtype)
+        assert capacity.cache_bytes(length, layers, heads, dim, dtype=dtype) == expected
+        assert capacity.cache_bytes(length, layers, heads, dim, dtype.itemsize) == expected
+        shape = ModelShape("random", layers, heads, dim, dtype_bytes=dtype.itemsize)
+        assert shape.cache_bytes(length) == expected
+        if length:
+            assert capacity.bytes_per_token(layers, heads, dim, dtype=dtype) == expected // length
+
+
+def test_teaching_model_matches_allocated_bf16_tensors():
+    for length in [1, 3, 16, 37]:
+        assert TEACHING_MODEL.cache_bytes(length) == allocated_bytes(length, 32, 8, 128, torch.bfloat16)
+
+
+@pytest.mark.parametrize("prompt_len", [1, 5, 37])
+def test_formula_matches_the_chapter_01_cache_after_prefill_and_decode(prompt_len):
+    model = Decoder.random(DecoderConfig(num_hidden_layers=3, num_key_value_heads=4, hidden_size=128))
+    shape = ModelShape.from_config(model.config.to_dict(), dtype=torch.float32)
+    cache = KVCache(model.config)
+    ids = torch.randint(0, model.config.vocab_size, (2, prompt_len), generator=torch.Generator().manual_seed(3))
+    with torch.no_grad():
+        model(ids, cache=cache)
+        assert cache.nbytes == 2 * shape.cache_bytes(prompt_len)  # batch of 2 sequences
+        model(ids[:, :1], cache=cache)
+    assert cache.nbytes == 2 * shape.cache_bytes(prompt_len + 1)
+
+
+def test_element_size_agrees_with_torch_for_every_torch_name():
+    for name, size in capacity.DTYPE_BYTES.items():
+        dtype = getattr(torch, name, None)
+        if isinstance(dtype, torch.dtype):
+            assert size == torch.empty((), dtype=dtype).element_size(), name
+    assert capacity.element_size("torch.bfloat16") == 2
+    assert capacity.element_size("BF16") == 2
+
+
+def test_blocks_are_paging_blocks():
+    assert capacity.blocks_needed is paging.blocks_needed
+    assert TEACHING_MODEL.block_bytes(16) == 16 * TEACHING_MODEL.bytes_per_token()
+    for length in [1, 15, 16, 17, 37]:
+        blocks = capacity.blocks_needed(length, 16)
+        assert blocks * TEACHING_MODEL.block_bytes(16) >= TEACHING_MODEL.cache_bytes(length)
+        assert (blocks - 1) * TEACHING_MODEL.block_bytes(16) < TEACHING_MODEL.cache_bytes(length)
+
+
+# ------------------------------------------------------------------ the article's figures, as printed
+
+
+def test_format_bytes_prints_the_articles_figures():
+    t = TEACHING_MODEL
+    f = capacity.format_bytes
+    assert f(t.bytes_per_token(), "bytes") == "131,072 bytes"
+    assert f(t.bytes_per_token()) == "128 KiB"
+    assert f(t.cache_bytes(8192)) == "1 GiB"
+    assert f(t.cache_bytes(4096), "GiB") == "0.5 GiB"
+    assert f(t.cache_bytes(2048), "GiB") == "0.25 GiB"
+    assert f(t.cache_bytes(8192 + 4096 + 2048)) == "1.75 GiB"
+    assert f(3 * t.cache_bytes(8192)) == "3 GiB"
+    assert f(t.block_bytes(16)) == "2 MiB"
+    assert f((capacity.blocks_needed(37, 16) * 16 - 37) * t.bytes_per_token()) == "1.375 MiB"
+    assert f(3 * t.block_bytes(16)) == "6 MiB"
+
+
+def test_format_bytes_without_a_unit_is_units_format_bytes():
+    rng = random.Random(0)
+    for n in [0, 1, 999, 1024, 131072, 1.5 * GiB] + [rng.randint(0, 2**45) for _ in range(50)]:
+        assert capacity.format_bytes(n) == units.format_bytes(n)
+
+
+def test_format_bytes_with_a_unit_parses_back_to_the_value():
+    rng = random.Random(1)
+    for unit, size in [("KiB", KiB), ("MiB", MiB), ("GiB", GiB)]:
+        for _ in range(30):
+            n = rng.randint(0, 2**40)
+            text = capacity.format_bytes(n, unit)
+            assert text.endswith(" " + unit)
+            assert abs(float(text.split()[0].replace(",", "")) - n / size) <= 0.0005 + 1e-12
+    with pytest.raises(ValueError, match="unit must be one of"):
+        capacity.format_bytes(1, "GB")
+
+
+# ------------------------------------------------------------------ presets and config.json
+
+
+CONFIGS = {  # excerpts of each model's config.json, as published
+    "Llama-3-8B": {"hidden_size": 4096, "num_hidden_layers": 32, "num_attention_heads": 32,
+                   "num_key_value_heads": 8, "torch_dtype": "bfloat16"},
+    "Llama-3-70B": {"hidden_size": 8192, "num_hidden_layers": 80, "num_attention_heads": 64,
+                    "num_key_value_heads": 8, "torch_dtype": "bfloat16"},
+    "Mistral-7B-v0.1": {"hidden_size": 4096, "num_hidden_layers": 32, "num_attention_heads": 32,
+                        "num_key_value_heads": 8, "sliding_window": 4096, "torch_dtype": "bfloat16"},
+    "Qwen2.5-7B": {"hidden_size": 3584, "num_hidden_layers": 28, "num_attention_heads": 28,
+                   "num_key_value_heads": 4, "sliding_window": 131072, "use_sliding_window": False,
+                   "torch_dtype": "bfloat16"},
+    "Gemma-2-9B": {"model_type": "gemma2", "hidden_size": 3584, "num_hidden_layers": 42,
+                   "num_attention_heads": 16, "num_key_value_heads": 8, "head_dim": 256,
+                   "sliding_window": 4096, "torch_dtype": "float32"},
+    "DeepSeek-V3": {"hidden_size": 7168, "num_hidden_layers": 61, "num_attention_heads": 128,
+                    "num_key_value_heads": 128, "kv_lora_rank": 512, "qk_rope_head_dim": 64,
+                    "qk_nope_head_dim": 128, "v_head_dim": 128, "torch_dtype": "bfloat16"},
+}
+
+
+@pytest.mark.parametrize("name", list(CONFIGS))
+def test_presets_are_what_their_config_json_says(name):
+    # Gemma-2's checkpoint is stored in float32 but served in bf16: the preset assumes a 2-byte cache.
+    loaded = ModelShape.from_config(CONFIGS[name], name=name, dtype="bfloat16")
+    preset = PRESETS[name]
+    for field in ["num_layers", "num_kv_heads", "head_dim", "dtype_bytes", "num_attention_heads",
+                  "sliding_window", "sliding_layers", "latent"]:
+        assert getattr(loaded, field) == getattr(preset, field), field
+    assert preset.source
+
+
+def test_preset_sizes_match_the_facts_table():
+    expected_kib = {"Llama-3-8B": 128, "Llama-3-70B": 320, "Mistral-7B-v0.1": 128, "Qwen2.5-7B": 56,
+                    "Gemma-2-9B": 336, "teaching model": 128}
+    for name, kib in expected_kib.items():
+        assert PRESETS[name].bytes_per_token() == kib * KiB, name
+    assert PRESETS["DeepSeek-V3"].bytes_per_token() / KiB == pytest.approx(68.6, abs=0.05)
+    assert PRESETS["DeepSeek-V3"].bytes_per_token() == 61 * (512 + 64) * 2  # no factor 2
+
+
+def test_from_config_defaults_and_overrides():
+    mha = ModelShape.from_config({"hidden_size": 256, "num_hidden_layers": 2, "num_attention_heads": 4,
+                                  "num_key_value_heads": None, "torch_dtype": "float16"})
+    assert (mha.num_kv_heads, mha.head_dim, mha.dtype_bytes) == (4, 64, 2)
+    cfg = dict(CONFIGS["Llama-3-8B"])
+    assert ModelShape.from_config(cfg, dtype="fp8").dtype_bytes == 1
+    assert ModelShape.from_config(cfg | {"dtype": "float32", "torch_dtype": None}).dtype_bytes == 4
+    gemma_new = CONFIGS["Gemma-2-9B"] | {"layer_types": ["sliding_attention", "full_attention"] * 21}
+    assert ModelShape.from_config(gemma_new).sliding_layers == tuple(range(0, 42, 2))
+    with pytest.raises(ValueError, match="torch_dtype"):
+        ModelShape.from_config({k: v for k, v in cfg.items() if k != "torch_dtype"})
+    with pytest.raises(ValueError, match="num_hidden_layers"):
+        ModelShape.from_config({"num_attention_heads": 4, "hidden_size": 64, "torch_dtype": "bf16"})
+    with pytest.raises(ValueError, match="num_kv_heads must be an integer >= 1, got 0"):
+        ModelShape.from_config(cfg | {"num_key_value_heads": 0})
+
+
+def test_from_config_reads_the_chapter_01_decoder_config_dict():
+    cfg = DecoderConfig(num_hidden_layers=5, num_attention_heads=8, num_key_value_heads=2, hidden_size=128)
+    shape = ModelShape.from_config(cfg.to_dict(), dtype=torch.bfloat16)
+    assert (shape.num_layers, shape.num_kv_heads, shape.head_dim, shape.dtype_bytes) == (5, 2, 16, 2)
+
+
+def test_query_head_mistake_is_off_by_the_group_size():
+    for p in PRESETS.values():
+        if p.num_attention_heads is None:
+            with pytest.raises(ValueError, match="num_attention_heads"):
+                p.query_head_mistake()
+            continue
+        assert p.query_head_mistake() * p.num_kv_heads == p.bytes_per_token() * p.num_attention_heads
+
+
+# ------------------------------------------------------------------ extensions beyond the article
+
+
+def test_eight_bit_cache_halves_bf16_and_quarters_fp32():
+    for p in PRESETS.values():
+        assert 2 * p.with_dtype("fp8").bytes_per_token() == p.bytes_per_token()
+        assert p.with_dtype(torch.float32).bytes_per_token() == 2 * p.bytes_per_token()
+
+
+def test_sliding_window_against_a_per_layer_loop():
+    rng = random.Random(5)
+    for _ in range(40):
+        layers, window = rng.randint(1, 12), rng.randint(1, 50)
+        sliding = tuple(sorted(rng.sample(range(layers), rng.randint(0, layers))))
+        shape = ModelShape("w", layers, rng.randint(1, 4), rng.choice([8, 16]), 2,
+                           sliding_window=window if sliding else rng.choice([None, window]), sliding_layers=sliding)
+        for length in [0, 1, window - 1, window, window + 1, rng.randint(0, 200)]:
+            if length < 0:
+                continue
+            per_layer = [min(length, window) if i in sliding else length for i in range(layers)]
+            expected = sum(per_layer) * shape.bytes_per_token_per_layer()
+            assert shape.cache_bytes(length) == expected
+            assert shape.cache_bytes(length, apply_window=False) == length * shape.bytes_per_token()
+
+
+def test_latent_cache_has_no_factor_two():
+    latent = ModelShape("mla", 4, 1, 96, 2, latent=True)
+    plain = ModelShape("mqa", 4, 1, 96, 2)
+    assert 2 * latent.bytes_per_token() == plain.bytes_per_token()
+    assert latent.cache_bytes(7) == 7 * 4 * 96 * 2
+    with pytest.raises(ValueError, match="num_kv_heads must be 1"):
+        ModelShape("bad", 4, 2, 96, 2, latent=True)
+
+
+# ------------------------------------------------------------------ sharding
+
+
+def reference_device_bytes(shape: ModelShape, tp: int, pp: int, length: int) -> list[int]:
+    """Place every (layer, KV head) on devices one by one and count each device's bytes."""
+    per_head_layer = shape.kv_factor * shape.head_dim * shape.dtype_bytes
+    counts = [[0] * tp for _ in range(pp)]
+    stage_of = [min(s for s in range(pp) if layer < (s + 1) * shape.num_layers // pp) for layer in range(shape.num_layers)]
+    for layer in range(shape.num_layers):
+        tokens = min(length, shape.sliding_window) if layer in shape.sliding_layers else length
+        for rank in range(tp):
+            if tp <= shape.num_kv_heads:
+                heads = shape.num_kv_heads // tp  # rank holds heads [rank*h, (rank+1)*h)
+            else:
+                heads = 1  # rank holds head rank // (tp // Hkv), replicated
+            counts[stage_of[layer]][rank] += heads * tokens * per_head_layer
+    return [c for stage in counts for c in stage]
+
+
+@pytest.mark.parametrize("name", list(PRESETS))
+def test_shard_is_the_busiest_device_of_a_head_by_head_placement(name):
+    shape = PRESETS[name]
+    rng = random.Random(name)
+    tps = [t for t in [1, 2, 4, 8, 16, 32] if t % shape.num_kv_heads == 0 or shape.num_kv_heads % t == 0]
+    for tp in tps:
+        for pp in [1, 2, 3, 4, 7]:
+            device = capacity.shard(shape, tp, pp)
+            for length in [1, 4096, rng.randint(1, 40000)]:
+                ref = reference_device_bytes(shape, tp, pp, length)
+                assert device.cache_bytes(length) == max(ref), (tp, pp, length)
+            assert device.bytes_per_token() == max(reference_device_bytes(
+                replace_window(shape), tp, pp, 1))
+
+
+def replace_window(shape: ModelShape) -> ModelShape:
+    from dataclasses import replace
+    return replace(shape, sliding_window=None, sliding_layers=())
+
+
+def test_tensor_parallel_replicates_when_devices_outnumber_kv_heads():
+    p = PRESETS["Llama-3-70B"]
+    assert capacity.kv_heads_per_device(8, 8) == capacity.kv_heads_per_device(8, 16) == 1
+    assert capacity.shard(p, 16).bytes_per_token() == capacity.shard(p, 8).bytes_per_token()
+    assert capacity.shard(PRESETS["DeepSeek-V3"], 8).bytes_per_token() == PRESETS["DeepSeek-V3"].bytes_per_token()
+    with pytest.raises(ValueError, match=r"tensor_parallel must divide num_kv_heads \(8\)"):
+        capacity.kv_heads_per_device(8, 3)
+    with pytest.raises(ValueError, match=r"tensor_parallel must be a multiple of num_kv_heads \(8\)"):
+        capacity.kv_heads_per_device(8, 12)
+    with pytest.raises(ValueError, match="tensor_parallel must be an integer >= 1"):
+        capacity.kv_heads_per_device(8, 0)
+
+
+def test_pipeline_stages_cover_every_layer_once():
+    for layers in [1, 7, 32, 61, 80]:
+        for pp in range(1, min(layers, 9) + 1):
+            stages = capacity.pipeline_stages(layers, pp)
+            assert [i for s in stages for i in s] == list(range(layers))
+            assert max(map(len, stages)) - min(map(len, stages)) <= 1
+    with pytest.raises(ValueError, match=r"pipeline_parallel must be in \[1, 4\]"):
+        capacity.pipeline_stages(4, 5)
+
+
+# ------------------------------------------------------------------ capacity
+
+
+def test_sequences_that_fit_the_articles_device():
+    assert capacity.kv_pool_bytes(24 * GiB, 17 * GiB) == 7 * GiB
+    assert capacity.sequences_that_fit(TEACHING_MODEL.cache_bytes(8192), 24 * GiB, 17 * GiB) == 7
+
+
+def test_sequences_that_fit_against_integer_division():
+    rng = random.Random(7)
+    for _ in range(200):
+        per_seq, device = rng.randint(1, 2**32), rng.randint(0, 2**40)
+        reserved = rng.randint(0, device)
+        assert capacity.sequences_that_fit(per_seq, device, reserved) == (device - reserved) // per_seq
+    assert capacity.sequences_that_fit(GiB, 1.5 * GiB, 0.25 * GiB) == 1  # fractional GiB are fine
+
+
+# ------------------------------------------------------------------ bad input
+
+
+@pytest.mark.parametrize("kwargs, message", [
+    (dict(num_layers=0), "num_layers must be an integer >= 1, got 0"),
+    (dict(num_kv_heads=-2), "num_kv_heads must be an integer >= 1, got -2"),
+    (dict(head_dim=2.5), "head_dim must be an integer >= 1, got 2.5"),
+    (dict(length=3.5), "length must be an integer >= 0, got 3.5"),
+    (dict(length=-1), "length must be an integer >= 0, got -1"),
+    (dict(length=True), "length must be an integer >= 0, got True"),
+    (dict(dtype="float12"), "dtype must be one of"),
+    (dict(dtype=None, dtype_bytes=0), "dtype_bytes must be an integer >= 1, got 0"),
+    (dict(dtype_bytes=2), "give exactly one of dtype_bytes"),
+    (dict(dtype=None), "give exactly one of dtype_bytes"),
+])
+def test_cache_bytes_refuses_bad_input(kwargs, message):
+    args = dict(length=8, num_layers=32, num_kv_heads=8, head_dim=128, dtype="bfloat16") | kwargs
+    with pytest.raises(ValueError, match=re.escape(message)):
+        capacity.cache_bytes(**args)
+
+
+def test_capacity_refuses_bad_memory_sizes():
+    with pytest.raises(ValueError, match=r"reserved_bytes must be in \[0, device_bytes="):
+        capacity.sequences_that_fit(GiB, 24 * GiB, 25 * GiB)
+    with pytest.raises(ValueError, match="device_bytes must be a number of bytes >= 0"):
+        capacity.kv_pool_bytes(-1, 0)
+    with pytest.raises(ValueError, match="reserved_bytes must be a number of bytes >= 0"):
+        capacity.kv_pool_bytes(GiB, float("nan"))
+    with pytest.raises(ValueError, match="bytes_per_sequence must be an integer >= 1"):
+        capacity.sequences_that_fit(0, GiB, 0)
+
+
+def test_model_shape_refuses_bad_fields():
+    with pytest.raises(ValueError, match="head_dim must be an integer >= 1"):
+        ModelShape("x", 2, 2, 0)
+    with pytest.raises(ValueError, match=r"sliding_layers must hold layer indices in \[0, 1\]"):
+        ModelShape("x", 2, 2, 8, sliding_window=4, sliding_layers=(2,))
+    with pytest.raises(ValueError, match="sliding_layers needs a sliding_window"):
+        ModelShape("x", 2, 2, 8, sliding_layers=(0,))
+    with pytest.raises(ValueError, match="block_size must be an integer >= 1"):
+        TEACHING_MODEL.block_bytes(0)
+
+
+# ------------------------------------------------------------------ the explorer widget (without a browser)
+
+
+def test_explorer_readout_follows_its_sliders():
+    from labkit.widgets.capacity_explorer import CapacityExplorer
+
+    explorer = CapacityExplorer()
+    fit = re.search(r'class="capacity-fit">([\d,]+)<', explorer.readout.value).group(1)
+    assert int(fit.replace(",", "")) == 7
+    explorer.sliders["device_gib"].value = 80
+    explorer.sliders["context_len"].value = 32768
+    expected = capacity.sequences_that_fit(TEACHING_MODEL.cache_bytes(32768), 80 * GiB, 17 * GiB)
+    fit = re.search(r'class="capacity-fit">([\d,]+)<', explorer.readout.value).group(1)
+    assert int(fit.replace(",", "")) == expected
+
+    explorer.preset.value = "Qwen2.5-7B"
+    assert [explorer.sliders[k].value for k in ("num_layers", "num_kv_heads", "head_dim")] == [28, 4, 128]
+    assert explorer.setting.shape.bytes_per_token() == PRESETS["Qwen2.5-7B"].bytes_per_token()
+    explorer.preset.value = "DeepSeek-V3"
+    assert explorer.setting.shape.bytes_per_token() == PRESETS["DeepSeek-V3"].bytes_per_token()
+
+    explorer.sliders["reserved_gib"].value = 100
+    assert "capacity-error" in explorer.readout.value and "more than" in explorer.readout.value

@@ -1,0 +1,381 @@
+"""The paged-attention kernels against plain float64 references (labkit.kernels).
+
+Without a GPU every kernel runs in Triton's interpreter: the same kernel code, so the
+same indexing, masking and online softmax are proven here. Every case uses fresh random
+data, shuffled block tables, ragged lengths (1, around block boundaries, random), a pool
+whose unused slots hold NaN, and an output buffer filled with NaN before the run.
+"""
+
+from __future__ import annotations
+
+import math
+
+import pytest
+import torch
+
+import labkit
+from labkit import kernels
+from labkit.model import causal_attention
+from labkit.device import Runtime
+
+TOL = {  # (atol, rtol) against the float64 reference; bf16 stores truncate in the interpreter
+    torch.float32: (2e-5, 1e-5),
+    torch.float16: (1e-3, 2e-3),
+    torch.bfloat16: (1e-2, 1.6e-2),
+}
+needs_kernels = pytest.mark.skipif(kernels.fallback_reason(torch.float32, labkit.DEVICE) is not None,
+                                   reason="Triton kernels cannot run here")
+
+
+def boundary_lens(block_size: int, gen: torch.Generator, extra: int = 2) -> list[int]:
+    """1, lengths on and around block boundaries, and a few random lengths."""
+    lens = [1, block_size - 1, block_size, block_size + 1, 2 * block_size]
+    lens += torch.randint(1, 3 * block_size + 1, (extra,), generator=gen).tolist()
+    return [n for n in lens if n >= 1]
+
+
+def make_pool(lens: list[int], num_kv_heads: int, head_dim: int, block_size: int, dtype: torch.dtype,
+              gen: torch.Generator, spare_blocks: int = 3):
+    """A NaN-filled pool, shuffled block tables (unused entries -1), random K/V in the used slots only."""
+    used = [-(-n // block_size) for n in lens]
+    num_blocks = sum(used) + spare_blocks
+    max_blocks = max(used) + 1  # one entry more than any sequence needs: never read
+    shape = (num_blocks, block_size, num_kv_heads, head_dim)
+    k_cache = torch.full(shape, float("nan"), dtype=dtype)
+    v_cache = torch.full(shape, float("nan"), dtype=dtype)
+    perm = torch.randperm(num_blocks, generator=gen)
+    block_tables = torch.full((len(lens), max_blocks), -1, dtype=torch.int32)
+    taken = 0
+    for i, n in enumerate(lens):
+        ids = perm[taken : taken + used[i]]
+        taken += used[i]
+        block_tables[i, : used[i]] = ids.int()
+        pos = torch.arange(n)
+        slots = ids[pos // block_size] * block_size + pos % block_size  # only valid positions; the tail stays NaN
+        for cache in (k_cache, v_cache):
+            cache.view(-1, num_kv_heads, head_dim)[slots] = torch.randn(n, num_kv_heads, head_dim, generator=gen).to(dtype)
+    return k_cache, v_cache, block_tables, torch.tensor(lens, dtype=torch.int32)
+
+
+def assert_close_to(out: torch.Tensor, ref64: torch.Tensor, dtype: torch.dtype) -> None:
+    assert out.dtype == dtype
+    assert not out.isnan().any(), "an output element was never written or read a poisoned slot"
+    atol, rtol = TOL[dtype]
+    torch.testing.assert_close(out.double(), ref64, atol=atol, rtol=rtol)
+
+
+def decode_case(lens, num_heads, num_kv_heads, head_dim, block_size, dtype, seed, **kwargs):
+    gen = torch.Generator().manual_seed(seed)
+    k_cache, v_cache, block_tables, seq_lens = make_pool(lens, num_kv_heads, head_dim, block_size, dtype, gen)
+    q = torch.randn(len(lens), num_heads, head_dim, generator=gen).to(dtype)
+    out = torch.full_like(q, float("nan"))
+    got = kernels.paged_decode_attention(q, k_cache, v_cache, block_tables, seq_lens, out=out, **kwargs)
+    assert got is out
+    ref = kernels.paged_decode_attention_ref(q.double(), k_cache.double(), v_cache.double(), block_tables, seq_lens,
+                                             kwargs.get("scale"))
+    return out, ref, (q, k_cache, v_cache, block_tables, seq_lens)
+
+
+# -- decode -------------------------------------------------------------------------------------
+
+# Every dtype with every head dim; head ratios and block sizes cycle through them.
+RATIOS = [(4, 4), (8, 2), (5, 1), (6, 2)]
+BLOCK_SIZES = [8, 16, 32, 64, 128]
+DECODE_CASES = [(dtype, d, RATIOS[i % 4], BLOCK_SIZES[i % 5])
+                for i, (dtype, d) in enumerate((dt, d) for dt in TOL for d in (64, 80, 96, 128, 256))]
+
+
+@needs_kernels
+@pytest.mark.parametrize("dtype,head_dim,heads,block_size", DECODE_CASES)
+def test_decode_matches_reference(dtype, head_dim, heads, block_size):
+    gen = torch.Generator().manual_seed(head_dim * block_size)
+    lens = boundary_lens(block_size, gen)
+    out, ref, _ = decode_case(lens, *heads, head_dim, block_size, dtype, seed=head_dim + block_size)
+    assert_close_to(out, ref, dtype)
+
+
+@needs_kernels
+@pytest.mark.parametrize("block_size", BLOCK_SIZES)
+@pytest.mark.parametrize("heads", RATIOS)
+def test_decode_block_sizes_and_head_ratios(block_size, heads):
+    gen = torch.Generator().manual_seed(block_size * 7 + heads[0])
+    out, ref, _ = decode_case(boundary_lens(block_size, gen, extra=1), *heads, 64, block_size, torch.float32,
+                              seed=block_size + 100 * heads[0])
+    assert_close_to(out, ref, torch.float32)
+
+
+@needs_kernels
+def test_decode_custom_scale():
+    out, ref, _ = decode_case([3, 20], 4, 2, 64, 16, torch.float32, seed=5, scale=0.3)
+    assert_close_to(out, ref, torch.float32)
+
+
+@needs_kernels
+def test_decode_ignores_poisoned_slots_and_table_padding():
+    out, _, (q, k_cache, v_cache, block_tables, seq_lens) = decode_case([5, 16, 17], 8, 2, 64, 16,
+                                                                       torch.float16, seed=11)
+    # Change everything the kernel must not read: other values in the tail slots, bogus padding ids.
+    for i, n in enumerate(seq_lens.tolist()):
+        last = int(block_tables[i, (n - 1) // 16])
+        k_cache[last, (n - 1) % 16 + 1 :] = 1e4
+        v_cache[last, (n - 1) % 16 + 1 :] = -1e4
+    block_tables[:, -1] = 10**6
+    again = kernels.paged_decode_attention(q, k_cache, v_cache, block_tables, seq_lens)
+    assert torch.equal(again, out)
+
+
+@needs_kernels
+@pytest.mark.parametrize("dtype", list(TOL))
+@pytest.mark.parametrize("num_splits", [3, 7])
+def test_split_k_agrees_with_single_pass(dtype, num_splits):
+    # Lengths such that short sequences leave some splits empty.
+    lens = [1, 40, 333, 520]
+    single, ref, args = decode_case(lens, 10, 2, 80, 16, dtype, seed=num_splits)
+    split = torch.full_like(single, float("nan"))
+    kernels.paged_decode_attention(*args, num_splits=num_splits, out=split)
+    assert_close_to(split, ref, dtype)
+    atol, rtol = TOL[dtype]
+    torch.testing.assert_close(split.double(), single.double(), atol=atol, rtol=rtol)
+
+
+def test_split_plan_is_chosen_for_long_contexts_with_few_sequences():
+    splits, per_split = kernels.choose_num_splits(1, 1, 4096, "cpu", block_n=64)
+    assert splits > 1 and per_split % 64 == 0 and splits * per_split >= 4096 > (splits - 1) * per_split
+    assert per_split >= kernels.MIN_TOKENS_PER_SPLIT
+    assert kernels.choose_num_splits(64, 8, 4096, "cpu") == (1, 4096)  # enough programs already
+    assert kernels.choose_num_splits(1, 1, 300, "cpu") == (1, 300)  # too short to be worth it
+
+
+@needs_kernels
+def test_auto_split_path_matches_reference():
+    lens = [1100]
+    splits, _ = kernels.choose_num_splits(1, 1, lens[0], "cpu")
+    assert splits > 1
+    out, ref, _ = decode_case(lens, 4, 1, 64, 32, torch.float32, seed=3)
+    assert_close_to(out, ref, torch.float32)
+
+
+# -- prefill ------------------------------------------------------------------------------------
+
+def prefill_case(lens, q_lens, num_heads, num_kv_heads, head_dim, block_size, dtype, seed):
+    gen = torch.Generator().manual_seed(seed)
+    k_cache, v_cache, block_tables, seq_lens = make_pool(lens, num_kv_heads, head_dim, block_size, dtype, gen)
+    cu = torch.tensor([0] + torch.tensor(q_lens).cumsum(0).tolist(), dtype=torch.int32)
+    q = torch.randn(int(cu[-1]), num_heads, head_dim, generator=gen).to(dtype)
+    out = torch.full_like(q, float("nan"))
+    kernels.paged_prefill_attention(q, k_cache, v_cache, block_tables, seq_lens, cu, out=out)
+    ref = kernels.paged_prefill_attention_ref(q.double(), k_cache.double(), v_cache.double(), block_tables,
+                                              seq_lens, cu)
+    return out, ref
+
+
+PREFILL_CASES = [  # dtype, head_dim, heads, block_size
+    (torch.float32, 64, (4, 4), 8), (torch.float32, 80, (5, 1), 16), (torch.float16, 96, (8, 2), 32),
+    (torch.float16, 128, (6, 2), 16), (torch.bfloat16, 64, (8, 2), 16), (torch.bfloat16, 256, (4, 1), 8),
+]
+
+
+@needs_kernels
+@pytest.mark.parametrize("dtype,head_dim,heads,block_size", PREFILL_CASES)
+def test_prefill_matches_reference(dtype, head_dim, heads, block_size):
+    bs = block_size
+    # whole prompts (q_len == seq_len), chunks after cached tokens, a single query, an idle sequence
+    lens = [1, bs, bs + 1, 2 * bs + 3, 3 * bs, 2 * bs - 1]
+    q_lens = [1, bs, 5, bs + 2, 1, 0]
+    out, ref = prefill_case(lens, q_lens, *heads, head_dim, bs, dtype, seed=head_dim + bs)
+    assert_close_to(out, ref, dtype)
+
+
+@needs_kernels
+def test_prefill_of_one_query_equals_decode():
+    gen = torch.Generator().manual_seed(8)
+    k_cache, v_cache, block_tables, seq_lens = make_pool([7, 16, 30], 2, 64, 8, torch.float32, gen)
+    q = torch.randn(3, 6, 64, generator=gen)
+    cu = torch.arange(4, dtype=torch.int32)
+    pre = kernels.paged_prefill_attention(q, k_cache, v_cache, block_tables, seq_lens, cu)
+    dec = kernels.paged_decode_attention(q, k_cache, v_cache, block_tables, seq_lens)
+    torch.testing.assert_close(pre, dec, atol=1e-6, rtol=1e-6)
+
+
+# -- the compiled path's arithmetic (no upcast, tensor-core tiles), checked in the interpreter -----
+
+@needs_kernels
+def test_gpu_tiling_path_in_float16(monkeypatch):
+    real = kernels._tile_settings
+
+    def gpu_like(dtype, head_dim, max_len):
+        tiles = real(dtype, head_dim, max_len)
+        upcast = dtype == torch.float32
+        return {**tiles, "UPCAST": upcast, "DOT_PRECISION": "ieee" if upcast else "tf32",
+                "BLOCK_N": 64 if head_dim <= 128 else 32}
+
+    monkeypatch.setattr(kernels, "_tile_settings", gpu_like)
+    monkeypatch.setattr(kernels, "_group_tile", lambda g: max(16, kernels._next_pow2(g)))
+    for splits in (1, 3):
+        out, ref, _ = decode_case([1, 17, 150], 10, 2, 80, 16, torch.float16, seed=splits, num_splits=splits)
+        assert_close_to(out, ref, torch.float16)
+    out, ref = prefill_case([9, 40], [9, 20], 8, 2, 64, 16, torch.float16, seed=4)
+    assert_close_to(out, ref, torch.float16)
+
+
+# -- write_kv -----------------------------------------------------------------------------------
+
+@needs_kernels
+@pytest.mark.parametrize("dtype", list(TOL))
+@pytest.mark.parametrize("slot_dtype", [torch.int32, torch.int64])
+def test_write_kv_matches_reference(dtype, slot_dtype):
+    gen = torch.Generator().manual_seed(3)
+    num_blocks, block_size, hkv, d = 6, 8, 3, 80
+    k_cache = torch.randn(num_blocks, block_size, hkv, d, generator=gen).to(dtype)
+    v_cache = torch.randn(num_blocks, block_size, hkv, d, generator=gen).to(dtype)
+    slots = torch.randperm(num_blocks * block_size, generator=gen)[:10]
+    slots[[2, 7]] = -1  # skipped tokens
+    k = torch.randn(10, hkv, d, generator=gen).to(dtype)
+    v = torch.randn(10, hkv, d, generator=gen).to(dtype)
+    k_ref, v_ref = k_cache.clone(), v_cache.clone()
+    kernels.write_kv_ref(k, v, k_ref, v_ref, slots.to(slot_dtype))
+    kernels.write_kv(k, v, k_cache, v_cache, slots.to(slot_dtype))
+    assert torch.equal(k_cache, k_ref) and torch.equal(v_cache, v_ref)  # a copy: bit-exact
+    flat = k_cache.view(-1, hkv, d)
+    for t, s in enumerate(slots.tolist()):
+        if s >= 0:
+            assert torch.equal(flat[s], k[t])
+
+
+@needs_kernels
+def test_write_then_attend_round_trip():
+    """Write a sequence's K/V through slot mappings of a shuffled table, then attend: same as contiguous."""
+    gen = torch.Generator().manual_seed(21)
+    n, bs, hq, hkv, d = 29, 8, 4, 2, 64
+    k = torch.randn(n, hkv, d, generator=gen)
+    v = torch.randn(n, hkv, d, generator=gen)
+    k_cache = torch.full((6, bs, hkv, d), float("nan"))
+    v_cache = torch.full((6, bs, hkv, d), float("nan"))
+    table = torch.tensor([4, 0, 5, 2], dtype=torch.int32)
+    slots = torch.tensor([int(table[p // bs]) * bs + p % bs for p in range(n)])
+    kernels.write_kv(k, v, k_cache, v_cache, slots)
+    q = torch.randn(n, hq, d, generator=gen)
+    out = kernels.paged_prefill_attention(q, k_cache, v_cache, table[None], torch.tensor([n], dtype=torch.int32),
+                                          torch.tensor([0, n], dtype=torch.int32))
+    expected = causal_attention(q[None].double(), k[None].double(), v[None].double())[0]
+    torch.testing.assert_close(out.double(), expected, atol=2e-5, rtol=1e-5)
+
+
+# -- falling back to the reference ----------------------------------------------------------------
+
+def test_fallback_runs_the_reference(monkeypatch):
+    monkeypatch.setattr(kernels, "RUNTIME", Runtime(torch.device("cpu"), "unavailable", "testing the fallback"))
+    assert "testing the fallback" in kernels.fallback_reason(torch.float32, "cpu")
+
+    def no_triton(*args, **kwargs):
+        raise AssertionError("the Triton launcher ran although the kernels cannot run")
+
+    for name in ("_decode_triton", "_prefill_triton", "_write_kv_triton"):
+        monkeypatch.setattr(kernels, name, no_triton)
+    gen = torch.Generator().manual_seed(2)
+    k_cache, v_cache, block_tables, seq_lens = make_pool([3, 9], 1, 64, 8, torch.float32, gen)
+    q = torch.randn(2, 2, 64, generator=gen)
+    out = kernels.paged_decode_attention(q, k_cache, v_cache, block_tables, seq_lens)
+    assert torch.equal(out, kernels.paged_decode_attention_ref(q, k_cache, v_cache, block_tables, seq_lens))
+    cu = torch.tensor([0, 1, 2], dtype=torch.int32)
+    out = kernels.paged_prefill_attention(q, k_cache, v_cache, block_tables, seq_lens, cu)
+    assert not out.isnan().any()
+    kernels.write_kv(q[:, :1], q[:, :1], k_cache, v_cache, torch.tensor([0, -1]))
+    assert torch.equal(k_cache[0, 0], q[0, :1])
+
+
+@pytest.mark.skipif(labkit.RUNTIME.triton_mode != "interpreter", reason="interpreter only")
+def test_fallback_reason_in_the_interpreter():
+    assert kernels.fallback_reason(torch.float32, "cpu") is None
+    assert "CPU tensors" in kernels.fallback_reason(torch.float32, "cuda")
+
+
+# -- bad input ----------------------------------------------------------------------------------
+
+def _decode_args():
+    gen = torch.Generator().manual_seed(0)
+    k_cache, v_cache, block_tables, seq_lens = make_pool([5, 12], 2, 64, 8, torch.float32, gen)
+    q = torch.randn(2, 4, 64, generator=gen)
+    return dict(q=q, k_cache=k_cache, v_cache=v_cache, block_tables=block_tables, seq_lens=seq_lens)
+
+
+BAD_DECODE = [
+    ("q", lambda a: a["q"].half()),  # dtype differs from the caches
+    ("q", lambda a: a["q"][0]),  # 2-D
+    ("q", lambda a: a["q"].double()),
+    ("k_cache", lambda a: a["k_cache"][..., :32]),
+    ("v_cache", lambda a: a["v_cache"][:2]),
+    ("v_cache", lambda a: a["v_cache"].transpose(0, 1).contiguous().transpose(0, 1)),  # other strides
+    ("num_kv_heads", lambda a: a["q"][:, :3]),
+    ("block_tables", lambda a: a["block_tables"].long()),
+    ("block_tables", lambda a: a["block_tables"][:1]),
+    ("block_tables", lambda a: a["block_tables"].clone().fill_(99)),
+    ("block_tables", lambda a: a["block_tables"].clone().fill_(-1)),
+    ("seq_lens", lambda a: torch.tensor([0, 3], dtype=torch.int32)),
+    ("seq_lens", lambda a: torch.tensor([5, 10**4], dtype=torch.int32)),
+    ("seq_lens", lambda a: a["seq_lens"].float()),
+    ("scale", lambda a: -1.0),
+    ("scale", lambda a: float("nan")),
+    ("out", lambda a: torch.empty(3, 4, 64)),
+]
+
+
+@pytest.mark.parametrize("name,make_bad", BAD_DECODE)
+def test_decode_rejects_bad_input(name, make_bad):
+    args = _decode_args()
+    key = "q" if name == "num_kv_heads" else name
+    args[key] = make_bad(args)
+    with pytest.raises(ValueError, match=name):
+        kernels.paged_decode_attention(**args)
+
+
+BAD_PREFILL = [
+    ("cu_seqlens_q", torch.tensor([0, 1], dtype=torch.int32)),  # wrong number of sequences
+    ("cu_seqlens_q", torch.tensor([1, 2, 4], dtype=torch.int32)),  # does not start at 0
+    ("cu_seqlens_q", torch.tensor([0, 3, 2], dtype=torch.int32)),  # decreases / wrong total
+    ("cu_seqlens_q", torch.tensor([0, 1, 4], dtype=torch.int64)),
+    ("cu_seqlens_q", torch.tensor([0, 3, 9], dtype=torch.int32)),  # total != q rows
+]
+
+
+@pytest.mark.parametrize("name,cu", BAD_PREFILL)
+def test_prefill_rejects_bad_input(name, cu):
+    args = _decode_args()
+    q = torch.randn(4, 4, 64)
+    with pytest.raises(ValueError, match=name):
+        kernels.paged_prefill_attention(q, args["k_cache"], args["v_cache"], args["block_tables"],
+                                        args["seq_lens"], cu)
+
+
+def test_prefill_rejects_more_queries_than_positions():
+    args = _decode_args()  # seq_lens [5, 12]
+    q = torch.randn(8, 4, 64)
+    with pytest.raises(ValueError, match="seq_lens"):
+        kernels.paged_prefill_attention(q, args["k_cache"], args["v_cache"], args["block_tables"],
+                                        args["seq_lens"], torch.tensor([0, 6, 8], dtype=torch.int32))
+
+
+@pytest.mark.parametrize("name,change", [
+    ("slot_mapping", lambda a: a.update(slot_mapping=torch.tensor([0, 10**5]))),
+    ("slot_mapping", lambda a: a.update(slot_mapping=torch.tensor([-2, 1]))),
+    ("slot_mapping", lambda a: a.update(slot_mapping=torch.tensor([3, 3]))),
+    ("slot_mapping", lambda a: a.update(slot_mapping=torch.tensor([1, 2, 3]))),
+    ("slot_mapping", lambda a: a.update(slot_mapping=torch.tensor([1.0, 2.0]))),
+    ("k_cache", lambda a: a.update(k_cache=a["k_cache"].half())),
+    ("v", lambda a: a.update(v=a["v"][:1])),
+    ("k", lambda a: a.update(k=a["k"][:, :1], v=a["v"][:, :1])),
+])
+def test_write_kv_rejects_bad_input_and_changes_nothing(name, change):
+    args = dict(k=torch.randn(2, 2, 64), v=torch.randn(2, 2, 64), k_cache=torch.zeros(4, 8, 2, 64),
+                v_cache=torch.zeros(4, 8, 2, 64), slot_mapping=torch.tensor([0, 1]))
+    change(args)
+    with pytest.raises(ValueError, match=name):
+        kernels.write_kv(**args)
+    assert not args["v_cache"].any()
+
+
+def test_gather_kv_reads_blocks_in_table_order():
+    cache = torch.arange(5 * 4, dtype=torch.float32).view(5, 4, 1, 1)  # slot s holds the number s
+    got = kernels.gather_kv(cache, torch.tensor([3, 0, 4], dtype=torch.int32), 10).flatten()
+    assert got.tolist() == [12, 13, 14, 15, 0, 1, 2, 3, 16, 17]
+    assert math.isclose(float(got.sum()), sum([12, 13, 14, 15, 0, 1, 2, 3, 16, 17]))

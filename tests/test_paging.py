@@ -1,0 +1,258 @@
+"""Block allocator, block tables and the paged KV cache (labkit.paging)."""
+
+from __future__ import annotations
+
+import math
+import random
+
+import pytest
+import torch
+
+from labkit.cache import KVCache, generate
+from labkit.model import Decoder, DecoderConfig
+from labkit.paging import (BlockAllocator, BlockTable, OutOfBlocksError, PagedKVCache, blocks_needed,
+                           generate_paged)
+
+
+def snapshot(alloc: BlockAllocator) -> tuple:
+    return list(alloc.ref_counts), list(alloc._free), alloc.num_free  # noqa: SLF001
+
+
+# -- blocks_needed, BlockAllocator --------------------------------------------------------------
+
+def test_blocks_needed_is_ceiling_division():
+    rng = random.Random(0)
+    for _ in range(200):
+        n, bs = rng.randint(0, 5000), rng.randint(1, 128)
+        assert blocks_needed(n, bs) == math.ceil(n / bs)
+    assert blocks_needed(37, 16) == 3 and blocks_needed(32, 16) == 2 and blocks_needed(0, 16) == 0
+    for bad in (-1, 1.5, True, "3"):
+        with pytest.raises(ValueError, match="num_tokens"):
+            blocks_needed(bad, 16)
+    with pytest.raises(ValueError, match="block_size"):
+        blocks_needed(10, 0)
+
+
+def test_allocator_hands_out_each_block_once():
+    alloc = BlockAllocator(7)
+    ids = alloc.allocate_many(7)
+    assert sorted(ids) == list(range(7)) and alloc.num_free == 0 and alloc.num_used == 7
+    assert all(alloc.ref_counts[i] == 1 for i in ids)
+
+
+def test_out_of_blocks_leaves_the_pool_unchanged():
+    alloc = BlockAllocator(5)
+    held = alloc.allocate_many(3)
+    alloc.free(held[1])
+    before = snapshot(alloc)
+    with pytest.raises(OutOfBlocksError):
+        alloc.allocate_many(4)
+    assert snapshot(alloc) == before
+    alloc.allocate_many(3)
+    with pytest.raises(OutOfBlocksError):
+        alloc.allocate()
+    assert alloc.num_free == 0
+
+
+def test_reference_counts_and_double_free():
+    alloc = BlockAllocator(3)
+    b = alloc.allocate()
+    alloc.incref(b)
+    alloc.incref(b)
+    assert alloc.ref_counts[b] == 3
+    assert alloc.free(b) is False and alloc.free(b) is False and not alloc.is_free(b)
+    assert alloc.free(b) is True and alloc.is_free(b)
+    with pytest.raises(ValueError, match="double free"):
+        alloc.free(b)
+    with pytest.raises(ValueError, match="free"):
+        alloc.incref(b)
+    with pytest.raises(ValueError, match="block_id"):
+        alloc.free(3)
+
+
+def test_freed_blocks_are_reused_least_recently_freed_first():
+    alloc = BlockAllocator(4)
+    a, b, c, d = alloc.allocate_many(4)
+    for x in (c, a, d):
+        alloc.free(x)
+    assert [alloc.allocate() for _ in range(3)] == [c, a, d]
+
+
+def test_take_revives_a_specific_free_block():
+    alloc = BlockAllocator(4)
+    alloc.take(2)
+    assert alloc.ref_counts[2] == 1 and not alloc.is_free(2) and 2 not in alloc.allocate_many(3)
+    with pytest.raises(ValueError, match="not free"):
+        alloc.take(2)
+
+
+# -- BlockTable ---------------------------------------------------------------------------------
+
+def test_block_table_slots_follow_the_physical_blocks():
+    alloc = BlockAllocator(10)
+    alloc.allocate_many(3)  # so the table gets non-trivial ids
+    table = BlockTable(4)
+    slots = table.append(6, alloc)
+    assert len(table.block_ids) == 2 and table.empty_slots == 2
+    b0, b1 = table.block_ids
+    assert slots == [b0 * 4 + i for i in range(4)] + [b1 * 4, b1 * 4 + 1]
+    assert table.append(2, alloc) == [b1 * 4 + 2, b1 * 4 + 3] and len(table.block_ids) == 2
+    assert table.empty_slots == 0 and table.new_blocks_for(1) == 1
+
+
+def test_block_table_append_is_all_or_nothing():
+    alloc = BlockAllocator(3)
+    table = BlockTable(16)
+    table.append(37, alloc)  # the article's 37 tokens: 3 blocks, 11 empty slots
+    assert len(table.block_ids) == 3 and table.empty_slots == 11
+    before = (list(table.block_ids), table.num_tokens, snapshot(alloc))
+    with pytest.raises(OutOfBlocksError):
+        table.append(12, alloc)
+    assert (list(table.block_ids), table.num_tokens, snapshot(alloc)) == before
+    table.release(alloc)
+    assert alloc.num_free == 3 and table.num_tokens == 0
+
+
+def test_random_workload_keeps_the_books_balanced():
+    rng = random.Random(1)
+    alloc, tables = BlockAllocator(40), []
+    for _ in range(300):
+        if tables and rng.random() < 0.3:
+            tables.pop(rng.randrange(len(tables))).release(alloc)
+        else:
+            table = tables[rng.randrange(len(tables))] if tables and rng.random() < 0.6 else BlockTable(8)
+            try:
+                table.append(rng.randint(1, 20), alloc)
+            except OutOfBlocksError:
+                continue
+            if table not in tables:
+                tables.append(table)
+        owned = [b for t in tables for b in t.block_ids]
+        assert len(owned) == len(set(owned)) == alloc.num_used
+        assert all(blocks_needed(t.num_tokens, 8) == len(t.block_ids) for t in tables)
+
+
+# -- PagedKVCache with the decoder ---------------------------------------------------------------
+
+CONFIG = DecoderConfig(vocab_size=64, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
+                       num_attention_heads=4, num_key_value_heads=2)
+
+
+@pytest.fixture(scope="module")
+def model() -> Decoder:
+    return Decoder.random(CONFIG, seed=3)
+
+
+def test_paged_cache_reproduces_the_contiguous_cache_step_by_step(model):
+    prompt = torch.randint(0, CONFIG.vocab_size, (1, 9), generator=torch.Generator().manual_seed(0))
+    paged = PagedKVCache(CONFIG, num_blocks=6, block_size=4)  # 9 + 4 tokens span the 4-token blocks
+    contiguous = KVCache(CONFIG)
+    feed = prompt
+    with torch.no_grad():
+        for _ in range(5):
+            a = model(feed, cache=paged)
+            b = model(feed, cache=contiguous)
+            torch.testing.assert_close(a, b, atol=1e-4, rtol=1e-4)
+            assert paged.seq_len == contiguous.seq_len
+            feed = b[:, -1:].argmax(-1)
+    assert paged.allocator.num_used == blocks_needed(paged.seq_len, 4)
+
+
+def test_generate_paged_matches_contiguous_generation_for_a_ragged_batch(model):
+    gen = torch.Generator().manual_seed(4)
+    lengths = [1, 8, 9, 13]  # one token, on and around the 8-token block boundary
+    prompts = [torch.randint(0, CONFIG.vocab_size, (n,), generator=gen).tolist() for n in lengths]
+    paged = generate_paged(model, prompts, max_new_tokens=6, block_size=8)
+    for prompt, got in zip(prompts, paged):
+        want = generate(model, prompt, 6)
+        assert got.tokens == want.tokens and got.cache_tokens == want.cache_tokens
+        torch.testing.assert_close(got.logits, want.logits, atol=1e-4, rtol=1e-4)
+
+
+def test_paged_cache_in_float16_stays_close(model):
+    prompt = list(range(1, 12))
+    want = generate(model, prompt, 4)
+    got = generate_paged(model, [prompt], 4, block_size=8, dtype=torch.float16)[0]
+    torch.testing.assert_close(got.logits, want.logits, atol=3e-2, rtol=3e-2)
+
+
+def test_ragged_batch_needs_explicit_positions(model):
+    cache = PagedKVCache(CONFIG, num_blocks=8, block_size=4, batch_size=0)
+    a, b = cache.add_sequence(), cache.add_sequence()
+    with torch.no_grad():
+        cache.select([a])
+        model(torch.tensor([[1, 2, 3]]), cache=cache)
+        cache.select([b])
+        model(torch.tensor([[4, 5, 6, 7, 8]]), cache=cache)
+        cache.select([a, b])
+        assert cache.seq_lens() == [3, 5]
+        assert cache.positions(2).tolist() == [[3, 4], [5, 6]]
+        with pytest.raises(ValueError, match="positions"):
+            model(torch.tensor([[1], [2]]), cache=cache)
+        model(torch.tensor([[1], [2]]), positions=cache.positions(1), cache=cache)
+    assert cache.seq_lens() == [4, 6]
+    used = cache.allocator.num_used
+    cache.free_sequence(a)
+    assert cache.allocator.num_used == used - 1 and cache.active == [b]
+
+
+def test_paged_cache_out_of_blocks_changes_nothing(model):
+    cache = PagedKVCache(CONFIG, num_blocks=2, block_size=4, batch_size=2)
+    with torch.no_grad():
+        model(torch.tensor([[1, 2, 3], [4, 5, 6]]), cache=cache)
+        before = (cache.seq_lens(), snapshot(cache.allocator), [list(t.block_ids) for t in cache.tables.values()])
+        with pytest.raises(OutOfBlocksError):
+            model(torch.tensor([[1, 2], [3, 4]]), cache=cache)  # needs 2 more blocks, none free
+        after = (cache.seq_lens(), snapshot(cache.allocator), [list(t.block_ids) for t in cache.tables.values()])
+    assert after == before
+
+
+def test_paged_cache_memory_accounting():
+    cache = PagedKVCache(CONFIG, num_blocks=5, block_size=16, dtype=torch.float16)
+    per_block = 2 * CONFIG.num_hidden_layers * 16 * CONFIG.num_key_value_heads * CONFIG.head_dim * 2
+    assert cache.bytes_per_block == per_block and cache.nbytes == 5 * per_block
+    assert cache.k_caches[0].shape == (5, 16, CONFIG.num_key_value_heads, CONFIG.head_dim)
+    assert cache.used_bytes == 0
+
+
+def test_paged_cache_rejects_bad_arguments():
+    with pytest.raises(ValueError, match="num_blocks"):
+        PagedKVCache(CONFIG, num_blocks=0)
+    with pytest.raises(ValueError, match="dtype"):
+        PagedKVCache(CONFIG, num_blocks=2, dtype=torch.int8)
+    cache = PagedKVCache(CONFIG, num_blocks=2, block_size=4)
+    with pytest.raises(ValueError, match="seq_id"):
+        cache.select([7])
+    with pytest.raises(ValueError, match="seq_ids"):
+        cache.select([0, 0])
+    q = torch.zeros(1, 1, 4, CONFIG.head_dim)
+    k = torch.zeros(1, 1, 2, CONFIG.head_dim)
+    with pytest.raises(ValueError, match="out of order"):
+        cache.attend(1, q, k, k)
+    with pytest.raises(ValueError, match="k and v"):
+        cache.attend(0, q, k[..., :4], k[..., :4])
+    with pytest.raises(ValueError, match="batch"):
+        cache.attend(0, q.expand(2, -1, -1, -1), k.expand(2, -1, -1, -1), k.expand(2, -1, -1, -1))
+    assert cache.seq_len == 0 and cache.allocator.num_used == 0
+
+
+# -- the chapter's stepper ----------------------------------------------------------------------
+
+def test_stepper_simulation_is_consistent():
+    from labkit.widgets.paging_stepper import DEFAULT_WORKLOAD, Request, simulate
+
+    snaps = simulate(DEFAULT_WORKLOAD, num_blocks=16, block_size=4)
+    assert snaps[-1].used_blocks == 0 and snaps[-1].tables == {}
+    for snap in snaps:
+        owned = [b for t in snap.tables.values() for b in t]
+        assert len(owned) == len(set(owned)) == snap.used_blocks
+        for name, table in snap.tables.items():
+            assert len(table) == blocks_needed(snap.lengths[name], 4)
+            assert [snap.owner[b] for b in table] == [name] * len(table)
+            assert sum(snap.filled[b] for b in table) == snap.lengths[name]
+    # A pool too small for two prompts at once: the second request waits, then runs.
+    small = simulate([Request("A", 0, 8, 2), Request("B", 0, 8, 2)], num_blocks=3, block_size=4)
+    assert any("B waits" in e for s in small for e in s.events)
+    assert small[-1].used_blocks == 0
+    with pytest.raises(ValueError, match="unique"):
+        simulate([Request("A", 0, 1, 1), Request("A", 1, 1, 1)])

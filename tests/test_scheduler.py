@@ -1,0 +1,444 @@
+"""labkit.scheduler: the article's budget pass, preemption, prefix hits and copy-on-write.
+
+The scheduler holds no tensors, so these tests check it with a *symbolic* KV pool: the
+"K/V" written at a slot is the token prefix it was computed from. After every step each
+scheduled request's block table must lead to exactly its own prefixes, position by
+position; that catches a wrong prefix hit, a missing copy-on-write, a block freed while
+in use, or a stale slot after a preemption. A deterministic "model" picks each next
+token from the whole sequence, so a request's output must not depend on the schedule.
+"""
+
+from __future__ import annotations
+
+import random
+
+import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from labkit.paging import BlockAllocator, blocks_needed
+from labkit.prefix import PrefixCache
+from labkit.scheduler import Request, RequestStatus, Scheduler, extra_blocks, plan_iteration
+
+VOCAB = 50
+
+
+def next_token(tokens: list[int]) -> int:
+    """A deterministic stand-in for a model: the next token depends on the whole sequence."""
+    h = 17
+    for t in tokens:
+        h = (h * 31 + t + 1) % 1_000_003
+    return h % VOCAB
+
+
+def reference_output(prompt: list[int], max_new_tokens: int, eos: int | None = None) -> list[int]:
+    tokens, out = list(prompt), []
+    while len(out) < max_new_tokens:
+        t = next_token(tokens)
+        out.append(t)
+        tokens.append(t)
+        if t == eos:
+            break
+    return out
+
+
+class SymbolicPool:
+    """slot -> the token prefix whose last K/V the slot holds."""
+
+    def __init__(self, block_size: int):
+        self.block_size = block_size
+        self.slots: dict[int, tuple[int, ...]] = {}
+
+    def execute(self, step) -> list[int]:
+        bs = self.block_size
+        for src, dst in step.copies:  # copy-on-write comes before any write
+            for off in range(bs):
+                if src * bs + off in self.slots:
+                    self.slots[dst * bs + off] = self.slots[src * bs + off]
+                else:
+                    self.slots.pop(dst * bs + off, None)
+        for chunk in step.chunks:
+            tokens = chunk.request.all_token_ids
+            assert chunk.token_ids == tokens[chunk.start:chunk.seq_len]
+            for pos, slot in zip(chunk.positions, chunk.slot_mapping):
+                assert slot == chunk.block_table[pos // bs] * bs + pos % bs
+                self.slots[slot] = tuple(tokens[:pos + 1])
+        for chunk in step.chunks:  # attention reads every earlier position through the block table
+            tokens = chunk.request.all_token_ids
+            for pos in range(chunk.seq_len):
+                slot = chunk.block_table[pos // bs] * bs + pos % bs
+                assert self.slots.get(slot) == tuple(tokens[:pos + 1]), f"wrong K/V at position {pos}"
+        return [next_token(c.request.all_token_ids[:c.seq_len]) for c in step.sampling_chunks]
+
+
+def check_ref_counts(sched: Scheduler) -> None:
+    """Every block's reference count equals the number of running block tables holding it."""
+    held = [0] * sched.num_blocks
+    for r in sched.running:
+        assert r.table is not None and r.block_table == r.table.block_ids
+        assert len(r.block_table) == blocks_needed(r.num_computed_tokens, sched.block_size)
+        for b in r.block_table:
+            held[b] += 1
+    for r in sched.waiting:
+        assert r.table is None and r.block_table == [] and r.num_computed_tokens == 0
+    assert held == sched.allocator.ref_counts
+
+
+def run(sched: Scheduler, arrivals: dict[int, list[Request]], max_steps: int = 10_000,
+        pool: SymbolicPool | None = None):
+    """Drive the scheduler to completion; check every step. Returns the list of steps.
+
+    Pass the same ``pool`` to later runs on the same scheduler: cached blocks keep their K/V.
+    """
+    pool = pool or SymbolicPool(sched.block_size)
+    steps, t = [], 0
+    while sched.has_unfinished() or any(k >= t for k in arrivals):
+        for r in arrivals.get(t, []):
+            sched.add_request(r)
+        t += 1
+        running_before = list(sched.running)
+        step = sched.schedule()
+        # budgets
+        assert step.num_tokens <= sched.max_num_batched_tokens
+        assert step.stats.scheduled_tokens == step.num_tokens
+        assert 0 <= step.stats.free_blocks <= sched.num_blocks
+        # preemption takes the newest running requests, newest first
+        k = len(step.preempted)
+        if k:
+            assert step.preempted == running_before[::-1][:k]
+            assert all(sched.waiting[i] is r for i, r in enumerate(reversed(step.preempted)))
+        # every candidate's turn, as recorded, follows the article's rules
+        for d in step.decisions:
+            assert d.tokens == min(d.next_chunk, d.token_budget)
+            assert d.outcome == ("stop" if d.tokens == 0 else "skipped" if d.needed > d.free_blocks else "planned")
+        assert [d.request for d in step.decisions if d.outcome == "planned"] == [c.request for c in step.chunks]
+        assert all(d.outcome != "stop" for d in step.decisions[:-1])  # the pass ends at a stop
+        # a request appears at most once and always continues where it stopped
+        ids = [id(c.request) for c in step.chunks]
+        assert len(ids) == len(set(ids))
+        sampled = pool.execute(step)
+        sched.postprocess(step, sampled)
+        check_ref_counts(sched)
+        steps.append(step)
+        assert len(steps) <= max_steps, "a request starved"
+    return steps
+
+
+# ------------------------------------------------------------------ extra_blocks
+
+
+def brute_extra_blocks(num_computed: int, table_len: int, tokens: int, bs: int, shared_tail: bool,
+                       revived: int) -> int:
+    """Count the blocks to take one position at a time."""
+    if tokens == 0:
+        return 0
+    have = set(range(table_len))
+    new = {p // bs for p in range(num_computed, num_computed + tokens)} - have
+    copy = int(shared_tail and num_computed % bs != 0)
+    return len(new) + copy + revived
+
+
+def make_request(num_computed: int, table_len: int, bs: int, extra_tokens: int = 5, **kw) -> Request:
+    r = Request(list(range(1, num_computed + extra_tokens + 1)), 4)
+    r.num_computed_tokens = num_computed
+    r.block_table = list(range(table_len))
+    for k, v in kw.items():
+        setattr(r, k, v)
+    return r
+
+
+@pytest.mark.parametrize("bs", [1, 4, 16])
+def test_extra_blocks_at_block_boundaries(bs):
+    for computed in [0, bs - 1, bs, bs + 1, 2 * bs]:
+        table_len = blocks_needed(computed, bs)
+        for tokens in [0, 1, bs - 1, bs, bs + 1, 3 * bs]:
+            for shared in (False, True):
+                r = make_request(computed, table_len, bs, shared_tail=shared)
+                got = extra_blocks(r, tokens, bs)
+                assert got == brute_extra_blocks(computed, table_len, tokens, bs, shared, 0), (computed, tokens)
+
+
+def test_extra_blocks_examples():
+    bs = 16
+    # the article's 37-token request: prefill needs 3 blocks
+    assert extra_blocks(make_request(0, 0, bs), 37, bs) == 3
+    # decoding the 38th token: the tail block has 11 empty slots, nothing new
+    assert extra_blocks(make_request(37, 3, bs), 1, bs) == 0
+    # decoding token 49 after exactly three full blocks: one new block
+    assert extra_blocks(make_request(48, 3, bs), 1, bs) == 1
+    # the same 38th token when another request shares the partly filled tail: copy it first
+    assert extra_blocks(make_request(37, 3, bs, shared_tail=True), 1, bs) == 1
+    # a shared tail that is full is never written again: no copy
+    assert extra_blocks(make_request(48, 3, bs, shared_tail=True), 1, bs) == 1
+    # a prefix hit on 2 cached blocks that wait in the free queue
+    assert extra_blocks(make_request(32, 2, bs, revived_blocks=2), 5, bs) == 3
+
+
+@settings(max_examples=200, deadline=None)
+@given(st.integers(1, 8), st.integers(0, 40), st.integers(0, 30), st.booleans(), st.integers(0, 3))
+def test_extra_blocks_matches_brute_force(bs, computed, tokens, shared, revived):
+    table_len = blocks_needed(computed, bs)
+    r = make_request(computed, table_len, bs, shared_tail=shared, revived_blocks=revived)
+    assert extra_blocks(r, tokens, bs) == brute_extra_blocks(computed, table_len, tokens, bs, shared, revived)
+
+
+# ------------------------------------------------------------------ plan_iteration
+
+
+@st.composite
+def candidates(draw):
+    bs = draw(st.integers(1, 8))
+    reqs = []
+    for _ in range(draw(st.integers(0, 8))):
+        computed = draw(st.integers(0, 30))
+        chunk = draw(st.integers(1, 30))
+        r = make_request(computed, blocks_needed(computed, bs), bs, extra_tokens=chunk,
+                         shared_tail=draw(st.booleans()))
+        reqs.append(r)
+    return bs, reqs
+
+
+@settings(max_examples=300, deadline=None)
+@given(candidates(), st.integers(0, 20), st.integers(0, 64))
+def test_plan_never_exceeds_budgets(cands, free_blocks, token_budget):
+    bs, reqs = cands
+    before = [(r.num_computed_tokens, list(r.block_table)) for r in reqs]
+    reserved = []
+    plan = plan_iteration(reqs, free_blocks, token_budget, bs, reserve=lambda r, n: reserved.append((r, n)))
+    assert reserved == plan  # reserve is called exactly for the planned requests, in order
+    assert sum(n for _, n in plan) <= token_budget
+    assert sum(extra_blocks(r, n, bs) for r, n in plan) <= free_blocks
+    # replay the pass: each planned request got min(next_chunk, budget left); each skipped one did not fit
+    free, budget, planned = free_blocks, token_budget, dict((id(r), n) for r, n in plan)
+    order = [id(r) for r, _ in plan]
+    assert order == [id(r) for r in reqs if id(r) in planned]  # candidate order is kept
+    for r in reqs:
+        tokens = min(r.next_chunk, budget)
+        if tokens == 0:
+            assert all(id(x) not in planned for x in reqs[reqs.index(r):])
+            break
+        need = extra_blocks(r, tokens, bs)
+        if id(r) in planned:
+            assert planned[id(r)] == tokens and need <= free
+            free, budget = free - need, budget - tokens
+        else:
+            assert need > free
+    # planning alone changes no request
+    assert before == [(r.num_computed_tokens, list(r.block_table)) for r in reqs]
+
+
+def test_order_decides_who_gets_space_first():
+    bs = 4
+    big = make_request(0, 0, bs, extra_tokens=12)      # 12 prompt tokens: 3 blocks
+    small = make_request(0, 0, bs, extra_tokens=4)     # 4 tokens: 1 block
+    plan_a = plan_iteration([big, small], free_blocks=3, token_budget=16, block_size=bs)
+    plan_b = plan_iteration([small, big], free_blocks=3, token_budget=16, block_size=bs)
+    assert [r for r, _ in plan_a] == [big]    # first come takes all 3 blocks
+    assert [r for r, _ in plan_b] == [small]  # the other order: big no longer fits and is skipped
+
+
+def test_bad_input_names_the_parameter():
+    r = make_request(0, 0, 4)
+    with pytest.raises(ValueError, match="token_budget"):
+        plan_iteration([r], 4, -1, 4)
+    with pytest.raises(ValueError, match="free_blocks"):
+        plan_iteration([r], -1, 4, 4)
+    with pytest.raises(ValueError, match="block_size"):
+        plan_iteration([r], 4, 4, 0)
+    with pytest.raises(ValueError, match="block_size"):
+        extra_blocks(r, 1, 0)
+    with pytest.raises(ValueError, match="tokens"):
+        extra_blocks(r, -1, 4)
+    with pytest.raises(ValueError, match="prompt_token_ids"):
+        Request([], 4)
+    with pytest.raises(ValueError, match="prompt_token_ids"):
+        Request([1, -2], 4)
+    with pytest.raises(ValueError, match="max_new_tokens"):
+        Request([1, 2], 0)
+    with pytest.raises(ValueError, match="block_size"):
+        Scheduler(8, 0, 16)
+    with pytest.raises(ValueError, match="max_num_batched_tokens"):
+        Scheduler(8, 4, 0)
+    with pytest.raises(ValueError, match="num_blocks"):
+        Scheduler(0, 4, 16)
+    with pytest.raises(ValueError, match="block_size"):
+        Scheduler(block_size=8, prefix_cache=PrefixCache(BlockAllocator(4), 4))
+    with pytest.raises(ValueError, match="allocator"):
+        Scheduler(block_size=4, allocator="not an allocator")
+    with pytest.raises(ValueError, match="priority"):
+        Scheduler(4, 4, 16, priority=3)
+    shared = BlockAllocator(6)
+    assert Scheduler(block_size=4, allocator=shared).num_blocks == 6
+    sched = Scheduler(4, 4, 16)
+    with pytest.raises(ValueError, match="max_new_tokens"):  # 14 + 3 tokens need 5 blocks of 4 > 4
+        sched.add_request(list(range(14)), 3)
+    assert not sched.has_unfinished()  # nothing was queued
+    sched.add_request([1, 2, 3], 2)
+    step = sched.schedule()
+    free = sched.allocator.num_free
+    with pytest.raises(ValueError, match="sampled_token_ids"):
+        sched.postprocess(step, [])
+    with pytest.raises(ValueError, match="sampled_token_ids"):
+        sched.postprocess(step, [-1])
+    assert sched.allocator.num_free == free and step.chunks[0].request.output_token_ids == []
+
+
+# ------------------------------------------------------------------ the scheduler end to end
+
+
+def test_chunked_prefill_splits_a_long_prompt():
+    sched = Scheduler(16, 4, max_num_batched_tokens=8, enable_prefix_caching=False)
+    r = sched.add_request(list(range(1, 21)), 3)   # 20 prompt tokens, budget 8
+    steps = run(sched, {})
+    assert [s.chunks[0].num_tokens for s in steps] == [8, 8, 4, 1, 1]
+    assert [s.chunks[0].samples for s in steps] == [False, False, True, True, True]
+    assert r.output_token_ids == reference_output(r.prompt_token_ids, 3)
+    assert sched.allocator.num_free == 16
+
+
+def test_running_requests_come_before_waiting_ones():
+    sched = Scheduler(32, 4, max_num_batched_tokens=6, enable_prefix_caching=False)
+    a = sched.add_request([1] * 5, 4)
+    pool = SymbolicPool(4)
+    step = sched.schedule()
+    sched.postprocess(step, pool.execute(step))
+    b = sched.add_request([2] * 9, 4)
+    step = sched.schedule()
+    assert [(c.request, c.num_tokens) for c in step.chunks] == [(a, 1), (b, 5)]  # decode first, then a chunk
+
+
+def test_prefix_hit_skips_cached_tokens_and_survives_finish():
+    bs = 4
+    shared = [7] * 8 + [3] * 4                      # 12 tokens = 3 full blocks
+    sched = Scheduler(16, bs, max_num_batched_tokens=64)
+    first = Request(shared + [1, 2], 2)
+    pool = SymbolicPool(bs)
+    steps = run(sched, {0: [first]}, pool=pool)
+    assert steps[0].stats.prefix_hit_tokens == 0
+    assert sched.allocator.num_free == 16 and sched.prefix_cache.num_cached_blocks == 3  # freed, still cached
+    second = Request(shared + [9], 2)
+    steps = run(sched, {0: [second]}, pool=pool)
+    assert steps[0].stats.prefix_hit_tokens == 12 and steps[0].chunks[0].num_tokens == 1
+    assert second.output_token_ids == reference_output(second.prompt_token_ids, 2)
+    off = Scheduler(16, bs, max_num_batched_tokens=64, enable_prefix_caching=False)
+    pool = SymbolicPool(bs)
+    run(off, {0: [Request(shared + [1], 2)]}, pool=pool)
+    steps = run(off, {0: [Request(shared + [9], 2)]}, pool=pool)
+    assert steps[0].stats.prefix_hit_tokens == 0 and steps[0].num_tokens == 13
+
+
+def test_preemption_by_recompute():
+    # 3 requests of 6 prompt tokens + 6 new ones; 4-token blocks; a pool of 6 blocks cannot hold
+    # all three at full length (3 blocks each), so the newest running request is preempted.
+    bs = 4
+    sched = Scheduler(6, bs, max_num_batched_tokens=32, enable_prefix_caching=False)
+    reqs = [Request([i + 1] * 6, 6) for i in range(3)]
+    steps = run(sched, {0: reqs})
+    preempted = [r for s in steps for r in s.preempted]
+    assert preempted and preempted[0] is reqs[2]
+    assert all(r.output_token_ids == reference_output(r.prompt_token_ids, 6) for r in reqs)
+    assert sched.allocator.num_free == 6
+    # the preempted request was recomputed: it computed more tokens than it has
+    computed = sum(c.num_tokens for s in steps for c in s.chunks if c.request is reqs[2])
+    assert computed > 6 + 6 - 1
+
+
+def test_fork_copies_the_shared_tail_on_write():
+    bs = 4
+    sched = Scheduler(16, bs, max_num_batched_tokens=32)
+    parent = sched.add_request([5, 6, 7, 8, 9, 10], 4)   # 6 tokens: the tail block is half full
+    pool = SymbolicPool(bs)
+    step = sched.schedule()
+    sched.postprocess(step, pool.execute(step))
+    child = sched.fork(parent)
+    assert sched.allocator.ref_counts[parent.block_table[-1]] == 2
+    free = sched.allocator.num_free
+    step = sched.schedule()
+    assert len(step.copies) == 1 and step.stats.copies == 1
+    src, dst = step.copies[0]
+    assert src == child.block_table[-1] and dst == parent.block_table[-1]
+    assert sched.allocator.num_free == free - 1     # the private copy; the child writes in place
+    sched.postprocess(step, pool.execute(step))
+    while sched.has_unfinished():
+        step = sched.schedule()
+        sched.postprocess(step, pool.execute(step))
+        check_ref_counts(sched)
+    assert parent.output_token_ids == child.output_token_ids == reference_output(parent.prompt_token_ids, 4)
+    assert sched.allocator.num_free == 16
+    with pytest.raises(ValueError, match="running"):
+        sched.fork(parent)
+
+
+def test_priority_reorders_the_waiting_queue():
+    sched = Scheduler(5, 4, max_num_batched_tokens=64, enable_prefix_caching=False,
+                      priority=lambda r: len(r.prompt_token_ids))
+    long = sched.add_request([1] * 12, 2)
+    short = sched.add_request([2] * 3, 2)
+    step = sched.schedule()
+    assert [c.request for c in step.chunks] == [short, long]
+    fcfs = Scheduler(4, 4, max_num_batched_tokens=64, enable_prefix_caching=False)
+    long, short = fcfs.add_request([1] * 12, 2), fcfs.add_request([2] * 3, 2)
+    step = fcfs.schedule()
+    assert [c.request for c in step.chunks] == [long, short] or [c.request for c in step.chunks] == [long]
+
+
+@st.composite
+def workloads(draw):
+    bs = draw(st.sampled_from([1, 2, 4, 8]))
+    budget = draw(st.integers(1, 40))
+    max_len = draw(st.integers(4, 30))
+    num_blocks = draw(st.integers(blocks_needed(max_len, bs), blocks_needed(max_len, bs) * 4))
+    seed = draw(st.integers(0, 10**6))
+    rng = random.Random(seed)
+    prefixes = [[rng.randrange(VOCAB) for _ in range(rng.randrange(0, max_len - 2))] for _ in range(2)]
+    arrivals: dict[int, list[Request]] = {}
+    for _ in range(draw(st.integers(1, 8))):
+        prefix = rng.choice(prefixes + [[]])
+        new = rng.randrange(1, max(2, max_len // 3))
+        room = max(1, max_len - new - len(prefix))
+        prompt = (prefix + [rng.randrange(VOCAB) for _ in range(rng.randrange(1, room + 1))])[:max_len - new]
+        eos = rng.randrange(VOCAB) if rng.random() < 0.3 else None
+        arrivals.setdefault(rng.randrange(0, 6), []).append(Request(prompt, new, eos))
+    caching = draw(st.booleans())
+    priority = draw(st.sampled_from([None, lambda r: len(r.prompt_token_ids), lambda r: -r.max_new_tokens]))
+    return Scheduler(num_blocks, bs, budget, enable_prefix_caching=caching, priority=priority), arrivals
+
+
+@settings(max_examples=150, deadline=None)
+@given(workloads())
+def test_random_workloads_finish_correctly_and_return_every_block(workload):
+    sched, arrivals = workload
+    reqs = [r for rs in arrivals.values() for r in rs]
+    total = sum(len(r.prompt_token_ids) + r.max_new_tokens for r in reqs)
+    run(sched, arrivals, max_steps=10 * total + 10)
+    for r in reqs:
+        assert r.status is RequestStatus.FINISHED
+        assert r.output_token_ids == reference_output(r.prompt_token_ids, r.max_new_tokens, r.eos_token_id)
+    assert sched.allocator.num_free == sched.num_blocks   # every block is back in the pool
+    assert sched.allocator.ref_counts == [0] * sched.num_blocks
+
+
+@settings(max_examples=50, deadline=None)
+@given(st.integers(0, 10**6))
+def test_fcfs_the_oldest_running_request_always_advances(seed):
+    """No starvation: under FCFS the oldest running request gets tokens every step (it is never
+    preempted and is first in line), so requests finish in a bounded number of steps."""
+    rng = random.Random(seed)
+    bs = rng.choice([2, 4])
+    sched = Scheduler(rng.randrange(4, 10), bs, rng.randrange(4, 24), enable_prefix_caching=rng.random() < 0.5)
+    cap = sched.num_blocks * bs
+    reqs = []
+    for _ in range(rng.randrange(2, 10)):
+        new = rng.randrange(1, 6)
+        reqs.append(Request([rng.randrange(VOCAB) for _ in range(rng.randrange(1, max(2, cap - new)))], new))
+    for r in reqs:
+        sched.add_request(r)
+    pool = SymbolicPool(bs)
+    while sched.has_unfinished():
+        oldest = sched.running[0] if sched.running else None
+        step = sched.schedule()
+        if oldest is not None:
+            assert oldest not in step.preempted and step.chunks and step.chunks[0].request is oldest
+        assert step.chunks, "a step with unfinished requests planned nothing"
+        sched.postprocess(step, pool.execute(step))
+    assert all(r.is_finished for r in reqs)

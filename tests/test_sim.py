@@ -1,0 +1,366 @@
+"""labkit.costmodel, labkit.workloads and labkit.sim (chapter 06).
+
+The simulator is checked three ways: against chapter 05's real engine (the same
+schedule and the same blocks at every step), against itself (skip-ahead must give
+exactly what stepping through every iteration gives), and against plain
+references (the cost model's sums, percentiles, Fig. 2's shares by brute force).
+"""
+
+from __future__ import annotations
+
+import math
+import random
+
+import numpy as np
+import pytest
+import torch
+
+import labkit  # noqa: F401
+from labkit.capacity import GiB, TEACHING_MODEL, ModelShape
+from labkit.costmodel import DEVICES, CostModel, ModelCost, get_device, get_model_cost
+from labkit.engine import Engine
+from labkit.model import Decoder, DecoderConfig
+from labkit.sim import Simulator, plan_pool, reservation_shares, weighted_percentile
+from labkit.workloads import (ALPACA, SHAREGPT, RequestSpec, long_document_questions, make_workload,
+                              poisson_arrivals, sharegpt_like)
+
+# --------------------------------------------------------------------------- cost model
+
+
+def test_weights_match_a_real_decoders_parameters():
+    """ModelCost counts the matrices of labkit's Decoder exactly (norms aside)."""
+    cfg = DecoderConfig(vocab_size=211, hidden_size=48, intermediate_size=80, num_hidden_layers=3,
+                        num_attention_heads=6, num_key_value_heads=2, head_dim=16)
+    model = Decoder.random(cfg, seed=0)
+    matrices = sum(p.numel() for name, p in model.named_parameters() if "norm" not in name)
+    shape = ModelShape("tiny", num_layers=3, num_kv_heads=2, head_dim=16, num_attention_heads=6)
+    cost = ModelCost(shape, hidden_size=48, intermediate_size=80, vocab_size=211)
+    assert cost.num_params == matrices
+    # Per token, every matrix but the embedding table is multiplied: 2 operations per weight.
+    embedding = model.model.embed_tokens.weight.numel()
+    assert cost.flops_per_token == 2 * (matrices - embedding)
+
+
+def test_teaching_model_weights_are_llama3_8b_sized():
+    cost = get_model_cost("teaching model")
+    assert cost.shape.bytes_per_token() == 131072
+    assert 8.0e9 < cost.num_params < 8.1e9  # Llama-3-8B: 8.03 billion
+    assert 14.9 * GiB < cost.weight_bytes < 15 * GiB  # so 17 GiB covers weights + workspace + reserve
+
+
+def brute_force_step(model: ModelCost, device, work, overhead=0.0):
+    """Bytes and operations of one step token by token, in float64."""
+    moved = float(model.weight_bytes)
+    flops = 0.0
+    for context, new in work:
+        moved += (context + new) * model.shape.bytes_per_token()
+        for p in range(context, context + new):  # the token at position p sees p + 1 positions
+            flops += model.flops_per_token + model.attention_flops_per_pair * (p + 1)
+    return max(moved / device.memory_bandwidth, flops / device.peak_flops) + overhead
+
+
+@pytest.mark.parametrize("device", sorted(DEVICES))
+def test_step_time_matches_token_by_token_sum(device):
+    rng = random.Random(device)
+    cost = CostModel("Llama-3-8B", device, overhead_s=1e-3)
+    for _ in range(5):
+        work = [(rng.randrange(0, 3000), rng.choice([1, 1, 1, rng.randrange(1, 600)]))
+                for _ in range(rng.randrange(1, 12))]
+        expected = brute_force_step(cost.model, cost.device, work, 1e-3)
+        assert math.isclose(cost.step(work).time_s, expected, rel_tol=1e-12)
+        new = sum(n for _, n in work)
+        ctx = sum(c for c, _ in work)
+        pairs = sum(n * c + n * (n + 1) / 2 for c, n in work)
+        assert math.isclose(cost.time_from_sums(new, ctx, pairs), expected, rel_tol=1e-12)
+        assert math.isclose(float(cost.times_from_sums(new, np.array([ctx]), np.array([pairs]))[0]), expected,
+                            rel_tol=1e-12)
+
+
+def test_decode_is_memory_bound_and_long_prefill_compute_bound():
+    cost = CostModel("teaching model", "H100 SXM")
+    assert cost.step([(1000, 1)] * 8).bound == "memory"
+    assert cost.step([(0, 8192)]).bound == "compute"
+    # Concurrency: the weight read is shared, the history read is not.
+    one, many = cost.decode_step_time(1, 4096), cost.decode_step_time(64, 4096)
+    assert many < 64 * one                      # per-token cost falls with the batch...
+    assert many > one                           # ...but every sequence adds its history
+    assert math.isclose(cost.memory_bound_step(64, 64 * 4096) - cost.memory_bound_step(1, 4096),
+                        63 * 4097 * cost.kv_bytes_per_token / cost.device.memory_bandwidth, rel_tol=1e-12)
+
+
+def test_cost_model_bad_input_names_the_parameter():
+    with pytest.raises(ValueError, match="device"):
+        get_device("TPU v9")
+    with pytest.raises(ValueError, match="model"):
+        CostModel("GPT-5", "L4")
+    with pytest.raises(ValueError, match="overhead_s"):
+        CostModel(overhead_s=-1)
+    with pytest.raises(ValueError, match="work"):
+        CostModel().step([(0, 0)])
+    with pytest.raises(ValueError, match="batch_size"):
+        CostModel().decode_step_time(0, 10)
+
+
+# --------------------------------------------------------------------------- workloads
+
+
+@pytest.mark.parametrize("profile", [SHAREGPT, ALPACA])
+def test_length_means_match_the_papers_datasets(profile):
+    w = make_workload(20000, 5.0, profile, seed=11)
+    prompts = np.array([r.prompt_len for r in w])
+    outputs = np.array([r.output_len for r in w])
+    assert abs(prompts.mean() / profile.prompt_mean - 1) < 0.03
+    assert abs(outputs.mean() / profile.output_mean - 1) < 0.03
+    assert prompts.min() >= 1 and prompts.max() <= profile.max_prompt_len
+    assert outputs.min() >= 1 and outputs.max() <= profile.max_output_len
+    assert np.median(outputs) < outputs.mean()  # right-skewed, as real lengths are
+
+
+def test_poisson_arrivals_and_seeds():
+    times = poisson_arrivals(50000, 8.0, np.random.default_rng(0))
+    gaps = np.diff(times)
+    assert times[0] == 0 and np.all(gaps >= 0)
+    assert abs(gaps.mean() * 8.0 - 1) < 0.02
+    assert abs(gaps.std() / gaps.mean() - 1) < 0.03  # exponential: std = mean
+    a, b, c = sharegpt_like(50, 2.0, seed=3), sharegpt_like(50, 2.0, seed=3), sharegpt_like(50, 2.0, seed=4)
+    assert [(r.arrival_time, r.prompt_token_ids, r.output_len) for r in a] == \
+        [(r.arrival_time, r.prompt_token_ids, r.output_len) for r in b]
+    assert [r.prompt_token_ids for r in a] != [r.prompt_token_ids for r in c]
+
+
+def test_shared_prefixes_share_exact_token_ids():
+    w = make_workload(400, 3.0, ALPACA, shared_prefix_len=100, prefix_share=0.25, seed=5)
+    sharing = [r for r in w if r.prefix_len]
+    assert 0.15 < len(sharing) / len(w) < 0.35
+    doc = sharing[0].prompt_token_ids[:100]
+    assert all(r.prompt_token_ids[:100] == doc and r.prompt_len > 100 for r in sharing)
+    others = [r for r in w if not r.prefix_len]
+    assert all(r.prompt_token_ids[:100] != doc for r in others)
+
+
+def test_workload_bad_input_names_the_parameter():
+    for rate in (0, -1.0, float("nan")):
+        with pytest.raises(ValueError, match="arrival_rate"):
+            sharegpt_like(10, rate)
+    with pytest.raises(ValueError, match="prefix_share"):
+        make_workload(10, 1.0, prefix_share=1.5)
+    with pytest.raises(ValueError, match="lengths"):
+        make_workload(10, 1.0, "MMLU")
+
+
+# --------------------------------------------------------------------------- §06 and Fig. 2
+
+
+def test_section_06_pool():
+    plan = plan_pool(24 * GiB, 17 * GiB, TEACHING_MODEL, block_size=16)
+    assert plan.pool_bytes == 7 * GiB
+    assert plan.num_blocks == 3584 and plan.block_bytes == 2 * 2**20
+    assert plan.sequences_that_fit == 7
+    # 256 sequence slots x 512 int32 entries + lengths + one step's int64 slot mapping.
+    assert plan.management_bytes == 256 * 512 * 4 + 256 * 4 + 8192 * 8
+    assert plan.num_blocks_after_management == 3583
+    assert plan.sequences_after_management == 6
+    # Without bookkeeping that large, nothing is lost.
+    assert plan_pool(max_num_seqs=1, max_num_batched_tokens=1).num_blocks_after_management == 3583
+
+
+def test_pool_bad_input_names_the_parameter():
+    with pytest.raises(ValueError, match="set_aside_bytes"):
+        plan_pool(24 * GiB, 25 * GiB)
+    with pytest.raises(ValueError, match="set_aside_bytes"):
+        plan_pool(24 * GiB, 24 * GiB - 1)  # a pool smaller than one block
+    with pytest.raises(ValueError, match="device_bytes"):
+        plan_pool(-1, 0)
+    with pytest.raises(ValueError, match="num_blocks"):
+        Simulator(num_blocks=0)
+    with pytest.raises(ValueError, match="pool_bytes"):
+        Simulator(pool_bytes=2**20)  # half a 16-token block of the teaching model
+    with pytest.raises(ValueError, match="num_blocks"):
+        Simulator()
+
+
+def test_reservation_shares_match_a_brute_force_count():
+    rng = random.Random(0)
+    specs = [RequestSpec(i, 0.0, [1] * rng.randrange(1, 60), rng.randrange(1, 70)) for i in range(40)]
+    shares = reservation_shares(specs, max_len=256, block_size=16)
+    live = {k: 0 for k in shares}
+    reserved = {k: 0 for k in shares}
+    for r in specs:
+        total = r.prompt_len + r.output_len
+        pow2 = 1
+        while pow2 < total:
+            pow2 *= 2
+        for t in range(1, r.output_len + 1):
+            n = r.prompt_len + t
+            for k, slots in zip(shares, (256, pow2, total, -(-n // 16) * 16)):
+                live[k] += n
+                reserved[k] += slots
+    for k in shares:
+        assert math.isclose(shares[k], live[k] / reserved[k], rel_tol=1e-12)
+    values = list(shares.values())
+    assert values == sorted(values)  # each policy wastes less than the one before
+
+
+def test_weighted_percentile_equals_repeating_values():
+    rng = np.random.default_rng(0)
+    values = rng.random(50)
+    weights = rng.integers(1, 6, size=50)
+    repeated = np.repeat(values, weights)
+    for q in (0, 10, 50, 90, 99, 100):
+        assert weighted_percentile(values, weights.astype(float), q) == \
+            np.percentile(repeated, q, method="inverted_cdf")
+
+
+# --------------------------------------------------------------------------- the simulator
+
+SMALL = DecoderConfig(vocab_size=97, hidden_size=32, intermediate_size=64, num_hidden_layers=2,
+                      num_attention_heads=4, num_key_value_heads=2)
+
+
+def tiny_workload(seed: int, n: int, shared: int, max_prompt: int, max_output: int, spread: float):
+    """Requests with ids < 97 (the tiny model's vocabulary); odd ones share a prefix."""
+    rng = random.Random(seed)
+    prefix = [rng.randrange(SMALL.vocab_size) for _ in range(shared)]
+    specs, t = [], 0.0
+    for i in range(n):
+        own = [rng.randrange(SMALL.vocab_size) for _ in range(rng.randrange(1, max_prompt))]
+        uses = i % 2 == 1
+        specs.append(RequestSpec(i, t, (prefix if uses else []) + own, rng.randrange(1, max_output),
+                                 shared if uses else 0))
+        t += rng.random() * spread
+    return specs
+
+
+@pytest.fixture(scope="module")
+def model() -> Decoder:
+    return Decoder.random(SMALL, seed=3)
+
+
+@pytest.mark.parametrize("seed, num_blocks, budget, spread", [(0, 16, 32, 0.01), (1, 12, 16, 0.003),
+                                                              (2, 40, 64, 0.05), (3, 9, 8, 0.0)])
+def test_simulator_and_engine_make_the_same_schedule(model, seed, num_blocks, budget, spread):
+    """Chapter 05's engine (a real model, real K/V) and the simulator (synthetic tokens)
+    plan the same steps: the same requests, token counts and block tables at every step."""
+    specs = tiny_workload(seed, 8, shared=9, max_prompt=24, max_output=14, spread=spread)
+    sim = Simulator(num_blocks=num_blocks, block_size=4, max_num_batched_tokens=budget, record_schedule=True)
+    result = sim.run(specs)
+    engine = Engine(model, num_blocks=num_blocks, block_size=4, max_num_batched_tokens=budget, use_triton=False)
+    order = sorted(range(len(specs)), key=lambda i: (specs[i].arrival_time, i))
+    by_engine_id, k, trace = {}, 0, []
+    while k < len(order) or engine.has_unfinished():
+        step_no = engine.scheduler.num_steps + 1
+        while k < len(order) and result.queued_at_step[k] <= step_no:
+            spec = specs[order[k]]
+            request = engine.add_request(spec.prompt_token_ids, spec.output_len)
+            by_engine_id[request.request_id] = spec.request_id
+            k += 1
+        step = engine.step()
+        trace.append([(by_engine_id[c.request.request_id], c.start, c.num_tokens, tuple(c.block_table))
+                      for c in step.chunks])
+    assert trace == result.schedule
+    assert engine.scheduler.allocator.num_free == num_blocks
+
+
+def test_the_engine_comparison_covers_hits_preemption_and_chunks():
+    """The workloads above do exercise what could make the two differ."""
+    results = [Simulator(num_blocks=nb, block_size=4, max_num_batched_tokens=b).run(
+        tiny_workload(s, 8, shared=9, max_prompt=24, max_output=14, spread=sp))
+        for s, nb, b, sp in [(0, 16, 32, 0.01), (1, 12, 16, 0.003), (3, 9, 8, 0.0)]]
+    assert sum(r.hit_tokens.sum() for r in results) > 0
+    assert sum(r.preemptions.sum() for r in results) > 0
+    assert sum(r.recomputed_tokens for r in results) > 0
+    assert any(r.skipped_steps for r in results)
+
+
+def assert_same_run(a, b):
+    for name in ("first_token", "finish", "hit_tokens", "preemptions", "step_start", "step_end", "step_tokens",
+                 "num_running", "num_waiting", "used_blocks", "live_tokens", "queued_at_step"):
+        assert np.array_equal(getattr(a, name), getattr(b, name)), name
+    # Interval lists are grouped differently (one per token vs one per stretch): compare as multisets.
+    for x, y in ((a.itl, a.itl_weight), (b.itl, b.itl_weight)):
+        assert len(x) == len(y)
+    ua, ca = np.unique(a.itl, return_inverse=True)
+    ub, cb = np.unique(b.itl, return_inverse=True)
+    assert np.array_equal(ua, ub)
+    assert np.array_equal(np.bincount(ca, a.itl_weight), np.bincount(cb, b.itl_weight))
+    assert a.schedule == b.schedule
+    sa, sb = a.scheduler, b.scheduler
+    assert sa.allocator.ref_counts == sb.allocator.ref_counts
+    assert list(sa.allocator._free) == list(sb.allocator._free)  # same LRU order
+    assert sa.prefix_cache.cached_block_ids() == sb.prefix_cache.cached_block_ids()
+    assert sa.prefix_cache.stats == sb.prefix_cache.stats
+    assert [r.output_token_ids for r in sa.finished] == [r.output_token_ids for r in sb.finished]
+
+
+WORKLOADS = {
+    "chat, roomy pool": (lambda: sharegpt_like(60, 6.0, seed=1), dict(num_blocks=2000)),
+    "chat, tight pool (preemption, queue)": (lambda: sharegpt_like(60, 30.0, seed=2),
+                                             dict(num_blocks=130, max_num_batched_tokens=512)),
+    "long document, shared prefix": (lambda: long_document_questions(30, 3.0, document_len=700, seed=3),
+                                     dict(num_blocks=400, max_num_batched_tokens=256)),
+    "mixed, small blocks, no caching": (lambda: make_workload(50, 20.0, ALPACA, shared_prefix_len=40,
+                                                              prefix_share=0.5, seed=4),
+                                        dict(num_blocks=60, block_size=4, enable_prefix_caching=False)),
+    "mixed, eviction pressure": (lambda: make_workload(50, 15.0, ALPACA, shared_prefix_len=64,
+                                                       prefix_share=0.6, seed=5),
+                                 dict(num_blocks=25, block_size=8, max_num_batched_tokens=128)),
+}
+
+
+@pytest.mark.parametrize("name", sorted(WORKLOADS))
+def test_skip_ahead_gives_exactly_what_stepping_gives(name):
+    make, settings = WORKLOADS[name]
+    specs = make()
+    cost = CostModel("teaching model", "L4", overhead_s=2e-4)
+    stepped = Simulator(cost, skip_ahead=False, record_schedule=True, **settings).run(specs)
+    skipped = Simulator(cost, skip_ahead=True, record_schedule=True, **settings).run(specs)
+    assert stepped.skipped_steps == 0 and skipped.skipped_steps > 0
+    assert_same_run(stepped, skipped)
+    assert skipped.scheduler.allocator.num_free == settings["num_blocks"]  # every block came back
+
+
+def test_skip_ahead_covers_preemption_waiting_and_eviction():
+    runs = {name: Simulator(CostModel("teaching model", "L4", overhead_s=2e-4), **s).run(make())
+            for name, (make, s) in WORKLOADS.items()}
+    assert runs["chat, tight pool (preemption, queue)"].preemptions.sum() > 0
+    assert runs["chat, tight pool (preemption, queue)"].num_waiting.max() > 0
+    assert runs["long document, shared prefix"].reuse_ratio > 0.8
+    assert runs["mixed, eviction pressure"].scheduler.prefix_cache.stats.evicted_blocks > 0
+    assert runs["mixed, small blocks, no caching"].reuse_ratio == 0
+
+
+def test_one_request_alone_is_timed_by_the_cost_model():
+    cost = CostModel("teaching model", "A100 80GB SXM")
+    prompt, output = 300, 20
+    spec = RequestSpec(0, 1.5, list(range(1, prompt + 1)), output)
+    result = Simulator(cost, num_blocks=100, max_num_batched_tokens=128).run([spec])
+    # Prefill in chunks of 128: the first token comes with the last chunk.
+    assert math.isclose(result.ttft[0], cost.prefill_time(prompt, 128), rel_tol=1e-12)
+    expected_itl = [cost.decode_step_time(1, prompt + t) for t in range(output - 1)]
+    assert np.allclose(np.repeat(result.itl, result.itl_weight.astype(int)), expected_itl, rtol=1e-12)
+    assert math.isclose(result.finish[0] - 1.5, cost.prefill_time(prompt, 128) + sum(expected_itl), rel_tol=1e-12)
+    assert result.num_steps == 3 + output - 1
+
+
+def test_metrics_on_a_run():
+    specs = sharegpt_like(80, 5.0, seed=7)
+    result = Simulator(num_blocks=3584).run(specs)
+    assert np.all(result.first_token >= result.arrival) and np.all(result.finish >= result.first_token)
+    assert result.itl_weight.sum() == sum(s.output_len - 1 for s in specs)
+    assert 0 < result.mean_occupancy < 1
+    assert result.live_token_share <= 1  # no sharing: live tokens never exceed held slots
+    p = result.ttft_percentiles()
+    assert p["p50"] <= p["p90"] <= p["p99"]
+    assert result.recomputed_tokens == 0 and result.reuse_ratio == 0
+    assert math.isclose(result.output_tokens_per_s * result.makespan, sum(s.output_len for s in specs))
+
+
+def test_simulator_bad_input():
+    with pytest.raises(ValueError, match="requests"):
+        Simulator(num_blocks=10).run([])
+    with pytest.raises(ValueError, match="max_new_tokens"):  # cannot fit even alone in the pool
+        Simulator(num_blocks=2, block_size=4).run([RequestSpec(0, 0.0, [1] * 5, 10)])
+    with pytest.raises(ValueError, match="block_size"):
+        Simulator(num_blocks=10, block_size=0)
+    with pytest.raises(ValueError, match="cost_model"):
+        Simulator("teaching model", num_blocks=10)
