@@ -431,7 +431,7 @@ assert 8_192 * per_token == 2**30
 # The attention backend is a page of code:
 
 # %%
-print(inspect.getsource(labkit.engine.PagedAttentionBackend.attend))
+print(inspect.getsource(labkit.paging.KVPool.attend))
 
 # %% [markdown]
 # A research assistant's load: four questions about the same 24-token report, in a pool of 24

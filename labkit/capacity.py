@@ -35,7 +35,7 @@ from typing import Any
 
 import torch
 
-from . import units
+from .units import format_bytes  # re-exported: the book writes sizes one way everywhere
 from .paging import blocks_needed
 
 __all__ = [
@@ -123,28 +123,6 @@ def cache_bytes(length: int, num_layers: int, num_kv_heads: int, head_dim: int, 
     return length * bytes_per_token(num_layers, num_kv_heads, head_dim, dtype_bytes, dtype=dtype)
 
 
-def format_bytes(n: int | float, unit: str | None = None) -> str:
-    """A byte size in binary units, the way the book writes it.
-
-    Without ``unit`` this is :func:`labkit.units.format_bytes` (the largest unit in
-    which the value is at least 1: ``131072 -> '128 KiB'``). With ``unit`` the size
-    is written in that unit, as the article's tables do: ``format_bytes(2**29,
-    'GiB') -> '0.5 GiB'``, ``format_bytes(131072, 'bytes') -> '131,072 bytes'``.
-    """
-    if unit is None:
-        return units.format_bytes(n)
-    names = ["bytes", "KiB", "MiB", "GiB", "TiB"]
-    if unit not in names:
-        raise ValueError(f"unit must be one of {names}, got {unit!r}")
-    if n < 0:
-        return "-" + format_bytes(-n, unit)
-    value = n / 1024 ** names.index(unit)
-    if unit == "bytes" and float(value).is_integer():
-        return f"{int(value):,} bytes"
-    text = f"{value:,.3f}".rstrip("0").rstrip(".")
-    return f"{text} {unit}"
-
-
 # --------------------------------------------------------------------------- model shapes
 
 
@@ -187,8 +165,9 @@ class ModelShape:
         if self.sliding_window is not None:
             _check_int("sliding_window", self.sliding_window, 1)
         bad = [i for i in self.sliding_layers if not isinstance(i, int) or not 0 <= i < self.num_layers]
-        if bad:
-            raise ValueError(f"sliding_layers must hold layer indices in [0, {self.num_layers - 1}], got {bad}")
+        if bad or len(set(self.sliding_layers)) != len(self.sliding_layers):
+            raise ValueError(f"sliding_layers must hold distinct layer indices in [0, {self.num_layers - 1}], "
+                             f"got {bad or list(self.sliding_layers)}")
         if self.sliding_layers and self.sliding_window is None:
             raise ValueError("sliding_layers needs a sliding_window (an integer >= 1)")
 

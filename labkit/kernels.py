@@ -37,6 +37,7 @@ import math
 import torch
 
 from .device import RUNTIME
+from .model import causal_attention
 
 try:  # Triton is optional: without it every public function uses its reference.
     import triton
@@ -68,16 +69,11 @@ def gather_kv(cache: torch.Tensor, block_table: torch.Tensor, seq_len: int) -> t
 
 
 def _attention_ref(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float) -> torch.Tensor:
-    """Causal attention of the last q_len positions; q [q_len, Hq, D], k/v [kv_len, Hkv, D]."""
-    q_len, kv_len = q.shape[0], k.shape[0]
-    group = q.shape[1] // k.shape[1]
-    k = k.repeat_interleave(group, dim=1)  # GQA: each KV head serves `group` query heads
-    v = v.repeat_interleave(group, dim=1)
-    scores = torch.einsum("qhd,khd->hqk", q, k) * scale
-    q_pos = torch.arange(kv_len - q_len, kv_len, device=q.device)[:, None]
-    k_pos = torch.arange(kv_len, device=q.device)[None, :]
-    scores = scores.masked_fill(k_pos > q_pos, float("-inf"))
-    return torch.einsum("hqk,khd->qhd", torch.softmax(scores, dim=-1), v)
+    """Causal attention of the last q_len positions; q [q_len, Hq, D], k/v [kv_len, Hkv, D].
+
+    The same textbook attention the chapter-01 decoder uses, for one sequence.
+    """
+    return causal_attention(q[None], k[None], v[None], scale)[0]
 
 
 def _compute_dtype(dtype: torch.dtype) -> torch.dtype:

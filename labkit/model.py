@@ -105,22 +105,25 @@ class AttentionCache(Protocol):
         ...
 
 
-def causal_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
+def causal_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float | None = None) -> torch.Tensor:
     """Plain attention of the last ``q.shape[1]`` positions over all ``k.shape[1]`` positions.
 
     q: [batch, q_len, Hq, D]; k, v: [batch, kv_len, Hkv, D] with kv_len >= q_len.
     Query i sits at absolute position ``kv_len - q_len + i`` and may see keys up to it.
-    GQA: each KV head is repeated for its group of query heads.
+    GQA: each KV head is repeated for its group of query heads. ``scale`` defaults to
+    1/sqrt(D). Half-precision inputs take their softmax in float32; float64 stays float64,
+    so this is also the book's high-precision reference.
     """
     q_len, kv_len = q.shape[1], k.shape[1]
     group = q.shape[2] // k.shape[2]
     k = k.repeat_interleave(group, dim=2)
     v = v.repeat_interleave(group, dim=2)
-    scores = torch.einsum("bqhd,bkhd->bhqk", q, k) / math.sqrt(q.shape[-1])
+    scale = 1.0 / math.sqrt(q.shape[-1]) if scale is None else scale
+    scores = torch.einsum("bqhd,bkhd->bhqk", q, k) * scale
     q_pos = torch.arange(kv_len - q_len, kv_len, device=q.device)[:, None]
     k_pos = torch.arange(kv_len, device=q.device)[None, :]
     scores = scores.masked_fill(k_pos > q_pos, float("-inf"))
-    probs = torch.softmax(scores.float(), dim=-1).to(v.dtype)
+    probs = torch.softmax(scores, dim=-1, dtype=torch.promote_types(scores.dtype, torch.float32)).to(v.dtype)
     return torch.einsum("bhqk,bkhd->bqhd", probs, v)
 
 

@@ -22,6 +22,7 @@ of ``labkit.kernels``: ``write_kv`` stores the new tokens in their slots, then
 from __future__ import annotations
 
 from collections import OrderedDict
+from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
 import torch
@@ -167,17 +168,119 @@ class BlockTable:
         self.block_ids, self.num_tokens = [], 0
 
 
-class PagedKVCache:
-    """A paged KV cache for ``labkit.model.Decoder``: block pools per layer, a block table per sequence.
+@dataclass
+class AttentionMetadata:
+    """The kernels' inputs for one forward pass over a paged pool.
+
+    The pass's new tokens are flattened sequence after sequence: sequence ``i`` owns
+    rows ``cu_seqlens_q[i]:cu_seqlens_q[i + 1]``, which are its *last* positions, and
+    ``slot_mapping[t]`` is the pool slot where token ``t``'s K and V go.
+    """
+
+    slot_mapping: torch.Tensor  # int64 [total_new_tokens]
+    block_tables: torch.Tensor  # int32 [num_seqs, max_blocks_per_seq]
+    seq_lens: torch.Tensor      # int32 [num_seqs], including the new tokens
+    cu_seqlens_q: torch.Tensor  # int32 [num_seqs + 1]
+
+    @classmethod
+    def build(cls, block_tables: list[list[int]], seq_lens: list[int], q_lens: list[int],
+              slot_mapping: list[int], device: torch.device) -> "AttentionMetadata":
+        """From plain lists (what a scheduler or a block table produces) to the kernels' tensors."""
+        width = max(len(row) for row in block_tables)
+        table = torch.zeros(len(block_tables), width, dtype=torch.int32)
+        for i, row in enumerate(block_tables):
+            table[i, : len(row)] = torch.tensor(row, dtype=torch.int32)
+        cu = torch.tensor([0] + q_lens, dtype=torch.int32).cumsum(0, dtype=torch.int32)
+        return cls(torch.tensor(slot_mapping, dtype=torch.int64, device=device), table.to(device),
+                   torch.tensor(seq_lens, dtype=torch.int32, device=device), cu.to(device))
+
+    @property
+    def decode_only(self) -> bool:
+        """Every sequence adds exactly one token (a pure decode step)."""
+        return self.slot_mapping.numel() == self.seq_lens.numel()
+
+
+class KVPool:
+    """Every layer's K and V block pool, and paged attention over it.
 
     ``k_caches[layer]`` and ``v_caches[layer]`` are ``[num_blocks, block_size, num_kv_heads,
-    head_dim]``; one ``BlockAllocator`` hands out block ids, valid in every layer's pool alike.
+    head_dim]``: block ids mean the same block in every layer. ``attend`` is the decoder's cache
+    protocol for a pass described by ``self.meta``: ``write_kv`` stores the new K and V in their
+    slots, then the decode kernel (one new token per sequence) or the prefill kernel (several)
+    reads each sequence's blocks. The caches of chapters 03 to 05 differ only in who decides the
+    block tables; they all attend through this class. ``use_triton=False`` runs the kernels'
+    PyTorch references instead (same results, much faster than Triton's interpreter on a CPU).
+    """
+
+    def __init__(self, config: "DecoderConfig", num_blocks: int, block_size: int,
+                 dtype: torch.dtype = torch.float32, device: torch.device | str | None = None,
+                 use_triton: bool = True):
+        _check_int("num_blocks", num_blocks, 1)
+        _check_int("block_size", block_size, 1)
+        if dtype not in (torch.float32, torch.float16, torch.bfloat16):
+            raise ValueError(f"dtype must be torch.float32, torch.float16 or torch.bfloat16, got {dtype}")
+        from .device import DEVICE
+
+        self.config, self.block_size, self.dtype = config, block_size, dtype
+        self.device = torch.device(device) if device is not None else DEVICE
+        self.use_triton = bool(use_triton)
+        shape = (num_blocks, block_size, config.num_key_value_heads, config.head_dim)
+        self.k_caches = [torch.zeros(shape, dtype=dtype, device=self.device) for _ in range(config.num_hidden_layers)]
+        self.v_caches = [torch.zeros(shape, dtype=dtype, device=self.device) for _ in range(config.num_hidden_layers)]
+        self.meta: AttentionMetadata | None = None  # set before each forward pass
+
+    @property
+    def bytes_per_block(self) -> int:
+        """K and V of one block in every layer."""
+        k = self.k_caches[0]
+        return 2 * len(self.k_caches) * k[0].numel() * k.element_size()
+
+    def copy_blocks(self, copies: list[tuple[int, int]]) -> None:
+        """Copy-on-write: block ``dst`` gets ``src``'s K and V in every layer, before anything writes."""
+        if copies:
+            src = torch.tensor([s for s, _ in copies], device=self.device)
+            dst = torch.tensor([d for _, d in copies], device=self.device)
+            for cache in self.k_caches + self.v_caches:
+                cache[dst] = cache[src]
+
+    def attend(self, layer_idx: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
+        """q [batch, new, Hq, D], k and v [batch, new, Hkv, D], flattened in the order of ``self.meta``."""
+        from . import kernels
+
+        meta = self.meta
+        cfg = self.config
+        expected = (cfg.num_key_value_heads, cfg.head_dim)
+        if k.dim() != 4 or tuple(k.shape[2:]) != expected or k.shape != v.shape:
+            raise ValueError(f"k and v must be [batch, new, {expected[0]}, {expected[1]}], "
+                             f"got {tuple(k.shape)} and {tuple(v.shape)}")
+        if meta is None or q.dim() != 4 or q.shape[:2] != k.shape[:2] or \
+                q.shape[0] * q.shape[1] != meta.slot_mapping.numel():
+            raise ValueError(f"q must be [batch, new, num_heads, head_dim] with batch x new = the "
+                             f"{0 if meta is None else meta.slot_mapping.numel()} tokens of this pass, "
+                             f"got {tuple(q.shape)}")
+        write_kv = kernels.write_kv if self.use_triton else kernels.write_kv_ref
+        decode = kernels.paged_decode_attention if self.use_triton else kernels.paged_decode_attention_ref
+        prefill = kernels.paged_prefill_attention if self.use_triton else kernels.paged_prefill_attention_ref
+        kc, vc = self.k_caches[layer_idx], self.v_caches[layer_idx]
+        flat = lambda t: t.reshape(-1, *t.shape[2:]).to(self.dtype).contiguous()  # noqa: E731
+        write_kv(flat(k), flat(v), kc, vc, meta.slot_mapping)
+        if meta.decode_only:
+            out = decode(flat(q), kc, vc, meta.block_tables, meta.seq_lens)
+        else:
+            out = prefill(flat(q), kc, vc, meta.block_tables, meta.seq_lens, meta.cu_seqlens_q)
+        return out.view(q.shape).to(q.dtype)
+
+
+class PagedKVCache(KVPool):
+    """A paged KV cache for ``labkit.model.Decoder``: the block pools plus a block table per sequence.
+
     Sequences are added with ``add_sequence`` and finish with ``free_sequence``; ``select``
     says which of them are the rows of the next ``model(...)`` call (its batch).
 
     A forward pass calls ``attend`` once per layer. Layer 0 appends the new tokens to the
     selected block tables (all-or-nothing: ``OutOfBlocksError`` leaves everything as it was)
-    and computes their slot mapping; every layer then writes its K/V there and attends.
+    and builds the pass's slot mapping and block tables; every layer then writes its K/V
+    there and attends (``KVPool.attend``).
 
     ``seq_len`` is the length of the selected sequences when they all have the same length
     (what ``Decoder.forward`` uses for default positions); for a ragged batch pass
@@ -187,23 +290,13 @@ class PagedKVCache:
     def __init__(self, config: "DecoderConfig", num_blocks: int, block_size: int = 16,
                  dtype: torch.dtype = torch.float32, device: torch.device | str | None = None,
                  batch_size: int = 1):
-        _check_int("num_blocks", num_blocks, 1)
-        _check_int("block_size", block_size, 1)
         _check_int("batch_size", batch_size, 0)
-        if dtype not in (torch.float32, torch.float16, torch.bfloat16):
-            raise ValueError(f"dtype must be torch.float32, torch.float16 or torch.bfloat16, got {dtype}")
-        from .device import DEVICE
-
-        self.config, self.block_size, self.dtype = config, block_size, dtype
-        self.device = torch.device(device) if device is not None else DEVICE
-        shape = (num_blocks, block_size, config.num_key_value_heads, config.head_dim)
-        self.k_caches = [torch.zeros(shape, dtype=dtype, device=self.device) for _ in range(config.num_hidden_layers)]
-        self.v_caches = [torch.zeros(shape, dtype=dtype, device=self.device) for _ in range(config.num_hidden_layers)]
+        super().__init__(config, num_blocks, block_size, dtype, device)
         self.allocator = BlockAllocator(num_blocks)
         self.tables: dict[int, BlockTable] = {}
         self.active: list[int] = []
         self._next_id = 0
-        self._step: dict | None = None  # the slot mapping etc. of the forward pass in progress
+        self._next_layer = 0  # the layer the forward pass in progress reaches next
         self.select([self.add_sequence() for _ in range(batch_size)])
 
     # -- sequences ---------------------------------------------------------------------------
@@ -253,12 +346,6 @@ class PagedKVCache:
 
     # -- memory ------------------------------------------------------------------------------
     @property
-    def bytes_per_block(self) -> int:
-        """K and V of one block in every layer."""
-        k = self.k_caches[0]
-        return 2 * len(self.k_caches) * k[0].numel() * k.element_size()
-
-    @property
     def nbytes(self) -> int:
         """Bytes of the whole pool (allocated up front, used or not)."""
         return self.bytes_per_block * self.allocator.num_blocks
@@ -269,7 +356,7 @@ class PagedKVCache:
         return self.bytes_per_block * self.allocator.num_used
 
     # -- the decoder's cache protocol --------------------------------------------------------
-    def _plan(self, batch: int, num_new: int) -> dict:
+    def _plan(self, batch: int, num_new: int) -> AttentionMetadata:
         """Layer 0 of a forward pass: grow the selected block tables; build the kernels' inputs."""
         if batch != len(self.active):
             raise ValueError(f"the batch has {batch} rows but {len(self.active)} sequences are selected "
@@ -280,52 +367,24 @@ class PagedKVCache:
             raise OutOfBlocksError(f"need {need} blocks, only {self.allocator.num_free} of "
                                    f"{self.allocator.num_blocks} are free")
         slots = [slot for t in tables for slot in t.append(num_new, self.allocator)]
-        max_blocks = max(len(t.block_ids) for t in tables)
-        block_tables = torch.zeros(batch, max_blocks, dtype=torch.int32)
-        for row, t in enumerate(tables):
-            block_tables[row, : len(t.block_ids)] = torch.tensor(t.block_ids, dtype=torch.int32)
-        dev = self.device
-        return {
-            "shape": (batch, num_new),
-            "slot_mapping": torch.tensor(slots, dtype=torch.int64, device=dev),
-            "block_tables": block_tables.to(dev),
-            "seq_lens": torch.tensor([t.num_tokens for t in tables], dtype=torch.int32, device=dev),
-            "cu_seqlens_q": torch.arange(0, (batch + 1) * num_new, num_new, dtype=torch.int32, device=dev),
-            "next_layer": 0,
-        }
+        return AttentionMetadata.build([t.block_ids for t in tables], [t.num_tokens for t in tables],
+                                       [num_new] * batch, slots, self.device)
 
     def attend(self, layer_idx: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
         """Write this layer's new K, V [batch, new, Hkv, D] into their slots; attend q [batch, new, Hq, D]."""
-        from .kernels import paged_decode_attention, paged_prefill_attention, write_kv
-
         cfg = self.config
-        expected = (cfg.num_key_value_heads, cfg.head_dim)
-        if k.dim() != 4 or tuple(k.shape[2:]) != expected or k.shape != v.shape:
-            raise ValueError(f"k and v must be [batch, new, {expected[0]}, {expected[1]}], "
-                             f"got {tuple(k.shape)} and {tuple(v.shape)}")
-        if q.dim() != 4 or q.shape[:2] != k.shape[:2]:
-            raise ValueError(f"q must be [batch, new, num_heads, head_dim] with k's batch and new, "
-                             f"got {tuple(q.shape)}")
         if not isinstance(layer_idx, int) or not 0 <= layer_idx < cfg.num_hidden_layers:
             raise ValueError(f"layer_idx must be an integer in [0, {cfg.num_hidden_layers - 1}], got {layer_idx!r}")
-        batch, num_new = k.shape[:2]
         if layer_idx == 0:
-            self._step = self._plan(batch, num_new)
-        elif self._step is None or self._step["next_layer"] != layer_idx or self._step["shape"] != (batch, num_new):
+            expected = (cfg.num_key_value_heads, cfg.head_dim)
+            if k.dim() != 4 or tuple(k.shape[2:]) != expected or k.shape != v.shape:
+                raise ValueError(f"k and v must be [batch, new, {expected[0]}, {expected[1]}], "
+                                 f"got {tuple(k.shape)} and {tuple(v.shape)}")
+            self.meta = self._plan(*k.shape[:2])
+        elif self.meta is None or layer_idx != self._next_layer:
             raise ValueError(f"layer_idx {layer_idx} came out of order: a forward pass calls layers 0, 1, 2, ...")
-        step = self._step
-        step["next_layer"] = layer_idx + 1
-        kc, vc = self.k_caches[layer_idx], self.v_caches[layer_idx]
-        write_kv(k.reshape(batch * num_new, *expected).to(self.dtype).contiguous(),
-                 v.reshape(batch * num_new, *expected).to(self.dtype).contiguous(), kc, vc, step["slot_mapping"])
-        qc = q.to(self.dtype)
-        if num_new == 1:
-            out = paged_decode_attention(qc[:, 0], kc, vc, step["block_tables"], step["seq_lens"])[:, None]
-        else:
-            out = paged_prefill_attention(qc.reshape(batch * num_new, *q.shape[2:]), kc, vc,
-                                          step["block_tables"], step["seq_lens"], step["cu_seqlens_q"])
-            out = out.view(q.shape)
-        return out.to(q.dtype)
+        self._next_layer = layer_idx + 1
+        return super().attend(layer_idx, q, k, v)
 
 
 @torch.no_grad()

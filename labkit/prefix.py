@@ -55,7 +55,7 @@ import json
 from dataclasses import astuple, dataclass
 from typing import Callable, Iterable, Sequence
 
-from .paging import BlockAllocator, BlockTable, OutOfBlocksError, blocks_needed
+from .paging import AttentionMetadata, BlockAllocator, BlockTable, KVPool, OutOfBlocksError, blocks_needed
 
 __all__ = [
     "CacheKey",
@@ -565,14 +565,13 @@ def _check_token_ids(token_ids: object, min_len: int = 0) -> tuple[int, ...]:
 # Prefix reuse with real tensors: the decoder's cache protocol on top of a PrefixCache
 # ---------------------------------------------------------------------------------------------
 
-class PrefixKVCache:
+class PrefixKVCache(KVPool):
     """Paged K/V pools for ``labkit.model.Decoder`` whose blocks are managed by a ``PrefixCache``.
 
-    ``k_caches[layer]`` / ``v_caches[layer]`` are ``[num_blocks, block_size, num_kv_heads, head_dim]``
-    (the layout of ``labkit.kernels``). One sequence runs at a time (batch 1): ``begin`` gives it a
-    block table whose cached prefix is already filled, the model then runs on the *remaining*
-    tokens only, and ``attend`` writes their K/V (``write_kv``) and attends over the whole
-    sequence through ``paged_prefill_attention``. ``reuse=False`` never names a block, so nothing
+    One sequence runs at a time (batch 1): ``begin`` gives it a block table whose cached
+    prefix is already filled, the model then runs on the *remaining* tokens only, and
+    ``attend`` writes their K/V and attends over the whole sequence (``KVPool.attend``:
+    ``write_kv``, then the paged kernels). ``reuse=False`` never names a block, so nothing
     ever hits: the same code with prefix caching turned off, for comparisons.
     """
 
@@ -580,19 +579,11 @@ class PrefixKVCache:
                  model_name: str = "teaching-model", reuse: bool = True):
         import torch
 
-        from .device import DEVICE
-
         _check_block_size(block_size)
-        dtype = torch.float32 if dtype is None else dtype
-        if dtype not in (torch.float32, torch.float16, torch.bfloat16):
-            raise ValueError(f"dtype must be torch.float32, torch.float16 or torch.bfloat16, got {dtype}")
-        self.config, self.block_size, self.dtype, self.reuse = config, block_size, dtype, bool(reuse)
-        self.device = torch.device(device) if device is not None else DEVICE
+        super().__init__(config, num_blocks, block_size, torch.float32 if dtype is None else dtype, device)
+        self.reuse = bool(reuse)
         self.model_name = model_name
         self.prefix = PrefixCache(BlockAllocator(num_blocks), block_size)
-        shape = (num_blocks, block_size, config.num_key_value_heads, config.head_dim)
-        self.k_caches = [torch.zeros(shape, dtype=dtype, device=self.device) for _ in range(config.num_hidden_layers)]
-        self.v_caches = [torch.zeros(shape, dtype=dtype, device=self.device) for _ in range(config.num_hidden_layers)]
         self.table: CachedBlockTable | None = None
         self.seq_len = 0  # tokens of the current sequence whose K/V are in the pool
 
@@ -611,11 +602,7 @@ class PrefixKVCache:
 
     def extend(self, token_ids: Sequence[int]) -> None:
         """Reserve slots for decode tokens; copy a shared tail block first (copy-on-write)."""
-        result = self.prefix.append(self._running(), token_ids)
-        for src, dst in result.copies:
-            for kc, vc in zip(self.k_caches, self.v_caches):
-                kc[dst].copy_(kc[src])
-                vc[dst].copy_(vc[src])
+        self.copy_blocks(self.prefix.append(self._running(), token_ids).copies)
 
     def end(self) -> None:
         """The sequence finished: release its blocks (its full blocks stay cached)."""
@@ -629,31 +616,23 @@ class PrefixKVCache:
 
     def attend(self, layer_idx: int, q, k, v):
         """Write the new tokens' K/V into their slots, then attend over the whole sequence."""
-        import torch
-
-        from .kernels import paged_prefill_attention, write_kv
-
         table = self._running()
-        batch, num_new, hkv, d = k.shape
+        batch, num_new = k.shape[:2]
         if batch != 1:
             raise ValueError(f"q, k, v must have batch 1 (one sequence at a time), got batch {batch}")
         start = self.seq_len
         if start + num_new > table.num_tokens:
             raise ValueError(f"{num_new} new tokens after {start} exceed the {table.num_tokens} reserved slots "
                              "(begin() or extend() first)")
-        slots = torch.tensor([table.slot(p) for p in range(start, start + num_new)], device=self.device)
-        kc, vc = self.k_caches[layer_idx], self.v_caches[layer_idx]
-        write_kv(k[0].to(self.dtype).contiguous(), v[0].to(self.dtype).contiguous(), kc, vc, slots)
-        out = paged_prefill_attention(
-            q[0].to(self.dtype).contiguous(), kc, vc,
-            torch.tensor([table.block_ids], dtype=torch.int32, device=self.device),
-            torch.tensor([start + num_new], dtype=torch.int32, device=self.device),
-            torch.tensor([0, num_new], dtype=torch.int32, device=self.device))
+        if layer_idx == 0:
+            slots = [table.slot(p) for p in range(start, start + num_new)]
+            self.meta = AttentionMetadata.build([table.block_ids], [start + num_new], [num_new], slots, self.device)
+        out = super().attend(layer_idx, q, k, v)
         if layer_idx == self.config.num_hidden_layers - 1:  # the last layer: these tokens are done
             self.seq_len = start + num_new
             if self.reuse:
                 self.prefix.commit(table, self.seq_len)
-        return out[None].to(q.dtype)
+        return out
 
 
 @dataclass

@@ -23,8 +23,10 @@ steps are alike: the same requests each decode one token, nobody arrives or
 finishes, no request is preempted. The simulator detects such a stretch after a
 real step and applies all of its steps at once (*skip-ahead*): the same blocks
 taken from the allocator in the same order, the same full blocks registered in
-the prefix cache, the same token ids appended. The result is identical to
-stepping (``skip_ahead=False``); the tests check it step by step.
+the prefix cache, the same token ids appended, the same step times. The result
+is identical to stepping (``skip_ahead=False``); the tests check it step by step,
+and check that chapter 05's engine, with a real model, plans the same steps with
+the same blocks.
 """
 
 from __future__ import annotations
@@ -235,7 +237,7 @@ def weighted_percentile(values: np.ndarray, weights: np.ndarray, q: float) -> fl
 class SimResult:
     """What a simulated run measured. Times are seconds since the first arrival.
 
-    Per request (arrays in request order): ``arrival``, ``first_token`` (end of the
+    Per request (arrays in arrival order, ties by ``request_id``): ``arrival``, ``first_token`` (end of the
     step that sampled its first token), ``finish``, ``prompt_len``, ``output_len``,
     ``hit_tokens`` (prompt tokens found in the prefix cache when first admitted),
     ``preemptions``. Per step: ``step_start``, ``step_end``, ``step_tokens``,
@@ -588,6 +590,11 @@ class _Run:
         anything could change that judgement: a request finishing (it frees blocks) or
         the allocator handing out a cached block (that could shrink a prefix hit).
         With nobody waiting, requests may finish inside the stretch.
+
+        First the stretch is *planned* step by step with a few counters (no request is
+        touched): who is active, how many blocks the step takes, how long it lasts.
+        Then :meth:`_apply_decode_steps` changes the requests, the allocator and the
+        prefix cache as those steps would have.
         """
         sched, bs, alloc = self.sched, self.block_size, self.sched.allocator
         running = list(sched.running)
@@ -598,129 +605,131 @@ class _Run:
         if waiting and not self._pure_decode(step):
             return clock
         for r in running:
-            if r.num_computed_tokens != r.num_tokens - 1:
-                return clock  # still prefilling
+            if r.num_computed_tokens != r.num_tokens - 1 or not r.output_token_ids:
+                return clock  # still prefilling (its last prompt token would give its first token)
             t = r.table  # a shared, partly filled tail would be copied on write: step normally
             if t.num_tokens % bs and alloc.ref_counts[t.block_ids[-1]] > 1:
                 return clock
-        computed = np.fromiter((r.num_computed_tokens for r in running), dtype=np.int64, count=b)
-        # Request j decodes in window steps 0 .. last[j]; it finishes in step last[j].
-        last = np.fromiter((r.max_new_tokens - len(r.output_token_ids) for r in running), dtype=np.int64,
-                           count=b) - 1
-        k = int(last.min()) if waiting else int(last.max()) + 1
+        # Request j computes position computed[j] + s in step s, and finishes in step last[j].
+        computed = [r.num_computed_tokens for r in running]
+        last = [r.max_new_tokens - len(r.output_token_ids) - 1 for r in running]
+        k_max = min(last) if waiting else max(last) + 1
+        if k_max < 1:
+            return clock
+        # Position p starts a new block when p % bs == 0: in step s that is every active
+        # request with computed % bs == -s % bs. Group the requests by that phase.
+        by_phase: list[list[int]] = [[] for _ in range(bs)]
+        for j, c in enumerate(computed):
+            by_phase[c % bs].append(j)
+        phase_count = [len(group) for group in by_phase]
+        gone_at: dict[int, list[int]] = {}  # step -> requests that finished in the step before
+        for j, end_step in enumerate(last):
+            gone_at.setdefault(end_step + 1, []).append(j)
+        free_limit = alloc.num_free if not waiting else None
+        uncached = _UncachedFreeBlocks(sched) if waiting else None
+        active, history = b, sum(computed)
+        taken, now = 0, clock
+        plan_start, plan_end, plan_active, plan_history, plan_taken = [], [], [], [], []
+        for s in range(k_max):
+            for j in gone_at.get(s, ()):
+                active -= 1
+                history -= computed[j]
+                phase_count[computed[j] % bs] -= 1
+            if now >= next_arrival:
+                break  # the request arriving by now is a candidate of this step: step normally
+            need = phase_count[-s % bs]
+            if free_limit is not None:
+                if taken + need > free_limit:
+                    break  # the scheduler would preempt
+            elif need and not uncached.at_least(taken + need):
+                break  # the allocator would evict a cached block while requests wait
+            taken += need
+            context = history + s * active
+            end = now + self.cost.time_from_sums(active, context, context + active)
+            plan_start.append(now)
+            plan_end.append(end)
+            plan_active.append(active)
+            plan_history.append(context)
+            plan_taken.append(taken)
+            now = end
+        k = len(plan_end)
         if k < 1:
             return clock
-        # Step i computes position computed + i, which needs a new block when it is a multiple of bs.
-        first_alloc = (-computed) % bs
-        alloc_steps = first_alloc[:, None] + bs * np.arange(-(-k // bs))[None, :]  # [b, blocks]
-        alloc_steps = np.where(alloc_steps <= last[:, None], alloc_steps, k)  # none after finishing
-        cum_blocks = np.cumsum(np.bincount(alloc_steps[alloc_steps < k], minlength=k))
-        free_limit = alloc.num_free  # finished requests' blocks are not counted on: a safe bound
-        if waiting and cum_blocks[-1]:
-            free_limit = self._uncached_free_blocks(int(min(cum_blocks[-1], free_limit)))
-        k = int(np.searchsorted(cum_blocks, free_limit, side="right"))
-        if k < 1:
-            return clock
-        # Who is active in step i, the history they read and the pairs they attend to.
-        i = np.arange(k)
-        done_before = np.zeros(k + 1, dtype=np.int64)
-        done_computed = np.zeros(k + 1, dtype=np.int64)
-        finishing = last < k
-        np.add.at(done_before, last[finishing] + 1, 1)
-        np.add.at(done_computed, last[finishing] + 1, computed[finishing])
-        active = b - np.cumsum(done_before)[:k]
-        context = computed.sum() - np.cumsum(done_computed)[:k] + i * active
-        durations = self.cost.times_from_sums(active, context, context + active)
-        # Summed one step at a time from the clock, exactly as stepping adds them.
-        ends = np.cumsum(np.concatenate(([clock], durations)))[1:]
-        starts = np.concatenate(([clock], ends[:-1]))
-        k = min(k, int(np.searchsorted(starts, next_arrival, side="left")))  # steps that start before it
-        if k < 1:
-            return clock
-        active, context, starts, ends = active[:k], context[:k], starts[:k], ends[:k]
-        used = alloc.num_used + cum_blocks[:k]
-        freed = self._apply_decode_steps(running, computed, last, alloc_steps, k, ends)
-        used = used - np.concatenate(([0], np.cumsum(freed)[:-1]))
-        self.steps.extend(start=starts, end=ends, tokens=active, running=active,
-                          waiting=np.full(k, len(sched.waiting)), used=used, live=context + active)
-        self.itl.extend(value=ends - starts, weight=active)
-        for j, r in enumerate(running):
-            self.last_token[self.index[id(r)]] = ends[min(k, int(last[j]) + 1) - 1]
+        used_before = alloc.num_used
+        freed = self._apply_decode_steps(running, computed, last, by_phase, k, plan_end)
+        starts, ends = np.array(plan_start), np.array(plan_end)
+        actives = np.array(plan_active)
+        self.steps.extend(start=starts, end=ends, tokens=actives, running=actives,
+                          waiting=np.full(k, len(sched.waiting)),
+                          used=used_before + np.array(plan_taken) - np.concatenate(([0], np.cumsum(freed)[:-1])),
+                          live=np.array(plan_history) + actives)
+        # Everyone's first interval runs from its own last token (a request the token budget
+        # left out of the previous step has waited longer); later ones are the step times.
+        where = [self.index[id(r)] for r in running]
+        self.itl.extend(value=plan_end[0] - self.last_token[where], weight=np.ones(b))
+        self.itl.extend(value=ends[1:] - starts[1:], weight=actives[1:])
+        for j, i in enumerate(where):
+            self.last_token[i] = plan_end[min(k, last[j] + 1) - 1]
         sched.num_steps += k
         self.skipped_steps += k
-        return float(ends[-1])
+        return plan_end[-1]
 
-    def _uncached_free_blocks(self, limit: int) -> int:
-        """How many blocks at the front of the free queue (the next to be handed out) hold no
-        cached prefix, looking at most ``limit`` deep."""
-        cache = self.sched.prefix_cache
-        count = 0
-        for block_id in islice(self.sched.allocator._free, limit):  # noqa: SLF001  (the LRU free queue)
-            if cache.is_cached(block_id):
-                break
-            count += 1
-        return count
-
-    def _apply_decode_steps(self, running: list[Request], computed: np.ndarray, last: np.ndarray,
-                            alloc_steps: np.ndarray, k: int, ends: np.ndarray) -> np.ndarray:
+    def _apply_decode_steps(self, running: list[Request], computed: list[int], last: list[int],
+                            by_phase: list[list[int]], k: int, ends: list[float]) -> list[int]:
         """Change the scheduler's state as ``k`` decode steps would, in the same order.
 
         In each step, stepping first allocates a block for every request crossing a
-        block boundary, in running order (``schedule``), then registers the blocks that
-        became full and finishes requests, in the same order (``postprocess``). Only
-        these events touch the allocator and the prefix cache; appending tokens inside
-        a block touches neither, so it is batched. Returns the blocks freed per step.
+        block boundary, in running order (``schedule``), then finishes requests in the
+        same order (``postprocess``). Only these events touch the allocator; appending
+        tokens inside a block touches nothing else, so it is batched. Stepping also
+        registers each block in the prefix cache the step it fills; here a request
+        registers its new full blocks once, before it finishes or when the stretch
+        ends. Nobody can tell the difference: the blocks stay held (never evicted)
+        until then, and their token ids are this request's own. Returns the blocks
+        freed in each step.
         """
         sched, bs, cache, alloc = self.sched, self.block_size, self.sched.prefix_cache, self.sched.allocator
-        steps_done = np.minimum(last + 1, k)  # tokens each request computes in the stretch
-        for j, r in enumerate(running):  # the tokens sampled in the stretch
-            i = self.index[id(r)]
-            start = len(r.output_token_ids)
-            first = _output_id(i, start)
-            r.output_token_ids.extend(range(first, first + int(steps_done[j])))
-        # Events (step, phase, order): phase 0 allocates in schedule; in postprocess
-        # phase 1 registers full blocks, then phase 2 finishes requests.
-        rows, cols = np.nonzero(alloc_steps < k)
-        ev = [(alloc_steps[rows, cols], np.zeros(len(rows), dtype=np.int64), rows)]
-        if sched.enable_prefix_caching:
-            first_full = (-(computed + 1)) % bs
-            full_steps = first_full[:, None] + bs * np.arange(-(-k // bs))[None, :]
-            rows_c, cols_c = np.nonzero((full_steps < k) & (full_steps <= last[:, None]))
-            ev.append((full_steps[rows_c, cols_c], np.ones(len(rows_c), dtype=np.int64), rows_c))
-        fin = np.nonzero(last < k)[0]
-        ev.append((last[fin], np.full(len(fin), 2, dtype=np.int64), fin))
-        step_, phase, order = (np.concatenate(parts) for parts in zip(*ev))
-        freed = np.zeros(k, dtype=np.int64)
+        commit = sched.enable_prefix_caching
         prompt_lens = [len(r.prompt_token_ids) for r in running]
-        final_tables = [None] * len(running)
-        sequence = np.lexsort((order, phase, step_))
-        computed_list = computed.tolist()
-        for j, s, ph in zip(order[sequence].tolist(), step_[sequence].tolist(), phase[sequence].tolist()):
-            r = running[j]
-            end = computed_list[j] + s + 1  # tokens in the table once step s computed its token
-            self._append_up_to(r, prompt_lens[j], end)
-            if ph == 1:
-                cache.commit(r.table, end)
-            elif ph == 2:
+        for j, r in enumerate(running):  # the tokens sampled in the stretch
+            first = _output_id(self.index[id(r)], len(r.output_token_ids))
+            r.output_token_ids.extend(range(first, first + min(k, last[j] + 1)))
+        finishing: dict[int, list[int]] = {}
+        for j, end_step in enumerate(last):
+            if end_step < k:
+                finishing.setdefault(end_step, []).append(j)
+        freed = [0] * k
+        final_tables: list[list[int] | None] = [None] * len(running)
+        for s in range(k):
+            for j in by_phase[-s % bs]:  # running order: the groups were filled in it
+                if s <= last[j]:
+                    self._append_up_to(running[j], prompt_lens[j], computed[j] + s + 1)
+            for j in finishing.get(s, ()):
+                r, end = running[j], computed[j] + s + 1
+                self._append_up_to(r, prompt_lens[j], end)
+                if commit and end // bs > r.table.num_committed_blocks:
+                    cache.commit(r.table, end)
                 r.num_computed_tokens = end
-                r.block_table = list(r.table.block_ids)
-                final_tables[j] = list(r.table.block_ids)
+                r.block_table = final_tables[j] = list(r.table.block_ids)
                 free_before = alloc.num_free
                 sched._finish(r)  # noqa: SLF001  (the scheduler's own finish: release, then bookkeeping)
                 freed[s] += alloc.num_free - free_before
                 self.finish[self.index[id(r)]] = ends[s]
         for j, r in enumerate(running):
             if last[j] >= k:
-                self._append_up_to(r, prompt_lens[j], int(computed[j]) + k)
-                r.num_computed_tokens = int(computed[j]) + k
-                r.block_table = list(r.table.block_ids)
-                final_tables[j] = r.block_table
-        if self.bar is not None and len(fin):
-            self.bar.update(len(fin))
+                end = computed[j] + k
+                self._append_up_to(r, prompt_lens[j], end)
+                if commit and end // bs > r.table.num_committed_blocks:
+                    cache.commit(r.table, end)
+                r.num_computed_tokens = end
+                r.block_table = final_tables[j] = list(r.table.block_ids)
+        done = sum(1 for end_step in last if end_step < k)
+        if self.bar is not None and done:
+            self.bar.update(done)
         if self.sim.record_schedule:
             for s in range(k):
-                self.schedule.append([(r.request_id, int(computed[j]) + s, 1,
-                                       tuple(final_tables[j][:blocks_needed(int(computed[j]) + s + 1, bs)]))
+                self.schedule.append([(r.request_id, computed[j] + s, 1,
+                                       tuple(final_tables[j][:blocks_needed(computed[j] + s + 1, bs)]))
                                       for j, r in enumerate(running) if s <= last[j]])
         return freed
 

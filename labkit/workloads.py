@@ -144,13 +144,14 @@ def poisson_arrivals(num_requests: int, arrival_rate: float, rng: np.random.Gene
 
 
 def make_workload(num_requests: int, arrival_rate: float, lengths: LengthProfile | str = SHAREGPT, *,
-                  shared_prefix_len: int = 0, prefix_share: float = 0.0, seed: int = 0,
+                  shared_prefix_len: int = 0, prefix_share: float = 0.0, num_prefixes: int = 1, seed: int = 0,
                   vocab_size: int = VOCAB_SIZE) -> list[RequestSpec]:
     """A seeded workload of ``num_requests`` Poisson arrivals.
 
     Each request's own prompt and output lengths come from ``lengths``. A share
-    ``prefix_share`` of the requests (chosen at random) put one common document
-    of ``shared_prefix_len`` tokens in front of their own prompt.
+    ``prefix_share`` of the requests (chosen at random) put a common document of
+    ``shared_prefix_len`` tokens in front of their own prompt: one of
+    ``num_prefixes`` different documents, picked at random.
     """
     if isinstance(lengths, str):
         if lengths not in PROFILES:
@@ -159,6 +160,7 @@ def make_workload(num_requests: int, arrival_rate: float, lengths: LengthProfile
     num_requests = _check_count("num_requests", num_requests, 0)
     arrival_rate = _check_positive("arrival_rate", arrival_rate)
     shared_prefix_len = _check_count("shared_prefix_len", shared_prefix_len, 0)
+    num_prefixes = _check_count("num_prefixes", num_prefixes, 1)
     vocab_size = _check_count("vocab_size", vocab_size, 2)
     if isinstance(prefix_share, bool) or not isinstance(prefix_share, (int, float)) or not 0 <= prefix_share <= 1:
         raise ValueError(f"prefix_share must be a number in [0, 1], got {prefix_share!r}")
@@ -166,14 +168,15 @@ def make_workload(num_requests: int, arrival_rate: float, lengths: LengthProfile
     arrivals = poisson_arrivals(num_requests, arrival_rate, rng)
     prompt_lens, output_lens = lengths.sample(num_requests, rng)
     shares = rng.random(num_requests) < prefix_share
-    document = rng.integers(1, vocab_size, size=shared_prefix_len).tolist()
+    documents = [rng.integers(1, vocab_size, size=shared_prefix_len).tolist() for _ in range(num_prefixes)]
+    which = rng.integers(0, num_prefixes, size=num_requests)
     # One draw for all private prompt tokens keeps generation fast for 10,000 requests.
     private = rng.integers(1, vocab_size, size=int(prompt_lens.sum())).tolist()
     requests, start = [], 0
     for i in range(num_requests):
         own = private[start:start + int(prompt_lens[i])]
         start += int(prompt_lens[i])
-        prefix = document if shares[i] else []
+        prefix = documents[which[i]] if shares[i] else []
         requests.append(RequestSpec(i, float(arrivals[i]), prefix + own, int(output_lens[i]), len(prefix)))
     return requests
 
@@ -198,10 +201,11 @@ SHORT = LengthProfile("distinct short requests", prompt_mean=48, output_mean=48,
 
 
 def long_document_questions(num_requests: int, arrival_rate: float, document_len: int = 4096,
-                            seed: int = 0) -> list[RequestSpec]:
-    """Many questions about one long document: every prompt starts with the same ``document_len`` tokens."""
+                            num_documents: int = 1, seed: int = 0) -> list[RequestSpec]:
+    """Many questions about a few long documents: every prompt starts with one of ``num_documents``
+    documents of ``document_len`` tokens, then a short question."""
     return make_workload(num_requests, arrival_rate, QUESTIONS, shared_prefix_len=document_len, prefix_share=1.0,
-                         seed=seed)
+                         num_prefixes=num_documents, seed=seed)
 
 
 def distinct_short_requests(num_requests: int, arrival_rate: float, seed: int = 0) -> list[RequestSpec]:

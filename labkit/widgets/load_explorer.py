@@ -1,0 +1,131 @@
+"""The load explorer of chapter 06: what traffic does to latency and to the cache.
+
+Four controls: the arrival rate (requests per second), the share of requests
+that start with a common 1,024-token document, the block size and the KV pool
+size. Each change serves a fresh, seeded ShareGPT-like workload with
+:class:`labkit.sim.Simulator` (teaching model, RTX-4090-class device, roofline
+cost model) and shows time to first token and inter-token interval percentiles,
+cache occupancy and prefix reuse, with occupancy over time.
+
+:func:`static_figure` draws TTFT p99 and mean occupancy against the arrival rate
+for a few settings: the picture for readers without a live kernel.
+"""
+
+from __future__ import annotations
+
+import ipywidgets as widgets
+import matplotlib.pyplot as plt
+from IPython.display import clear_output, display
+from matplotlib.figure import Figure
+
+from ..capacity import GiB, format_bytes
+from ..costmodel import CostModel
+from ..sim import SimResult, Simulator
+from ..workloads import SHAREGPT, make_workload
+
+DOCUMENT_LEN = 1024  # the common prefix of the "share with a common prefix" control
+NUM_REQUESTS = 150
+
+
+def explore(arrival_rate: float, prefix_share: float, block_size: int, pool_gib: float,
+            num_requests: int = NUM_REQUESTS, cost_model: CostModel | None = None, seed: int = 0) -> SimResult:
+    """Serve one seeded workload with these settings (what the explorer runs on every change)."""
+    requests = make_workload(num_requests, arrival_rate, SHAREGPT, shared_prefix_len=DOCUMENT_LEN,
+                             prefix_share=prefix_share, seed=seed)
+    sim = Simulator(cost_model or CostModel("teaching model", "RTX 4090 (24 GiB)"), pool_bytes=pool_gib * GiB,
+                    block_size=block_size, max_num_batched_tokens=2048)
+    return sim.run(requests)
+
+
+def readout(result: SimResult) -> str:
+    """The numbers the explorer prints, as an HTML table."""
+    ttft, itl = result.ttft_percentiles(), result.itl_percentiles()
+    rows = [
+        ("time to first token p50 / p90 / p99", " / ".join(f"{ttft[k] * 1e3:,.0f}" for k in ttft) + " ms"),
+        ("inter-token interval p50 / p90 / p99", " / ".join(f"{itl[k] * 1e3:,.1f}" for k in itl) + " ms"),
+        ("mean cache occupancy", f"{result.mean_occupancy:.1%} of {result.num_blocks:,} blocks"),
+        ("prompt tokens from the prefix cache", f"{result.reuse_ratio:.1%} (reusable: {result.reusable_ratio:.1%})"),
+        ("throughput", f"{result.output_tokens_per_s:,.0f} tokens/s"),
+        ("preemptions", f"{int(result.preemptions.sum())}"),
+    ]
+    cells = "".join(f"<tr><td>{k}</td><td class='load-{i}'><b>{v}</b></td></tr>" for i, (k, v) in enumerate(rows))
+    return f"<table class='load-readout'>{cells}</table>"
+
+
+def plot_occupancy(result: SimResult, ax=None):
+    """Blocks held over simulated time, as a share of the pool."""
+    ax = ax or plt.gca()
+    ax.step(result.step_start, result.used_blocks / result.num_blocks, where="post")
+    ax.set_xlabel("simulated time (s)")
+    ax.set_ylabel("pool occupancy")
+    ax.set_ylim(0, 1.05)
+    return ax
+
+
+def load_explorer(cost_model: CostModel | None = None) -> widgets.Widget:
+    """The interactive explorer (ipywidgets). Each change runs a short simulation (about a second)."""
+    style = {"description_width": "190px"}
+    layout = widgets.Layout(width="480px")
+    rate = widgets.FloatSlider(value=4.0, min=0.5, max=20.0, step=0.5, description="arrival rate (req/s)",
+                               style=style, layout=layout, continuous_update=False)
+    share = widgets.FloatSlider(value=0.0, min=0.0, max=1.0, step=0.1, description="share with common prefix",
+                                style=style, layout=layout, continuous_update=False)
+    block = widgets.Dropdown(options=[8, 16, 32, 64, 128], value=16, description="block size (tokens)",
+                             style=style, layout=layout)
+    pool = widgets.FloatSlider(value=2.0, min=0.5, max=7.0, step=0.5, description="KV pool (GiB)",
+                               style=style, layout=layout, continuous_update=False)
+    table = widgets.HTML()
+    figure = widgets.Output()
+
+    def update(*_):
+        try:
+            result = explore(rate.value, share.value, block.value, pool.value, cost_model=cost_model)
+        except ValueError as error:  # e.g. a request longer than the whole pool
+            table.value = f"<p class='load-error'>{error}</p>"
+            return
+        table.value = readout(result)
+        with figure:
+            clear_output(wait=True)
+            fig, ax = plt.subplots(figsize=(7, 2.8))
+            plot_occupancy(result, ax)
+            ax.set_title(f"{rate.value:g} req/s, pool {format_bytes(pool.value * GiB)}, "
+                         f"{block.value}-token blocks")
+            fig.tight_layout()
+            display(fig)
+            plt.close(fig)
+
+    for control in (rate, share, block, pool):
+        control.observe(update, names="value")
+    update()
+    return widgets.VBox([rate, share, block, pool, table, figure])
+
+
+def static_figure(rates=(1, 2, 4, 6, 8), settings=((0.0, 2.0), (0.8, 2.0), (0.0, 0.5)),
+                  cost_model: CostModel | None = None, num_requests: int = 100, progress=None) -> Figure:
+    """TTFT p99 and mean occupancy against the arrival rate, for (prefix share, pool GiB) settings."""
+    fig, (left, right) = plt.subplots(1, 2, figsize=(9, 3.5))
+    for share, pool_gib in settings:
+        ttft, occupancy = [], []
+        for r in rates:
+            result = explore(r, share, 16, pool_gib, num_requests=num_requests, cost_model=cost_model)
+            ttft.append(result.ttft_percentiles()["p99"] * 1e3)
+            occupancy.append(result.mean_occupancy)
+            if progress is not None:
+                progress.update(1)
+        label = f"prefix share {share:.0%}, pool {format_bytes(pool_gib * GiB)}"
+        left.plot(rates, ttft, marker="o", label=label)
+        right.plot(rates, occupancy, marker="o", label=label)
+    left.set_yscale("log")
+    left.set_xlabel("arrival rate (requests/s)")
+    left.set_ylabel("TTFT p99 (ms)")
+    left.set_title("Queueing sets in where the pool fills")
+    right.set_xlabel("arrival rate (requests/s)")
+    right.set_ylabel("mean pool occupancy")
+    right.set_ylim(0, 1.05)
+    right.set_title("The pool fills with the rate, the small one first")
+    right.legend(fontsize=8)
+    fig.tight_layout()
+    return fig
+
+
+__all__ = ["explore", "readout", "plot_occupancy", "load_explorer", "static_figure"]
