@@ -84,9 +84,11 @@ for n in (131_072, 2 * 2**20, 1.375 * 2**20, 0.5 * 2**30, 1.75 * 2**30):
 import ipywidgets as widgets
 from IPython.display import display
 
+from labkit.capacity import bytes_per_token
+
 
 def per_token(kv_heads: int) -> str:
-    return labkit.format_bytes(2 * 32 * kv_heads * 128 * 2)
+    return labkit.format_bytes(bytes_per_token(num_layers=32, num_kv_heads=kv_heads, head_dim=128, dtype_bytes=2))
 
 
 slider = widgets.IntSlider(value=8, min=1, max=32, description="KV heads")
@@ -99,7 +101,7 @@ import matplotlib.pyplot as plt
 
 heads = list(range(1, 33))
 fig, ax = plt.subplots(figsize=(7, 3))
-ax.plot(heads, [2 * 32 * h * 128 * 2 / 1024 for h in heads], marker=".")
+ax.plot(heads, [bytes_per_token(32, h, 128, 2) / 1024 for h in heads], marker=".")
 ax.set(xlabel="KV heads", ylabel="KiB per token", title="Bytes per token grow linearly with KV heads")
 plt.show()
 

@@ -512,8 +512,9 @@ else:
 # ## 7. The decoder on the paged cache
 #
 # `labkit.paging.PagedKVCache` implements chapter 01's cache protocol, `attend(layer_idx, q, k,
-# v)`, with these kernels: per layer one K pool and one V pool, a block table per sequence,
-# `write_kv` for the new tokens, then prefill or decode attention. `generate_paged` prefills
+# v)`, with these kernels: per layer one K pool and one V pool (`KVPool`, which chapters 04 and
+# 05 reuse), a block table per sequence, `write_kv` for the new tokens, then prefill or decode
+# attention. `generate_paged` prefills
 # several prompts of different lengths on one pool and then decodes them together as one batch.
 # The tokens must be those of chapter 01's contiguous cache.
 

@@ -225,6 +225,10 @@ class CostModel:
             raise ValueError(f"overhead_s must be a number of seconds >= 0, got {overhead_s!r}")
         self.overhead_s = float(overhead_s)
         self.kv_bytes_per_token = self.model.shape.bytes_per_token()
+        # Computed once: a simulation asks for step times hundreds of thousands of times.
+        self.weight_bytes = self.model.weight_bytes
+        self.flops_per_token = self.model.flops_per_token
+        self.attention_flops_per_pair = self.model.attention_flops_per_pair
 
     def __repr__(self) -> str:
         return (f"CostModel({self.model.shape.name!r} on {self.device.name!r}, "
@@ -235,8 +239,8 @@ class CostModel:
         """Step time from Σ new_tokens, Σ context_len and Σ attention pairs over the scheduled sequences."""
         if num_new_tokens == 0:
             return 0.0
-        moved = self.model.weight_bytes + (num_context_tokens + num_new_tokens) * self.kv_bytes_per_token
-        flops = self.model.flops_per_token * num_new_tokens + self.model.attention_flops_per_pair * num_pairs
+        moved = self.weight_bytes + (num_context_tokens + num_new_tokens) * self.kv_bytes_per_token
+        flops = self.flops_per_token * num_new_tokens + self.attention_flops_per_pair * num_pairs
         return max(moved / self.device.memory_bandwidth, flops / self.device.peak_flops) + self.overhead_s
 
     def times_from_sums(self, num_new_tokens: int, num_context_tokens: np.ndarray, num_pairs: np.ndarray) -> np.ndarray:

@@ -23,7 +23,7 @@ from __future__ import annotations
 
 from collections import OrderedDict
 from dataclasses import dataclass
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Iterator
 
 import torch
 
@@ -70,9 +70,12 @@ class BlockAllocator:
     def num_used(self) -> int:
         return self.num_blocks - len(self._free)
 
-    def free_block_ids(self) -> list[int]:
-        """The free blocks in the order ``allocate`` will hand them out (least recently freed first)."""
-        return list(self._free)
+    def free_block_ids(self) -> Iterator[int]:
+        """The free blocks, lazily, in the order ``allocate`` hands them out (least recently freed first).
+
+        Read it before allocating or freeing again: the queue must not change during the walk.
+        """
+        return iter(self._free)
 
     def is_free(self, block_id: int) -> bool:
         self._check_id(block_id)
@@ -142,7 +145,7 @@ class BlockTable:
     def new_blocks_for(self, n: int) -> int:
         """How many blocks appending ``n`` tokens would allocate."""
         _check_int("n", n, 0)
-        return blocks_needed(self.num_tokens + n, self.block_size) - len(self.block_ids)
+        return -(-(self.num_tokens + n) // self.block_size) - len(self.block_ids)  # ceil, as blocks_needed
 
     def append(self, n: int, allocator: BlockAllocator) -> list[int]:
         """Make room for ``n`` more tokens; return their slots (the slot mapping).

@@ -526,10 +526,7 @@ class PrefixCache:
 
 def _free_queue(allocator: BlockAllocator) -> Iterable[int]:
     """The allocator's free blocks, least recently freed first (its eviction order)."""
-    queue = getattr(allocator, "free_block_ids", None)
-    if callable(queue):
-        return list(queue())
-    return list(allocator._free)  # noqa: SLF001  (paging keeps the LRU queue private)
+    return list(allocator.free_block_ids())
 
 
 def _check_block_size(block_size: object) -> None:
@@ -553,9 +550,10 @@ def _check_token_ids(token_ids: object, min_len: int = 0) -> tuple[int, ...]:
         raise ValueError(f"token_ids must be a list or tuple of integers >= 0, got {type(token_ids).__name__} "
                          "(convert a tensor with .tolist())")
     tokens = tuple(token_ids)
-    for t in tokens:
-        if not isinstance(t, int) or isinstance(t, bool) or t < 0:
-            raise ValueError(f"token_ids must hold integers >= 0, found {t!r}")
+    # `type(t) is int` also refuses bool (a subclass of int); one pass, then min() for the sign.
+    if not all(type(t) is int for t in tokens) or (tokens and min(tokens) < 0):
+        bad = next(t for t in tokens if type(t) is not int or t < 0)
+        raise ValueError(f"token_ids must hold integers >= 0, found {bad!r}")
     if len(tokens) < min_len:
         raise ValueError(f"token_ids must hold at least {min_len} token(s), got {len(tokens)}")
     return tokens

@@ -340,6 +340,7 @@ class Scheduler:
         self._chunks: list[ScheduledChunk] = []   # filled by _reserve during one schedule()
         self._copies: list[tuple[int, int]] = []
         self._decisions: list[Decision] = []      # filled by _candidates during one schedule()
+        self._budget_left = max_num_batched_tokens
 
     # ------------------------------------------------------------------ requests
     @property
@@ -402,6 +403,7 @@ class Scheduler:
         """Plan the next step: preempt if the running requests cannot grow, then the budget pass."""
         self.num_steps += 1
         self._chunks, self._copies, self._decisions = [], [], []
+        self._budget_left = self.max_num_batched_tokens  # what plan_iteration's token budget is down to
         preempted = self._preempt_until_running_fit()
         if self.priority is not None:
             self.waiting = deque(sorted(self.waiting, key=self.priority))
@@ -455,7 +457,7 @@ class Scheduler:
             request = chunk.request
             request.output_token_ids.append(token)
             if len(request.output_token_ids) >= request.max_new_tokens or token == request.eos_token_id:
-                self._finish(request)
+                self.finish(request)
                 finished.append(request)
         step.stats.finished = len(finished)
         return finished
@@ -480,7 +482,7 @@ class Scheduler:
 
     def _record_turn(self, request: Request, waiting: bool) -> None:
         """Note what ``plan_iteration`` is about to see for ``request`` (for ``Step.decisions``)."""
-        budget = self.max_num_batched_tokens - sum(c.num_tokens for c in self._chunks)
+        budget = self._budget_left
         free = self.allocator.num_free
         tokens = min(request.next_chunk, budget)
         needed = extra_blocks(request, tokens, self.block_size)
@@ -529,6 +531,7 @@ class Scheduler:
             self._copies.extend(result.copies)
         assert free_before - self.allocator.num_free == needed, "extra_blocks disagrees with the allocation"
         request.num_computed_tokens = start + tokens
+        self._budget_left -= tokens
         request.block_table = list(request.table.block_ids)
         request.revived_blocks, request.shared_tail = 0, False
         self._chunks.append(ScheduledChunk(request, chunk_ids, start, slot_mapping, list(request.block_table),
@@ -572,7 +575,8 @@ class Scheduler:
         request.num_preemptions += 1
         self.waiting.appendleft(request)
 
-    def _finish(self, request: Request) -> None:
+    def finish(self, request: Request) -> None:
+        """A running request is done: release its blocks (cached full blocks stay) and move it to finished."""
         self._release(request)
         request.status = RequestStatus.FINISHED
         self.running.remove(request)

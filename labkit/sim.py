@@ -33,7 +33,6 @@ from __future__ import annotations
 
 import math
 from dataclasses import dataclass, field
-from itertools import islice
 from typing import Sequence
 
 import numpy as np
@@ -459,6 +458,26 @@ class _Columns:
         return np.concatenate(parts).astype(dtype) if parts else np.zeros(0, dtype=dtype)
 
 
+class _UncachedFreeBlocks:
+    """How many blocks at the front of the allocator's free queue (the next ones it hands
+    out) hold no cached prefix, counted lazily up to the first one that does."""
+
+    def __init__(self, sched: Scheduler):
+        self._queue = sched.allocator.free_block_ids()  # the LRU free queue, read lazily
+        self._cache = sched.prefix_cache
+        self._count = 0
+        self._blocked = False
+
+    def at_least(self, n: int) -> bool:
+        while self._count < n and not self._blocked:
+            block_id = next(self._queue, None)
+            if block_id is None or self._cache.is_cached(block_id):
+                self._blocked = True
+            else:
+                self._count += 1
+        return self._count >= n
+
+
 class _Run:
     """One simulated run: the event loop, the records, and the skip-ahead."""
 
@@ -482,14 +501,16 @@ class _Run:
             self.sched.check_fits(request)
             self.index[id(request)] = i
             self.requests.append(request)
-        self.first_token = np.full(n, np.nan)
-        self.finish = np.full(n, np.nan)
-        self.last_token = np.zeros(n)
+        # Plain lists while running (cheaper than numpy scalars one at a time); arrays at the end.
+        self.first_token: list[float | None] = [None] * n
+        self.finish: list[float | None] = [None] * n
+        self.last_token: list[float] = [0.0] * n
         self.hit_tokens = np.zeros(n, dtype=np.int64)
         self.admitted = np.zeros(n, dtype=bool)
         self.queued_at_step = np.zeros(n, dtype=np.int64)
         self.steps = _Columns("start", "end", "tokens", "running", "waiting", "used", "live")
         self.itl = _Columns("value", "weight")
+        self.itl_single: list[float] = []  # intervals of real steps, one token each
         self.schedule: list = []
         self.skipped_steps = 0
         self._first_tokens_this_step = 0
@@ -548,11 +569,11 @@ class _Run:
                 self.hit_tokens[i] = c.num_cached_tokens
             if c.samples:
                 sampled.append(_output_id(i, len(r.output_token_ids)))
-                if self.first_token[i] != self.first_token[i]:  # NaN: no token yet
+                if self.first_token[i] is None:
                     self.first_token[i] = end
                     self._first_tokens_this_step += 1
                 else:
-                    self.itl.add(value=end - self.last_token[i], weight=1)
+                    self.itl_single.append(end - self.last_token[i])
                 self.last_token[i] = end
         if self.sim.record_schedule:
             self.schedule.append([(c.request.request_id, c.start, c.num_tokens, tuple(c.block_table))
@@ -665,11 +686,12 @@ class _Run:
                           live=np.array(plan_history) + actives)
         # Everyone's first interval runs from its own last token (a request the token budget
         # left out of the previous step has waited longer); later ones are the step times.
-        where = [self.index[id(r)] for r in running]
-        self.itl.extend(value=plan_end[0] - self.last_token[where], weight=np.ones(b))
+        last_token, first_end = self.last_token, plan_end[0]
+        for j, r in enumerate(running):
+            i = self.index[id(r)]
+            self.itl_single.append(first_end - last_token[i])
+            last_token[i] = plan_end[min(k, last[j] + 1) - 1]
         self.itl.extend(value=ends[1:] - starts[1:], weight=actives[1:])
-        for j, i in enumerate(where):
-            self.last_token[i] = plan_end[min(k, last[j] + 1) - 1]
         sched.num_steps += k
         self.skipped_steps += k
         return plan_end[-1]
@@ -712,7 +734,7 @@ class _Run:
                 r.num_computed_tokens = end
                 r.block_table = final_tables[j] = list(r.table.block_ids)
                 free_before = alloc.num_free
-                sched._finish(r)  # noqa: SLF001  (the scheduler's own finish: release, then bookkeeping)
+                sched.finish(r)  # the scheduler's own finish: release, then bookkeeping
                 freed[s] += alloc.num_free - free_before
                 self.finish[self.index[id(r)]] = ends[s]
         for j, r in enumerate(running):
@@ -766,13 +788,15 @@ class _Run:
         return SimResult(
             num_blocks=self.sim.num_blocks, block_size=self.sim.block_size,
             arrival=np.array([sp.arrival_time for sp in self.specs]),
-            first_token=self.first_token, finish=self.finish, prompt_len=prompt_len, output_len=output_len,
+            first_token=np.array(self.first_token, dtype=np.float64), finish=np.array(self.finish, dtype=np.float64),
+            prompt_len=prompt_len, output_len=output_len,
             hit_tokens=self.hit_tokens, shared_prefix_len=np.array([sp.prefix_len for sp in self.specs]),
             preemptions=np.array([r.num_preemptions for r in self.requests]),
             step_start=steps.array("start"), step_end=steps.array("end"), step_tokens=step_tokens,
             num_running=steps.array("running", np.int64), num_waiting=steps.array("waiting", np.int64),
             used_blocks=steps.array("used", np.int64), live_tokens=steps.array("live", np.int64),
-            itl=self.itl.array("value"), itl_weight=self.itl.array("weight"),
+            itl=np.concatenate((np.array(self.itl_single), self.itl.array("value"))),
+            itl_weight=np.concatenate((np.ones(len(self.itl_single)), self.itl.array("weight"))),
             recomputed_tokens=int(step_tokens.sum()) - useful, schedule=self.schedule,
             skipped_steps=self.skipped_steps, queued_at_step=self.queued_at_step, scheduler=self.sched,
         )

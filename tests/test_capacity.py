@@ -334,8 +334,10 @@ def test_capacity_refuses_bad_memory_sizes():
 def test_model_shape_refuses_bad_fields():
     with pytest.raises(ValueError, match="head_dim must be an integer >= 1"):
         ModelShape("x", 2, 2, 0)
-    with pytest.raises(ValueError, match=r"sliding_layers must hold layer indices in \[0, 1\]"):
+    with pytest.raises(ValueError, match=r"sliding_layers must hold distinct layer indices in \[0, 1\]"):
         ModelShape("x", 2, 2, 8, sliding_window=4, sliding_layers=(2,))
+    with pytest.raises(ValueError, match=r"distinct layer indices in \[0, 1\], got \[1, 1\]"):
+        ModelShape("x", 2, 2, 8, sliding_window=4, sliding_layers=(1, 1))
     with pytest.raises(ValueError, match="sliding_layers needs a sliding_window"):
         ModelShape("x", 2, 2, 8, sliding_layers=(0,))
     with pytest.raises(ValueError, match="block_size must be an integer >= 1"):

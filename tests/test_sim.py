@@ -9,11 +9,11 @@ references (the cost model's sums, percentiles, Fig. 2's shares by brute force).
 from __future__ import annotations
 
 import math
+import os
 import random
 
 import numpy as np
 import pytest
-import torch
 
 import labkit  # noqa: F401
 from labkit.capacity import GiB, TEACHING_MODEL, ModelShape
@@ -213,6 +213,9 @@ def test_weighted_percentile_equals_repeating_values():
 
 # --------------------------------------------------------------------------- the simulator
 
+# More random systems for the skip-ahead check: SIM_RANDOM_SEEDS=600 pytest tests/test_sim.py -k random
+RANDOM_SEEDS = int(os.environ.get("SIM_RANDOM_SEEDS", "24"))
+
 SMALL = DecoderConfig(vocab_size=97, hidden_size=32, intermediate_size=64, num_hidden_layers=2,
                       num_attention_heads=4, num_key_value_heads=2)
 
@@ -237,7 +240,8 @@ def model() -> Decoder:
 
 
 @pytest.mark.parametrize("seed, num_blocks, budget, spread", [(0, 16, 32, 0.01), (1, 12, 16, 0.003),
-                                                              (2, 40, 64, 0.05), (3, 9, 8, 0.0)])
+                                                              (2, 40, 64, 0.05), (3, 9, 8, 0.0),
+                                                              (4, 10, 3, 0.02), (5, 30, 1, 0.001)])
 def test_simulator_and_engine_make_the_same_schedule(model, seed, num_blocks, budget, spread):
     """Chapter 05's engine (a real model, real K/V) and the simulator (synthetic tokens)
     plan the same steps: the same requests, token counts and block tables at every step."""
@@ -300,10 +304,10 @@ WORKLOADS = {
                                      dict(num_blocks=400, max_num_batched_tokens=256)),
     "mixed, small blocks, no caching": (lambda: make_workload(50, 20.0, ALPACA, shared_prefix_len=40,
                                                               prefix_share=0.5, seed=4),
-                                        dict(num_blocks=60, block_size=4, enable_prefix_caching=False)),
+                                        dict(num_blocks=120, block_size=4, enable_prefix_caching=False)),
     "mixed, eviction pressure": (lambda: make_workload(50, 15.0, ALPACA, shared_prefix_len=64,
                                                        prefix_share=0.6, seed=5),
-                                 dict(num_blocks=25, block_size=8, max_num_batched_tokens=128)),
+                                 dict(num_blocks=60, block_size=8, max_num_batched_tokens=128)),
 }
 
 
@@ -364,3 +368,38 @@ def test_simulator_bad_input():
         Simulator(num_blocks=10, block_size=0)
     with pytest.raises(ValueError, match="cost_model"):
         Simulator("teaching model", num_blocks=10)
+
+
+@pytest.mark.parametrize("seed", range(RANDOM_SEEDS))
+def test_skip_ahead_on_random_small_systems(seed):
+    """Random pools, block sizes, budgets, arrival spreads and prefix sharing: always identical."""
+    rng = random.Random(seed)
+    bs = rng.choice([2, 3, 4, 8])
+    specs = tiny_workload(seed, rng.randrange(3, 14), shared=rng.choice([0, 5, 12]), max_prompt=rng.randrange(2, 30),
+                          max_output=rng.randrange(2, 40), spread=rng.choice([0.0, 0.002, 0.02, 0.2]))
+    need = max(-(-(s.prompt_len + s.output_len) // bs) for s in specs)
+    settings = dict(num_blocks=need + rng.randrange(0, 3 * need), block_size=bs,
+                    max_num_batched_tokens=rng.choice([1, 3, 8, 32, 256]),
+                    enable_prefix_caching=rng.random() < 0.8)
+    cost = CostModel("teaching model", rng.choice(sorted(DEVICES)), overhead_s=rng.choice([0.0, 1e-3]))
+    stepped = Simulator(cost, skip_ahead=False, record_schedule=True, **settings).run(specs)
+    skipped = Simulator(cost, skip_ahead=True, record_schedule=True, **settings).run(specs)
+    assert_same_run(stepped, skipped)
+    assert skipped.scheduler.allocator.num_free == settings["num_blocks"]
+
+
+def test_load_explorer_updates_with_its_controls():
+    import matplotlib
+    matplotlib.use("Agg")
+    from labkit.widgets.load_explorer import explore, load_explorer, readout
+
+    box = load_explorer()
+    rate, share, block, pool, table = box.children[:5]
+    assert table.value == readout(explore(rate.value, share.value, block.value, pool.value))
+    share.value = 0.5
+    rate.value = 6.0
+    expected = readout(explore(6.0, 0.5, block.value, pool.value))
+    assert table.value == expected and "load-readout" in expected
+    pool.value = 3.0
+    block.value = 128
+    assert table.value == readout(explore(6.0, 0.5, 128, 3.0))

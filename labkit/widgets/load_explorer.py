@@ -1,7 +1,7 @@
 """The load explorer of chapter 06: what traffic does to latency and to the cache.
 
 Four controls: the arrival rate (requests per second), the share of requests
-that start with a common 1,024-token document, the block size and the KV pool
+that start with a common 512-token document, the block size and the KV pool
 size. Each change serves a fresh, seeded ShareGPT-like workload with
 :class:`labkit.sim.Simulator` (teaching model, RTX-4090-class device, roofline
 cost model) and shows time to first token and inter-token interval percentiles,
@@ -23,8 +23,8 @@ from ..costmodel import CostModel
 from ..sim import SimResult, Simulator
 from ..workloads import SHAREGPT, make_workload
 
-DOCUMENT_LEN = 1024  # the common prefix of the "share with a common prefix" control
-NUM_REQUESTS = 150
+DOCUMENT_LEN = 512  # the common prefix of the "share with a common prefix" control
+NUM_REQUESTS = 100
 
 
 def explore(arrival_rate: float, prefix_share: float, block_size: int, pool_gib: float,
@@ -63,16 +63,17 @@ def plot_occupancy(result: SimResult, ax=None):
 
 
 def load_explorer(cost_model: CostModel | None = None) -> widgets.Widget:
-    """The interactive explorer (ipywidgets). Each change runs a short simulation (about a second)."""
+    """The interactive explorer (ipywidgets). Each change runs a short simulation: under a second
+    when the pool is roomy, several seconds when it is overloaded and requests are preempted."""
     style = {"description_width": "190px"}
     layout = widgets.Layout(width="480px")
-    rate = widgets.FloatSlider(value=4.0, min=0.5, max=20.0, step=0.5, description="arrival rate (req/s)",
+    rate = widgets.FloatSlider(value=4.0, min=0.5, max=12.0, step=0.5, description="arrival rate (req/s)",
                                style=style, layout=layout, continuous_update=False)
     share = widgets.FloatSlider(value=0.0, min=0.0, max=1.0, step=0.1, description="share with common prefix",
                                 style=style, layout=layout, continuous_update=False)
     block = widgets.Dropdown(options=[8, 16, 32, 64, 128], value=16, description="block size (tokens)",
                              style=style, layout=layout)
-    pool = widgets.FloatSlider(value=2.0, min=0.5, max=7.0, step=0.5, description="KV pool (GiB)",
+    pool = widgets.FloatSlider(value=2.0, min=1.0, max=7.0, step=0.5, description="KV pool (GiB)",
                                style=style, layout=layout, continuous_update=False)
     table = widgets.HTML()
     figure = widgets.Output()
