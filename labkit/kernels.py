@@ -33,6 +33,7 @@ attention computes: no element is compressed and no position is skipped.
 from __future__ import annotations
 
 import math
+import warnings
 
 import torch
 
@@ -148,6 +149,19 @@ def fallback_reason(dtype: torch.dtype, device: torch.device | str) -> str | Non
     if RUNTIME.triton_mode == "compiled" and device.type != "cuda":
         return f"compiled Triton kernels need CUDA tensors, these are on {device}"
     return None
+
+
+_warned: set[str] = set()
+
+
+def _use_reference(dtype: torch.dtype, device: torch.device | str) -> bool:
+    """True when the reference must run instead of Triton; says why, once per reason."""
+    reason = fallback_reason(dtype, device)
+    if reason is not None and reason not in _warned:
+        _warned.add(reason)
+        warnings.warn(f"labkit.kernels runs its PyTorch reference instead of Triton: {reason}",
+                      RuntimeWarning, stacklevel=3)
+    return reason is not None
 
 
 def _interpreted() -> bool:
@@ -616,7 +630,7 @@ def write_kv(k: torch.Tensor, v: torch.Tensor, k_cache: torch.Tensor, v_cache: t
         kept = slot_mapping[slot_mapping >= 0]
         if kept.unique().numel() != kept.numel():
             raise ValueError("slot_mapping must not send two tokens to the same slot")
-    if fallback_reason(k.dtype, k.device) is not None:
+    if _use_reference(k.dtype, k.device):
         write_kv_ref(k, v, k_cache, v_cache, slot_mapping)
         return
     _write_kv_triton(k, v, k_cache, v_cache, slot_mapping)
@@ -647,7 +661,7 @@ def paged_decode_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torc
         return torch.empty_like(q) if out is None else out
     if q.stride(-1) != 1:
         q = q.contiguous()
-    if fallback_reason(q.dtype, q.device) is not None:
+    if _use_reference(q.dtype, q.device):
         result = paged_decode_attention_ref(q, k_cache, v_cache, block_tables, seq_lens, scale)
         return result if out is None else out.copy_(result)
     max_len = int(seq_lens.max())
@@ -700,7 +714,7 @@ def paged_prefill_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: tor
         q = q.contiguous()
     if num_seqs == 0 or q.shape[0] == 0:
         return torch.empty_like(q) if out is None else out
-    if fallback_reason(q.dtype, q.device) is not None:
+    if _use_reference(q.dtype, q.device):
         result = paged_prefill_attention_ref(q, k_cache, v_cache, block_tables, seq_lens, cu_seqlens_q, scale)
         return result if out is None else out.copy_(result)
     return _prefill_triton(q, k_cache, v_cache, block_tables, seq_lens, cu_seqlens_q, scale,

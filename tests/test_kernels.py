@@ -275,7 +275,9 @@ def test_fallback_runs_the_reference(monkeypatch):
     gen = torch.Generator().manual_seed(2)
     k_cache, v_cache, block_tables, seq_lens = make_pool([3, 9], 1, 64, 8, torch.float32, gen)
     q = torch.randn(2, 2, 64, generator=gen)
-    out = kernels.paged_decode_attention(q, k_cache, v_cache, block_tables, seq_lens)
+    monkeypatch.setattr(kernels, "_warned", set())
+    with pytest.warns(RuntimeWarning, match="reference instead of Triton: .*testing the fallback"):
+        out = kernels.paged_decode_attention(q, k_cache, v_cache, block_tables, seq_lens)
     assert torch.equal(out, kernels.paged_decode_attention_ref(q, k_cache, v_cache, block_tables, seq_lens))
     cu = torch.tensor([0, 1, 2], dtype=torch.int32)
     out = kernels.paged_prefill_attention(q, k_cache, v_cache, block_tables, seq_lens, cu)
