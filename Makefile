@@ -20,7 +20,10 @@ $(STAMP): pyproject.toml requirements/lock.txt
 	$(PIP) install -q "$(TORCH)"
 	@if [ "$$(uname)" = Linux ] && ! $(PY) -c "import torch, sys; sys.exit(0 if torch.version.cuda else 1)"; then \
 		$(PIP) install -q "$(TRITON)"; fi
-	$(PIP) install -q -c requirements/lock.txt -e ".[lab,test]"
+	@# The rest under the lock's pins, less torch and triton: those are already in place, and a
+	@# CUDA torch's own triton pin must win over ours.
+	grep -vE '^(torch|triton)==' requirements/lock.txt > $(VENV)/constraints.txt
+	$(PIP) install -q -c $(VENV)/constraints.txt -e ".[lab,test]"
 	touch $(STAMP)
 
 lab: setup

@@ -40,8 +40,8 @@
 # - **Widgets** (sliders and menus) need a live kernel. Each widget has a static figure beside it,
 #   so a reader of a rendered page sees the same story.
 # - Without a GPU, the Triton kernels of chapters 03 to 05 run in Triton's *interpreter*, which
-#   executes the kernel body on the CPU. It is exact but slow, so the chapters pick small shapes
-#   there and larger ones on a GPU.
+#   executes the kernel body on the CPU. It is slow, so the chapters pick small shapes there and
+#   larger ones on a GPU.
 
 # %% [markdown]
 # ## Your environment
@@ -70,8 +70,12 @@ print(f"kernels: {labkit.RUNTIME.triton_mode}; tensors live on: {labkit.DEVICE}"
 # (1 KiB = 1,024 bytes, 1 GiB = 1,024 MiB), printed by `labkit.format_bytes`:
 
 # %%
-for n in (131_072, 2 * 2**20, 1.375 * 2**20, 0.5 * 2**30, 1.75 * 2**30):
+# NBVAL_CHECK_OUTPUT
+for n in (131_072, 2 * 2**20, 11 * 131_072, 2**30, 1.75 * 2**30):
     print(f"{int(n):>13,} bytes = {labkit.format_bytes(n)}")
+# Half a gibibyte is 512 MiB; the book writes sizes in a common unit when it compares them:
+print(f"{2**29:>13,} bytes = {labkit.format_bytes(2**29)} = {labkit.format_bytes(2**29, unit='GiB')}")
+assert labkit.format_bytes(11 * 131_072) == "1.375 MiB" and labkit.format_bytes(2**29, unit="GiB") == "0.5 GiB"
 
 # %% [markdown]
 # ## A widget, and its static twin
@@ -106,6 +110,13 @@ ax.set(xlabel="KV heads", ylabel="KiB per token", title="Bytes per token grow li
 plt.show()
 
 # %% [markdown]
+# ## Summary
+#
+# - The book is six chapters, each a notebook built on `labkit`.
+# - `import labkit` picks the device and, without a GPU, runs Triton kernels in the interpreter.
+# - Exercises have checkers; worked answers live in `solutions/`.
+
+# %% [markdown]
 # ## How an exercise looks
 #
 # Exercises are cells you complete. Try this one: replace `None` with the number of bytes in one
@@ -130,10 +141,4 @@ bytes_per_gib = None  # replace None with an expression
 ex.check("Warm-up", bytes_per_gib, expected=2**30, hint="1 GiB = 1,024 MiB, 1 MiB = 1,024 KiB, 1 KiB = 1,024 bytes.")
 
 # %% [markdown]
-# ## Summary
-#
-# - The book is six chapters, each a notebook built on `labkit`.
-# - `import labkit` picks the device and, without a GPU, runs Triton kernels in the interpreter.
-# - Exercises have checkers; worked answers live in `solutions/`.
-#
 # Next: **01 · why the cache grows**.

@@ -31,7 +31,8 @@ print(labkit.describe())
 # `labkit.model.Decoder` has every part of a Llama-family model: token embeddings, and per layer an
 # RMSNorm, attention with rotary positions (RoPE), another RMSNorm and a SwiGLU MLP. Its config uses
 # the field names of a Llama `config.json`, and its weights the key names of a Llama checkpoint,
-# so real weights would load into it. Here it is small and randomly initialised with a fixed seed:
+# so real Llama-family weights with plain RoPE (Llama 2 and 3, for instance) load into it; a test
+# checks it against the Hugging Face implementation. Here it is small and randomly initialised with a fixed seed:
 # its words are nonsense, but its arithmetic is the real thing, and it runs in seconds on a CPU.
 #
 # Note `num_key_value_heads`: 8 query heads share 2 key/value heads. That is *grouped-query
@@ -151,7 +152,9 @@ with torch.no_grad():
         model(tok, cache=c)
         sizes[c.seq_len] = c.nbytes
 per_token = 2 * config.num_hidden_layers * config.num_key_value_heads * config.head_dim * 4
+assert per_token == 2 * 4 * 2 * 32 * 4 == 2048  # the numbers in the text above
 assert all(nbytes == n * per_token for n, nbytes in sizes.items())
+print(f"bytes per token: {per_token:,}")
 for n in (12, 13, 64, 256):
     print(f"{n:>4} tokens -> {sizes[n]:>9,} bytes = {labkit.format_bytes(sizes[n])}")
 

@@ -38,10 +38,15 @@ class KVCache:
     def attend(self, layer_idx: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
         """Append this layer's new K, V; attend ``q`` over every stored position."""
         cfg = self.config
+        if not isinstance(layer_idx, int) or not 0 <= layer_idx < cfg.num_hidden_layers:
+            raise ValueError(f"layer_idx must be an integer in [0, {cfg.num_hidden_layers - 1}], got {layer_idx!r}")
         expected = (cfg.num_key_value_heads, cfg.head_dim)
-        if tuple(k.shape[2:]) != expected or k.shape != v.shape:
+        if k.dim() != 4 or tuple(k.shape[2:]) != expected or k.shape != v.shape:
             raise ValueError(f"k and v must be [batch, new, {expected[0]}, {expected[1]}], "
                              f"got {tuple(k.shape)} and {tuple(v.shape)}")
+        stored = self.k[layer_idx]
+        if stored is not None and stored.shape[0] != k.shape[0]:
+            raise ValueError(f"k and v must have the cache's batch size {stored.shape[0]}, got {k.shape[0]}")
         if self.k[layer_idx] is None:
             self.k[layer_idx], self.v[layer_idx] = k, v
         else:

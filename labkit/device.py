@@ -2,8 +2,10 @@
 
 Triton kernels need a GPU to compile. On a machine without one, Triton can
 still *interpret* a kernel: it runs the same Python kernel body on CPU tensors,
-one program instance at a time. That is slow but exact, and it lets every
-reader step through the book's kernels on a laptop or on Binder.
+one program instance at a time. That is slow, and it lets every reader step
+through the book's kernels on a laptop or on Binder. It is exact in float32 and
+float16; its bfloat16 arithmetic is not, so labkit's kernels upcast every load to
+float32 before computing.
 
 The interpreter has one catch: the flag ``TRITON_INTERPRET=1`` is read when a
 function is decorated with ``@triton.jit``. It must be set *before* the module
@@ -75,7 +77,7 @@ def _decide() -> Runtime:
     # Must happen before any @triton.jit runs; see the module docstring.
     os.environ["TRITON_INTERPRET"] = "1"
     return Runtime(torch.device("cpu"), "interpreter",
-                   f"{why}: Triton kernels run in Triton's interpreter on the CPU (slow but exact).")
+                   f"{why}: Triton kernels run in Triton's interpreter on the CPU (slow; loads upcast to float32).")
 
 
 RUNTIME: Runtime = _decide()

@@ -10,7 +10,9 @@ Everything a Llama-family model does per token, in about 200 lines:
 
 Config field names and ``state_dict`` keys follow a Hugging Face Llama
 checkpoint (``model.layers.0.self_attn.q_proj.weight`` ...), so real
-Llama-family weights load with ``Decoder.from_config(...).load_state_dict(sd)``.
+Llama-family weights in Hugging Face format load with
+``Decoder(DecoderConfig.from_dict(config_json)).load_state_dict(state_dict)``
+(plain RoPE only: Llama 3.1's scaled RoPE is refused, not silently mis-computed).
 
 Attention is where the KV cache lives. ``Decoder.forward`` takes an optional
 ``cache`` object with one method, ``cache.attend(layer_idx, q, k, v)``: it stores
@@ -78,14 +80,22 @@ class DecoderConfig:
         """Build from a Llama-style ``config.json`` dict; unknown keys are ignored.
 
         Features this small decoder does not implement are refused rather than
-        silently ignored, since they would change the outputs.
+        silently ignored, since they would change the outputs: scaled RoPE (Llama 3.1's
+        ``rope_scaling``), projection biases, and activations other than SiLU. Newer
+        configs keep the RoPE base in ``rope_parameters``; both spellings are read.
         """
-        if config.get("rope_scaling"):
-            raise ValueError(f"rope_scaling={config['rope_scaling']!r} is not supported: only plain RoPE")
+        rope = dict(config.get("rope_parameters") or {})
+        scaling = config.get("rope_scaling") or (rope if rope.get("rope_type", "default") != "default" else None)
+        if scaling:
+            raise ValueError(f"rope_scaling={scaling!r} is not supported: only plain RoPE (rope_type 'default')")
         if config.get("attention_bias") or config.get("mlp_bias"):
             raise ValueError("attention_bias / mlp_bias must be false: this decoder has no projection biases")
+        if config.get("hidden_act", "silu") != "silu":
+            raise ValueError(f"hidden_act must be 'silu' (SwiGLU), got {config['hidden_act']!r}")
         known = {f.name for f in fields(cls)}
         kwargs = {k: v for k, v in config.items() if k in known}
+        if "rope_theta" in rope:
+            kwargs["rope_theta"] = rope["rope_theta"]
         if kwargs.get("num_key_value_heads") is None and "num_attention_heads" in kwargs:
             kwargs["num_key_value_heads"] = kwargs["num_attention_heads"]  # no GQA
         return cls(**kwargs)

@@ -58,11 +58,19 @@ def test_stored_keys_equal_a_full_pass():
 
 def test_bad_input():
     model = Decoder.random(CFG)
-    with pytest.raises(ValueError, match="max_new_tokens"):
-        generate(model, [1, 2], 0)
+    for bad in (0, -3, 2.5):
+        with pytest.raises(ValueError, match="max_new_tokens"):
+            generate(model, [1, 2], bad)
     with pytest.raises(ValueError, match="prompt_ids"):
         generate(model, [], 3)
     cache = KVCache(CFG)
     with pytest.raises(ValueError, match="k and v"):
         cache.attend(0, torch.zeros(1, 1, 4, 16), torch.zeros(1, 1, 2, 16), torch.zeros(1, 1, 2, 16))
+    with pytest.raises(ValueError, match="layer_idx"):
+        cache.attend(CFG.num_hidden_layers, torch.zeros(1, 1, 4, 16), torch.zeros(1, 1, 1, 16), torch.zeros(1, 1, 1, 16))
     assert cache.seq_len == 0 and cache.nbytes == 0
+    with torch.no_grad():
+        model(torch.tensor([[1, 2, 3]]), cache=cache)
+    with pytest.raises(ValueError, match="batch size 1"):  # two rows into a cache of one sequence
+        model(torch.tensor([[4], [5]]), cache=cache)
+    assert cache.seq_len == 3

@@ -1,5 +1,6 @@
 """labkit.device decides before kernels exist; exercise checkers never break a chapter."""
 
+import importlib.util
 import os
 import subprocess
 import sys
@@ -28,7 +29,8 @@ def test_import_labkit_alone_switches_the_interpreter_on():
     env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
     env["LABKIT_DEVICE"] = "cpu"
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, env=env, check=True).stdout
-    assert out.split() in (["interpreter", "1"], ["unavailable", "None"])
+    has_triton = importlib.util.find_spec("triton") is not None
+    assert out.split() == (["interpreter", "1"] if has_triton else ["unavailable", "None"])
 
 
 def test_old_gpus_get_a_fallback_not_a_crash():
@@ -68,3 +70,22 @@ def test_strict_checker_raises():
     with pytest.raises(AssertionError):
         ex.check("e1", 4, 3)
     ex.check("e1", 3, 3)  # passes without raising
+
+
+@pytest.mark.parametrize("capability, mode, bf16", [((9, 0), "compiled", True), ((8, 0), "compiled", True),
+                                                    ((7, 5), "compiled", False), ((6, 1), "unavailable", False)])
+def test_gpu_decisions(monkeypatch, capability, mode, bf16):
+    """What labkit decides on GPUs it has never seen here: each branch of _decide, with CUDA faked."""
+    from labkit import device
+
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    monkeypatch.setattr(torch.cuda, "get_device_capability", lambda *a: capability)
+    monkeypatch.setattr(torch.cuda, "get_device_name", lambda *a: "Fake GPU")
+    monkeypatch.delenv("LABKIT_DEVICE", raising=False)
+    runtime = device._decide()
+    assert runtime.device.type == "cuda" and runtime.triton_mode == mode
+    assert runtime.bf16_supported is bf16
+    assert runtime.kernels_can_run(torch.float16) is (mode == "compiled")
+    assert "Fake GPU" in runtime.reason
+    monkeypatch.setenv("LABKIT_DEVICE", "cpu")
+    assert device._decide().device.type == "cpu"  # the reader can force the CPU

@@ -35,12 +35,14 @@ def test_state_dict_keys_are_llama_checkpoint_keys():
 
 def test_matches_hugging_face_llama():
     transformers = pytest.importorskip("transformers")
-    hf_config = transformers.LlamaConfig(**TINY.to_dict(), attn_implementation="eager")
+    # A RoPE base other than the default, as Llama 3 has, so a lost rope_theta would show.
+    hf_config = transformers.LlamaConfig(**{**TINY.to_dict(), "rope_theta": 500000.0}, attn_implementation="eager")
     hf = transformers.LlamaForCausalLM(hf_config).eval()
     with torch.no_grad():
         for p in hf.parameters():
             p.normal_(0, 0.2)
     ours = Decoder(DecoderConfig.from_dict(hf_config.to_dict()))
+    assert ours.config.rope_theta == 500000.0
     ours.load_state_dict(hf.state_dict())
     ids = torch.randint(0, TINY.vocab_size, (2, 13))
     with torch.no_grad():
@@ -88,6 +90,12 @@ def test_bad_config_names_the_parameter(kwargs, name):
 def test_from_dict_refuses_what_it_cannot_compute():
     with pytest.raises(ValueError, match="rope_scaling"):
         DecoderConfig.from_dict({**TINY.to_dict(), "rope_scaling": {"rope_type": "llama3", "factor": 8.0}})
+    with pytest.raises(ValueError, match="rope_scaling"):  # the newer spelling of the same thing
+        DecoderConfig.from_dict({**TINY.to_dict(), "rope_parameters": {"rope_type": "llama3", "rope_theta": 5e5}})
+    with pytest.raises(ValueError, match="hidden_act"):
+        DecoderConfig.from_dict({**TINY.to_dict(), "hidden_act": "gelu"})
+    assert DecoderConfig.from_dict({**TINY.to_dict(), "rope_parameters": {"rope_type": "default",
+                                                                          "rope_theta": 5e5}}).rope_theta == 5e5
     cfg = DecoderConfig.from_dict({"hidden_size": 64, "num_attention_heads": 4, "vocab_size": 10,
                                    "intermediate_size": 8, "num_hidden_layers": 1, "model_type": "llama"})
     assert cfg.num_key_value_heads == 4 and cfg.head_dim == 16
