@@ -215,29 +215,39 @@ for name in ["Llama-3-8B", "Llama-3-70B", "Qwen2.5-7B", "Gemma-2-9B"]:
           f"{format_bytes(wrong):>12}{wrong // right:>7}x")
 
 # %% [markdown]
-# For request A on Llama-3-8B the mistake would plan 4 GiB for a cache that takes 1 GiB, and a
-# capacity planner would admit a quarter of the sequences that actually fit.
+# Take request A (8,192 tokens) on Llama-3-8B, and a device of 80 GiB with 20 GiB set aside for
+# the weights and workspace. The mistake plans a much bigger cache per request, and so a capacity
+# planner would admit far fewer sequences than actually fit:
 
 # %%
-a_right = PRESETS["Llama-3-8B"].cache_bytes(8192)
-a_wrong = 8192 * PRESETS["Llama-3-8B"].query_head_mistake()
+# NBVAL_CHECK_OUTPUT
+llama8 = PRESETS["Llama-3-8B"]
+a_right = llama8.cache_bytes(8192)
+a_wrong = 8192 * llama8.query_head_mistake()
+fit_right = capacity.sequences_that_fit(a_right, device_bytes=80 * GiB, reserved_bytes=20 * GiB)
+fit_wrong = capacity.sequences_that_fit(a_wrong, device_bytes=80 * GiB, reserved_bytes=20 * GiB)
 print(f"request A on Llama-3-8B: {format_bytes(a_right)} (KV heads), {format_bytes(a_wrong)} (query heads)")
-assert a_wrong == 4 * a_right
+print(f"sequences admitted in the 60 GiB pool: {fit_right} (KV heads), {fit_wrong} (query heads), "
+      f"{fit_wrong / fit_right:.0%} of what fits")
+assert a_wrong == 4 * a_right and fit_wrong * 4 == fit_right
 
 # %% [markdown]
 # ## 5. Real models side by side
 #
-# `capacity.PRESETS` holds shapes read from each model's `config.json`, with the source of every
-# number. `ModelShape.from_config` reads any Llama-style config dict (here a Llama-3-8B one, as
-# it appears on the Hugging Face Hub):
+# `capacity.PRESETS` holds shapes read from each model's `config.json`. The files cannot be
+# downloaded here, so `capacity.PRESET_CONFIGS` keeps an excerpt of each, transcribed by hand from
+# the public file on the Hugging Face Hub, and every preset is built from its excerpt by
+# `ModelShape.from_config`, the same function that reads any Llama-style config dict. Llama-3-8B's
+# excerpt has no `head_dim`, so `from_config` derives it as `hidden_size // num_attention_heads`:
 
 # %%
-llama3_8b_config = {"architectures": ["LlamaForCausalLM"], "hidden_size": 4096, "num_hidden_layers": 32,
-                    "num_attention_heads": 32, "num_key_value_heads": 8, "torch_dtype": "bfloat16",
-                    "vocab_size": 128256}
-from_json = capacity.ModelShape.from_config(llama3_8b_config, name="Llama-3-8B")
+llama3_8b_config = capacity.PRESET_CONFIGS["Llama-3-8B"]
+print(llama3_8b_config)
+from_json = capacity.ModelShape.from_config(llama3_8b_config, name="Llama-3-8B", dtype="bfloat16",
+                                            source=PRESETS["Llama-3-8B"].source)
 print(from_json)
-assert from_json.bytes_per_token() == PRESETS["Llama-3-8B"].bytes_per_token()
+assert from_json == PRESETS["Llama-3-8B"]
+assert from_json.head_dim == llama3_8b_config["hidden_size"] // llama3_8b_config["num_attention_heads"]
 
 # %%
 for p in PRESETS.values():
@@ -246,15 +256,24 @@ for p in PRESETS.values():
 # %% [markdown]
 # The table uses the article's formula for every model (no sliding windows applied, 2-byte
 # elements). DeepSeek-V3 is the exception in kind: its latent cache has no factor 2 (section 7).
+# Each model was also built for a longest context, its `config.json`'s `max_position_embeddings`:
+# 8,192 tokens for Llama-3 and Gemma-2, far more for others. The formula would give bytes for any
+# length, but a request longer than the model's limit is not one it can serve, so the last column
+# takes each model at its own limit (the teaching model has none; "-" in the table).
 
 # %%
 # NBVAL_CHECK_OUTPUT
-print(f"{'model':16}{'L':>4}{'Hkv':>5}{'D':>5}{'per token':>12}{'8K request':>12}{'128K request':>14}")
+print(f"{'model':16}{'L':>4}{'Hkv':>5}{'D':>5}{'per token':>11}{'8K request':>12}{'max context':>13}"
+      f"{'at max context':>16}")
 for p in PRESETS.values():
     heads = "lat" if p.latent else p.num_kv_heads
-    print(f"{p.name:16}{p.num_layers:>4}{heads:>5}{p.head_dim:>5}{format_bytes(p.bytes_per_token()):>12}"
-          f"{format_bytes(p.cache_bytes(8192, apply_window=False)):>12}"
-          f"{format_bytes(p.cache_bytes(131072, apply_window=False)):>14}")
+    limit = p.max_position_embeddings
+    at_limit = format_bytes(p.cache_bytes(limit, apply_window=False)) if limit else "-"
+    print(f"{p.name:16}{p.num_layers:>4}{heads:>5}{p.head_dim:>5}{format_bytes(p.bytes_per_token()):>11}"
+          f"{format_bytes(p.cache_bytes(8192, apply_window=False)):>12}{f'{limit:,}' if limit else '-':>13}"
+          f"{at_limit:>16}")
+assert all(not p.beyond_context(8192) for p in PRESETS.values())  # the 8K column is within every limit
+assert [p.max_position_embeddings for p in PRESETS.values() if p.name.startswith(("Llama-3", "Gemma-2"))] == [8192] * 3
 assert PRESETS["Llama-3-70B"].bytes_per_token() == 320 * KiB
 assert PRESETS["Qwen2.5-7B"].bytes_per_token() == 56 * KiB
 assert PRESETS["Gemma-2-9B"].bytes_per_token() == 336 * KiB
@@ -303,11 +322,14 @@ for tp, pp in [(1, 1), (2, 1), (4, 1), (8, 1), (16, 1), (1, 2), (1, 4), (8, 2)]:
 assert per_device[8, 1] == big.bytes_per_token() // 8
 assert per_device[16, 1] == per_device[8, 1]  # 16 devices, 8 KV heads: each head lives on 2 devices
 assert per_device[1, 4] == big.bytes_per_token() // 4
+for tp in [1, 2, 4, 8]:  # only divided: the total stays at the model's per-token cost
+    assert tp * per_device[tp, 1] == big.bytes_per_token() == 320 * KiB
+assert per_device[16, 1] == 40 * KiB and 16 * per_device[16, 1] == 2 * big.bytes_per_token() == 640 * KiB
 
 # %% [markdown]
-# Up to TP=8 the total over all devices stays at 320 KiB per token: the cache is only divided.
-# At TP=16 each device still holds 40 KiB per token, and the total doubles to 640 KiB: the
-# replication is real memory. The same happens to a latent MLA cache (next section), which has
+# Read the last column. Up to TP=8 the total over all devices stays at the model's per-token cost:
+# the cache is only divided. At TP=16 each device holds as much as at TP=8, and the total doubles:
+# the replication is real memory. The same happens to a latent MLA cache (next section), which has
 # a single "head" and is therefore kept whole on every TP device.
 
 # %% [markdown]
@@ -327,33 +349,47 @@ assert 2 * fp8.cache_bytes(8192) == TEACHING_MODEL.cache_bytes(8192)
 
 # %% [markdown]
 # **Sliding-window layers** attend only to the last W tokens, so they need to keep only W.
-# Mistral-7B-v0.1 uses a 4,096-token window in every layer; Gemma-2-9B alternates local layers
-# (window 4,096) with global ones. Past the window, their caches stop growing, or grow at half
-# the rate:
+# Mistral-7B-v0.1 uses a window in every layer; Gemma-2-9B alternates local (windowed) layers
+# with global ones. Past the window, their caches stop growing, or grow at half the rate. Each
+# model is taken at its window and at its own context limit:
 
 # %%
 # NBVAL_CHECK_OUTPUT
 for name in ["Mistral-7B-v0.1", "Gemma-2-9B"]:
     p = PRESETS[name]
-    for length in [4096, 32768]:
-        print(f"{name:16}{length:>7,} tokens: {format_bytes(p.cache_bytes(length, apply_window=False)):>10} "
+    print(f"{name}: window {p.sliding_window:,} tokens in {len(p.sliding_layers)} of {p.num_layers} layers, "
+          f"max_position_embeddings {p.max_position_embeddings:,}")
+    for length in [p.sliding_window, p.max_position_embeddings]:
+        print(f"  {length:>7,} tokens: {format_bytes(p.cache_bytes(length, apply_window=False)):>10} "
               f"plain formula, {format_bytes(p.cache_bytes(length)):>10} with the window")
-mistral = PRESETS["Mistral-7B-v0.1"]
-assert mistral.cache_bytes(32768) == mistral.cache_bytes(4096)
+mistral, gemma = PRESETS["Mistral-7B-v0.1"], PRESETS["Gemma-2-9B"]
+assert mistral.cache_bytes(mistral.max_position_embeddings) == mistral.cache_bytes(mistral.sliding_window)
+assert 2 * len(gemma.sliding_layers) == gemma.num_layers  # half the layers are local
+growth = gemma.cache_bytes(gemma.max_position_embeddings) - gemma.cache_bytes(gemma.sliding_window)
+assert 2 * growth == gemma.cache_bytes(gemma.max_position_embeddings, apply_window=False) - gemma.cache_bytes(
+    gemma.sliding_window, apply_window=False)  # past the window: half the rate
 
 # %% [markdown]
 # **A latent cache.** DeepSeek-V3's multi-head latent attention (MLA) stores, per token and layer,
-# one compressed vector of 512 elements plus a 64-element key for the rotary position part,
-# shared by all 128 heads. There is no separate K and V, so no factor 2. Had it cached K (192
-# dims) and V (128 dims) for all 128 heads, each token would cost about 70 times as much:
+# one compressed vector (`kv_lora_rank` elements) plus a small key for the rotary position part
+# (`qk_rope_head_dim` elements), shared by all its query heads. There is no separate K and V, so no
+# factor 2. Had it cached a full K (`qk_nope_head_dim + qk_rope_head_dim` elements) and V
+# (`v_head_dim` elements) for every head, as plain multi-head attention does, each token would
+# cost dozens of times as much. All the numbers come from its `config.json` excerpt:
 
 # %%
-mla = PRESETS["DeepSeek-V3"]
-full_mha = 61 * 128 * (192 + 128) * 2  # layers x heads x (K dims + V dims) x bytes
+# NBVAL_CHECK_OUTPUT
+mla, ds = PRESETS["DeepSeek-V3"], capacity.PRESET_CONFIGS["DeepSeek-V3"]
+layers, heads, b = ds["num_hidden_layers"], ds["num_attention_heads"], mla.dtype_bytes
+latent_dim = ds["kv_lora_rank"] + ds["qk_rope_head_dim"]
+k_dim, v_dim = ds["qk_nope_head_dim"] + ds["qk_rope_head_dim"], ds["v_head_dim"]
+full_mha = layers * heads * (k_dim + v_dim) * b  # layers x heads x (K dims + V dims) x bytes
+print(f"latent: {ds['kv_lora_rank']} + {ds['qk_rope_head_dim']} = {latent_dim} elements per token and layer, "
+      f"{layers} layers")
 print(f"DeepSeek-V3 latent cache: {mla.bytes_per_token():,} bytes = {format_bytes(mla.bytes_per_token())} per token")
-print(f"the same model caching full K and V: {format_bytes(full_mha)} per token, "
+print(f"full K ({k_dim} dims) and V ({v_dim} dims) for {heads} heads: {format_bytes(full_mha)} per token, "
       f"{full_mha / mla.bytes_per_token():.0f}x more")
-assert mla.bytes_per_token() == 61 * (512 + 64) * 2
+assert mla.bytes_per_token() == layers * latent_dim * b  # no factor 2
 assert capacity.shard(mla, tensor_parallel=8).bytes_per_token() == mla.bytes_per_token()  # replicated
 
 # %% [markdown]
@@ -377,24 +413,38 @@ assert fit == 7
 # Pick a preset, then move the sliders. The readout gives bytes per token, bytes per request and
 # the number of sequences that fit; the plot shows that number against the context length, with
 # your request count as a dashed line. (The explorer applies the article's formula: no windows.)
-# Try: Llama-3-8B at 128K tokens on an 80 GiB device with 20 GiB set aside; then switch the
-# element size to 1 byte; then set aside more than the device has.
+# Lengths past the preset's `max_position_embeddings` get a warning, and the plot draws them dotted.
+# Try: Qwen2.5-7B at its limit of 131,072 tokens on an 80 GiB device with 20 GiB set aside; then
+# switch the element size to 1 byte; then pick Llama-3-8B, whose limit is far shorter; then set
+# aside more than the device has.
 
 # %%
 from labkit.widgets.capacity_explorer import CapacityExplorer, static_figure
 
+assert PRESETS["Qwen2.5-7B"].max_position_embeddings == 131_072 == 128 * 1024
 CapacityExplorer()
 
 # %% [markdown]
 # Without a live kernel the sliders do nothing; this static figure shows the same curve for
-# several models in the article's 7 GiB pool. At 8,192 tokens the teaching model gives the 7
-# sequences computed above.
+# several models in the article's 7 GiB pool, dotted past a model's context limit. At 8,192 tokens
+# the teaching model gives the 7 sequences computed above.
 
 # %%
 pool = capacity.kv_pool_bytes(24 * GiB, 17 * GiB)
 fig = static_figure(["Gemma-2-9B", "teaching model", "DeepSeek-V3", "Qwen2.5-7B"], pool)
-fig.axes[0].axvline(8192, color="grey", linestyle=":")
+fig.axes[0].axvline(8192, color="grey", linestyle="--", linewidth=0.8)
 plt.show()
+assert capacity.sequences_that_fit(TEACHING_MODEL.cache_bytes(8192), 24 * GiB, 17 * GiB) == fit == 7
+
+# %% [markdown]
+# One number to carry into chapter 03, which allocates the cache in blocks of 16 token slots: the
+# bytes of one such block of the teaching model.
+
+# %%
+# NBVAL_CHECK_OUTPUT
+print(f"TEACHING_MODEL.block_bytes(16) = {TEACHING_MODEL.block_bytes(16):,} bytes = "
+      f"{format_bytes(TEACHING_MODEL.block_bytes(16))}")
+assert TEACHING_MODEL.block_bytes(16) == 16 * per_token == 2 * MiB
 
 # %% [markdown]
 # ## Summary
@@ -410,8 +460,10 @@ plt.show()
 #   pipeline parallelism divides the layers.
 # - Beyond the article, 8-bit caches halve the bytes, sliding windows cap the length per layer,
 #   and a latent MLA cache drops the factor 2 and the per-head copies.
+# - A model's `max_position_embeddings` bounds the requests worth sizing: the formula gives bytes
+#   for any length, not the model's ability to serve it.
 # - Next, chapter 03 replaces whole-sequence reservations with blocks of 16 tokens:
-#   `TEACHING_MODEL.block_bytes(16)` is 2 MiB.
+#   `TEACHING_MODEL.block_bytes(16)` is 2 MiB (printed above).
 
 # %% [markdown]
 # ## Exercises
@@ -437,22 +489,27 @@ answer_1 = 2 * 28 * 4 * (3584 // 28) * 2
 # BEGIN STUB
 answer_1 = None  # replace None with your expression
 # END STUB
+qwen = capacity.PRESET_CONFIGS["Qwen2.5-7B"]  # the numbers quoted in the exercise
+assert (qwen["num_hidden_layers"], qwen["num_attention_heads"], qwen["num_key_value_heads"], qwen["hidden_size"],
+        qwen["torch_dtype"]) == (28, 28, 4, 3584, "bfloat16")
 ex.check("Exercise 1", answer_1, expected=PRESETS["Qwen2.5-7B"].bytes_per_token(),
          hint="head_dim = hidden_size / query heads; then use the KV heads.")
 
 # %% [markdown]
 # **Exercise 2.** A colleague sized Llama-3-70B's cache with its 64 query heads instead of its
-# 8 KV heads. For one 32,768-token request, by how many bytes is the estimate too large?
+# 8 KV heads. For one 8,192-token request (its longest context), by how many bytes is the estimate
+# too large?
 
 # %%
 # BEGIN SOLUTION
-answer_2 = 32768 * 2 * 80 * (64 - 8) * 128 * 2
+answer_2 = 8192 * 2 * 80 * (64 - 8) * 128 * 2
 # END SOLUTION
 # BEGIN STUB
 answer_2 = None  # replace None with your expression
 # END STUB
-ex.check("Exercise 2", answer_2,
-         expected=32768 * (PRESETS["Llama-3-70B"].query_head_mistake() - PRESETS["Llama-3-70B"].bytes_per_token()))
+llama70 = PRESETS["Llama-3-70B"]  # the numbers quoted in the exercise
+assert (llama70.num_attention_heads, llama70.num_kv_heads, llama70.max_position_embeddings) == (64, 8, 8192)
+ex.check("Exercise 2", answer_2, expected=8192 * (llama70.query_head_mistake() - llama70.bytes_per_token()))
 
 # %% [markdown]
 # **Exercise 3.** Write `fits(device_gib, reserved_gib, context_len)`: how many sequences of
@@ -486,6 +543,7 @@ answer_4 = 2 * 42 * 1 * 256 * 2
 # BEGIN STUB
 answer_4 = None  # replace None with your expression
 # END STUB
+assert PRESETS["Gemma-2-9B"].num_kv_heads == 8  # as the exercise says
 ex.check("Exercise 4", answer_4,
          expected=capacity.shard(PRESETS["Gemma-2-9B"], tensor_parallel=16).bytes_per_token(),
          hint="each device keeps one whole KV head of every layer")

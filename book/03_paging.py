@@ -169,7 +169,10 @@ plt.show()
 #
 # Smaller blocks waste less in the tail (about half a block per request on average), but a
 # request then needs more blocks: longer block tables, more entries for the kernel to look up,
-# and smaller pieces of memory for it to read. Larger blocks read better on a GPU but waste more.
+# and smaller pieces of memory for it to read. Larger blocks waste more. We expect them to read
+# faster on a GPU too (fewer lookups, longer contiguous runs per lookup), but that is a hypothesis
+# this book has not measured: `python benchmarks/paged_attention.py --block-sizes 16 32 64 128` on a
+# GPU is the experiment that would test it.
 
 # %%
 block_sizes = [1, 2, 4, 8, 16, 32, 64, 128, 256]
@@ -196,8 +199,8 @@ fig.tight_layout()
 plt.show()
 
 # %% [markdown]
-# The paper found 16 to 128 tokens worked best on ShareGPT and used 16 as its default; the right
-# value depends on the attention kernel, which must read whole blocks efficiently (section 5).
+# The paper found 16 to 128 tokens worked best on ShareGPT, 16 to 32 on Alpaca (shorter requests,
+# so the tail matters more), and used 16 as its default.
 #
 # ## 4. What paging does not change
 #
@@ -245,7 +248,7 @@ assert torch.allclose(paged_out.float(), dense_out.float(), atol=2e-3)
 # step. Here is the mapping at step 7:
 
 # %%
-from labkit.widgets.paging_stepper import PagingStepper, draw_block_tables, simulate, static_figure
+from labkit.widgets.paging_stepper import DEFAULT_WORKLOAD, PagingStepper, draw_block_tables, simulate, static_figure
 
 STEP_BLOCK = 4
 snapshots = simulate(num_blocks=16, block_size=STEP_BLOCK)
@@ -253,7 +256,13 @@ snap = snapshots[7]
 for name in sorted(snap.tables):
     print(f"{name}: {snap.lengths[name]:2d} tokens, block table {snap.tables[name]}")
 assert all(blocks_needed(snap.lengths[n], STEP_BLOCK) == len(snap.tables[n]) for n in snap.tables)
-assert all(len(s.events) > 0 for s in snapshots[:1]) and snapshots[-1].used_blocks == 0
+# Every request of the workload arrived once and finished once, and the pool ends empty.
+names = sorted(r.name for r in DEFAULT_WORKLOAD)
+for verb in ("arrives", "finishes"):
+    assert sorted(e.split()[0] for s in snapshots for e in s.events if f" {verb}" in e) == names, verb
+assert snapshots[-1].used_blocks == 0
+# The picture's point: some request's blocks are not one consecutive run of the pool.
+assert any(t != list(range(t[0], t[0] + len(t))) for t in snap.tables.values())
 
 fig, ax = plt.subplots(figsize=(8, 3.5))
 draw_block_tables(snap, ax)
@@ -275,7 +284,12 @@ PagingStepper(num_blocks=16, block_size=STEP_BLOCK).widget
 fig = static_figure(snapshots, [2, 7, 13], STEP_BLOCK)
 plt.show()
 print("blocks in use per step:", [s.used_blocks for s in snapshots])
-assert max(s.used_blocks for s in snapshots) <= 16
+tail = [s.used_blocks * STEP_BLOCK - s.used_slots for s in snapshots]
+print("empty slots in reserved blocks per step:", tail)
+for s, empty in zip(snapshots, tail):
+    # No block is in two tables, and the only waste is each running request's last-block tail.
+    assert sum(len(t) for t in s.tables.values()) == s.used_blocks
+    assert 0 <= empty <= (STEP_BLOCK - 1) * len(s.tables)
 
 # %% [markdown]
 # ## 6. The kernels, step by step
@@ -430,7 +444,7 @@ assert torch.allclose(merged, reference[0, 0:2])
 # `paged_decode_attention` chooses the number of chunks itself (`choose_num_splits`): only when
 # there are fewer programs than multiprocessors and the context is long enough for each chunk to
 # hold at least `MIN_TOKENS_PER_SPLIT` positions. Here is its plan for a GPU with 132
-# multiprocessors (an H100), then a forced split on our example, which gives the same answer:
+# multiprocessors (an H100 SXM), then a forced split on our example, which gives the same answer:
 
 # %%
 # NBVAL_CHECK_OUTPUT
@@ -452,8 +466,17 @@ assert torch.allclose(split_out, out, atol=1e-6)
 # `paged_prefill_attention` handles many new queries per sequence: the new tokens are the *last*
 # `q_len` positions, their K and V are written first, and each query sees the positions up to its
 # own. So a prompt can be processed in one go or in chunks (chapter 05's chunked prefill), and
-# the part after a cached prefix (chapter 04) is just a chunk that starts late. Both give the same
-# output as contiguous causal attention:
+# the part after a cached prefix (chapter 04) is just a chunk that starts late. Its reference is
+# the decode reference with more queries: gather, then causal attention of the last `q_len`
+# positions. New tokens reach the cache through `write_kv`, whose reference is one indexed store:
+
+# %%
+print(inspect.getsource(kernels.paged_prefill_attention_ref))
+print(inspect.getsource(kernels.write_kv_ref))
+
+# %% [markdown]
+# Write a 20-token prompt into three scattered blocks in two chunks, attend after each, and
+# compare with contiguous causal attention:
 
 # %%
 n = 20

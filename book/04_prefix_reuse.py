@@ -92,6 +92,7 @@ edited_chain = hash_chain(edited, block_size, key)
 print("names that change when only token 0 changes:", [a != b for a, b in zip(chain, edited_chain)])
 assert all(a != b for a, b in zip(chain, edited_chain))
 assert chain[0] == block_hash(None, prompt[:4], key) and chain[1] == block_hash(chain[0], prompt[4:8], key)
+assert hash_chain(prompt, block_size, CacheKey(rope_theta=10000)) == chain  # 10000 and 10000.0: one key
 
 # %% [markdown]
 # Changing one early token renames every later block, even though blocks 1 and 2 hold the same

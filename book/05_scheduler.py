@@ -82,6 +82,9 @@ print(inspect.getsource(plan_iteration).split('"""')[0] + '"""...docstring..."""
 # 2. when the token budget is spent (`tokens == 0`), the pass **stops**;
 # 3. a candidate whose blocks do not fit is **skipped** (`continue`), and a later, smaller
 #    candidate may still get in.
+#
+# Rule 3 has a price, starvation, and labkit's `Scheduler` adds one refinement for *waiting*
+# requests to avoid it; a section below measures both.
 
 # %% [markdown]
 # ## What a step takes from the pool: `extra_blocks`
@@ -137,7 +140,9 @@ assert [extra_blocks(r, t, BS) for _, r, t in cases] == [3, 0, 1, 1, 1, 3]
 # step. A has a 10-token prompt, B 14, C 5 and D 3; they want 3, 2, 2 and 3 new tokens. The
 # `Scheduler` keeps a *running* list (admitted, holding blocks) and a *waiting* queue (first come,
 # first served), and offers the running requests first. Every `Step` records each candidate's turn
-# in the pass: what it asked for, what it needed, what was left, and the outcome.
+# in the pass: what it asked for, what it needed, what was left, and the outcome. For this walk the
+# scheduler follows the article's pass to the letter (`head_of_line=False`; the default is
+# explained below).
 
 # %%
 def serve(scheduler, arrivals, max_steps=500):
@@ -175,7 +180,8 @@ def show_step(step):
           f"{s.finished} finished\n")
 
 
-walk = Scheduler(num_blocks=8, block_size=4, max_num_batched_tokens=12, enable_prefix_caching=False)
+walk = Scheduler(num_blocks=8, block_size=4, max_num_batched_tokens=12, enable_prefix_caching=False,
+                 head_of_line=False)
 walk_reqs = named_requests([("A", 10, 3), ("B", 14, 2), ("C", 5, 2), ("D", 3, 3)])
 walk_steps = serve(walk, {0: walk_reqs})
 
@@ -277,7 +283,7 @@ mean_f, mean_s = np.mean(list(waits_fcfs.values())), np.mean(list(waits_short.va
 longest = max(names, key=prompt_len.get)
 print(f"mean wait: FCFS {mean_f:.2f} steps, shortest-first {mean_s:.2f} steps; "
       f"longest prompt {longest}: {waits_fcfs[longest]} vs {waits_short[longest]} steps")
-assert sched_f.num_blocks == sched_s.num_blocks and sched_f.block_size == sched_s.block_size
+assert mean_s < mean_f  # shortest first lowers the mean wait...
 assert waits_short[longest] >= waits_fcfs[longest]  # the long request pays for the short ones
 
 # %%
@@ -294,12 +300,75 @@ fig.tight_layout()
 plt.show()
 
 # %% [markdown]
-# Skipping (rule 3) keeps the pool busy, but it also lets small requests overtake a big one again
-# and again. With a finite set of requests everyone finishes: running requests end and free their
-# blocks. Under a never-ending stream of small requests a big one could wait very long, which is
-# why vLLM's scheduler stops at the first *waiting* request that does not fit instead of skipping
-# it. Both are reasonable; they trade pool use against strict arrival order.
+# ## Skipping, and the starvation it allows
 #
+# Rule 3 keeps the pool busy: blocks a large request cannot use yet go to smaller ones behind it.
+# But it also lets small requests overtake a large one again and again. With a finite set of
+# requests everyone finishes eventually. Under a never-ending stream of small requests, every block
+# that frees up may be taken by a newcomer before the large request ever sees enough of them free.
+#
+# vLLM's scheduler therefore stops admitting at the first *waiting* request that does not fit, and
+# labkit's `Scheduler` does the same by default (`head_of_line=True`): once a waiting request is
+# skipped, the requests queued behind it are not offered in that step. `plan_iteration` itself is
+# unchanged (running requests keep the article's rule); the scheduler simply stops handing it
+# waiting candidates. Here is the stream: 8 blocks of 4 tokens, a small request (3 prompt tokens,
+# 7 new ones) every other step, and at step 6 a large one (20 + 4 tokens) that needs 5 blocks to
+# start.
+
+# %%
+# NBVAL_CHECK_OUTPUT
+def small_stream(head_of_line, steps=200):
+    """Returns the step that admits the large request (None: never), the small requests'
+    mean wait for their first token, and the output tokens produced in `steps` steps."""
+    sched = Scheduler(num_blocks=8, block_size=4, max_num_batched_tokens=64, enable_prefix_caching=False,
+                      head_of_line=head_of_line)
+    big, admitted, arrived, first = None, None, {}, {}
+    for t in range(steps):
+        if t % 2 == 0:
+            arrived[sched.add_request([1 + t % 30] * 3, 7).request_id] = t
+        if t == 6:
+            big = sched.add_request(list(range(1, 21)), 4)
+        step = sched.schedule()
+        for c in step.sampling_chunks:
+            first.setdefault(c.request.request_id, t)
+        if admitted is None and any(c.request is big for c in step.chunks):
+            admitted = t
+        sched.postprocess(step, [0] * len(step.sampling_chunks))
+    waits = [first[i] - t0 for i, t0 in arrived.items() if i in first]
+    outputs = sum(len(r.output_token_ids) for r in [*sched.finished, *sched.running])
+    return admitted, float(np.mean(waits)), outputs
+
+
+article_rule, head_of_line = small_stream(False), small_stream(True)
+for label, (admitted, wait, outputs) in [("article's rule (skip)", article_rule),
+                                         ("head of line (vLLM)", head_of_line)]:
+    big_wait = "never admitted" if admitted is None else f"admitted after {admitted - 6} steps"
+    print(f"{label:<22}: large request {big_wait:<22} small requests wait {wait:.2f} steps on average, "
+          f"{outputs} output tokens in 200 steps")
+assert article_rule[0] is None                   # starved for all 200 steps
+assert head_of_line[0] is not None and head_of_line[0] - 6 <= 1 + 7  # at most one small request's life
+assert head_of_line[1] > article_rule[1]         # the small ones pay for it
+
+# %% [markdown]
+# Under the article's rule the large request never runs: at no step of the 200 are 5 blocks free
+# when its turn comes, because small requests took each freed block first. With the head-of-line
+# rule it waits only until the small requests already running finish, and the small ones behind it
+# wait a little longer for their first token while the pool drains. Neither rule is free: skipping
+# puts free blocks to use at once and keeps small requests moving; the head-of-line rule guarantees
+# that every request is served, in arrival order, and sometimes leaves blocks idle. The walk from
+# the start of the chapter shows that cost: with the head-of-line rule, D stays behind C in step 3
+# and the four requests need one step more.
+
+# %%
+hol_walk = Scheduler(num_blocks=8, block_size=4, max_num_batched_tokens=12, enable_prefix_caching=False)
+hol_walk_steps = serve(hol_walk, {0: named_requests([("A", 10, 3), ("B", 14, 2), ("C", 5, 2), ("D", 3, 3)])})
+print("step 3, article's rule:", [(d.request.request_id, d.outcome) for d in walk_steps[2].decisions])
+print("step 3, head of line:  ", [(d.request.request_id, d.outcome) for d in hol_walk_steps[2].decisions])
+print(f"steps to serve all four: {len(walk_steps)} (article's rule), {len(hol_walk_steps)} (head of line)")
+assert [d.outcome for d in hol_walk_steps[2].decisions] == ["planned", "planned", "skipped"]
+assert len(hol_walk_steps) == len(walk_steps) + 1
+
+# %% [markdown]
 # ## A chart of iterations
 #
 # The same ten requests under first-come-first-served, step by step: which requests got tokens
@@ -350,9 +419,35 @@ assert any(s.preempted for s in steps_f) and (codes == 3).any() and (codes == 2)
 
 # %% [markdown]
 # Patterns to look for: orange cells (prompt chunks) share steps with blue ones (decode tokens),
-# since a step mixes prefill and decode; grey cells pile up while the blocks in use press against
-# the pool size, so memory, not compute, keeps those requests waiting; and red cells mark
-# requests that lost their blocks, the subject of the next section.
+# since a step mixes prefill and decode; grey cells are requests kept waiting; and red cells mark
+# requests that lost their blocks, the subject of the next section. What keeps the grey ones
+# waiting? Both budgets do, and the step records tell which one ended each step's admissions:
+
+# %%
+# NBVAL_CHECK_OUTPUT
+def why_waiting(steps):
+    """For the steps that ended with requests waiting: what stopped the first one not admitted."""
+    reasons = {"token budget spent": 0, "blocks did not fit": 0, "a preemption in the step": 0}
+    for step in steps:
+        if not step.stats.num_waiting:
+            continue
+        turns = [d for d in step.decisions if d.waiting and d.outcome != "planned"]
+        if step.preempted:
+            reasons["a preemption in the step"] += 1
+        elif not turns or turns[0].outcome == "stop":  # a stop can also come before any waiting turn
+            reasons["token budget spent"] += 1
+        else:
+            reasons["blocks did not fit"] += 1
+    return reasons
+
+
+reasons_f = why_waiting(steps_f)
+print(reasons_f)
+assert reasons_f["token budget spent"] > 0 and reasons_f["blocks did not fit"] > 0
+
+# %% [markdown]
+# Both budgets keep requests waiting here: in some steps the 16-token budget is spent before a
+# waiting request's turn comes, in others its blocks do not fit in the pool.
 #
 # ## When blocks run out: preemption
 #
@@ -475,7 +570,15 @@ assert hits == sum(r.num_cached_tokens for r in served) > 0
 # The first request computes the report, 16 tokens per step. A block enters the prefix cache when
 # the step that wrote its K/V is done, so a request admitted while the report is still being
 # computed reuses only the blocks that already exist, and computes the rest itself; a request
-# admitted later reuses all 6 of the report's blocks (24 tokens).
+# admitted later reuses all of the report's full blocks:
+
+# %%
+report_blocks = len(report) // 4
+print(f"the report fills {report_blocks} blocks ({report_blocks * 4} tokens); prefix hits per request, "
+      f"in arrival order: {[r.num_cached_tokens for r in served]} tokens")
+assert max(r.num_cached_tokens for r in served) == report_blocks * 4
+
+# %% [markdown]
 #
 # Now the proof. Chapter 01's `generate` runs each prompt alone on a contiguous cache, with plain
 # PyTorch attention. The engine mixed the prompts in one batch, cut prompts into chunks, reused
@@ -519,6 +622,9 @@ assert sum(s.preemptions for s in stats_small) > 0
 # - A step has two budgets: tokens (compute) and free blocks (memory). `plan_iteration` gives each
 #   candidate `min(next_chunk, budget)` tokens, stops when the budget is spent, and skips a
 #   candidate whose `extra_blocks` do not fit.
+# - Skipping lets small requests overtake a large one, forever under a steady stream. labkit's
+#   `Scheduler`, like vLLM, stops admitting at the first waiting request that does not fit:
+#   no starvation, at the cost of a longer wait for the small ones.
 # - `extra_blocks` counts the new blocks for the slots, a private copy of a shared, partly filled
 #   tail (copy-on-write), and cached blocks revived from the free queue by a prefix hit.
 # - Long prompts are split across steps (chunked prefill), and one step mixes prompt chunks with

@@ -12,7 +12,9 @@ formula takes ``num_kv_heads``, never the number of query heads.
 Everything else in this module builds on that one line:
 
 * :class:`ModelShape` holds the four numbers of a real model, read from its
-  ``config.json`` (:data:`PRESETS`, :meth:`ModelShape.from_config`), and the
+  ``config.json`` (:data:`PRESETS`, built by :meth:`ModelShape.from_config` from the
+  excerpts in :data:`PRESET_CONFIGS`), with the longest context the model was
+  built for (``max_position_embeddings``), and the
   article's teaching model (:data:`TEACHING_MODEL`: 32 layers, 8 KV heads,
   head dim 128, 2 bytes: 128 KiB per token).
 * :func:`shard` gives the share of one device when a model is split: tensor
@@ -40,7 +42,7 @@ from .paging import blocks_needed
 
 __all__ = [
     "KiB", "MiB", "GiB", "DTYPE_BYTES", "element_size", "bytes_per_token", "cache_bytes", "blocks_needed",
-    "ModelShape", "TEACHING_MODEL", "PRESETS", "kv_heads_per_device", "pipeline_stages", "shard",
+    "ModelShape", "TEACHING_MODEL", "PRESET_CONFIGS", "PRESETS", "kv_heads_per_device", "pipeline_stages", "shard",
     "kv_pool_bytes", "sequences_that_fit", "format_bytes",
 ]
 
@@ -66,10 +68,11 @@ def _check_int(name: str, value: object, minimum: int) -> int:
     return int(value)
 
 
-def _check_bytes(name: str, value: object) -> float:
-    """A memory size in bytes: a real number >= 0 (sizes like 1.5 GiB need not be whole)."""
-    if isinstance(value, bool) or not isinstance(value, numbers.Real) or not value >= 0:
-        raise ValueError(f"{name} must be a number of bytes >= 0, got {value!r}")
+def _check_bytes(name: str, value: object, *, positive: bool = False) -> float:
+    """A memory size in bytes: a real number >= 0, or > 0 when ``positive`` (1.5 GiB need not be whole)."""
+    ok = not isinstance(value, bool) and isinstance(value, numbers.Real) and (value > 0 if positive else value >= 0)
+    if not ok:
+        raise ValueError(f"{name} must be a number of bytes {'>' if positive else '>='} 0, got {value!r}")
     return value
 
 
@@ -141,7 +144,13 @@ class ModelShape:
       decoupled RoPE key), shared by all heads: ``num_kv_heads`` is 1 and there is
       no factor 2.
 
-    ``num_attention_heads`` (query heads) is kept only to show the GQA mistake.
+    ``num_attention_heads`` (query heads) is kept only to show the GQA mistake; with
+    GQA each KV head serves a whole group of query heads, so it must be a multiple
+    of ``num_kv_heads``.
+
+    ``max_position_embeddings`` is the longest context the model was built for, as
+    its ``config.json`` states it (``None`` when unknown). The formula gives bytes
+    for any length; :meth:`beyond_context` says when a length is past that limit.
     """
 
     name: str
@@ -154,12 +163,18 @@ class ModelShape:
     sliding_layers: tuple[int, ...] = field(default=(), repr=False)
     latent: bool = False
     source: str = field(default="", repr=False)
+    max_position_embeddings: int | None = None
 
     def __post_init__(self) -> None:
         for name in ("num_layers", "num_kv_heads", "head_dim", "dtype_bytes"):
             _check_int(name, getattr(self, name), 1)
         if self.num_attention_heads is not None:
-            _check_int("num_attention_heads", self.num_attention_heads, self.num_kv_heads)
+            heads = _check_int("num_attention_heads", self.num_attention_heads, 1)
+            if heads % self.num_kv_heads:
+                raise ValueError(f"num_attention_heads must be a multiple of num_kv_heads ({self.num_kv_heads}): "
+                                 f"each KV head serves a whole group of query heads, got {heads}")
+        if self.max_position_embeddings is not None:
+            _check_int("max_position_embeddings", self.max_position_embeddings, 1)
         if self.latent and self.num_kv_heads != 1:
             raise ValueError(f"num_kv_heads must be 1 for a latent (MLA) cache, got {self.num_kv_heads}")
         if self.sliding_window is not None:
@@ -196,6 +211,15 @@ class ModelShape:
         per_layer = self.bytes_per_token_per_layer()
         return ((self.num_layers - windowed) * length + windowed * kept) * per_layer
 
+    def beyond_context(self, length: int) -> bool:
+        """True when ``length`` tokens exceed ``max_position_embeddings`` (False when it is unknown).
+
+        The bytes of such a request are still what the formula says; the model
+        just was not built (or trained) to attend over that many positions.
+        """
+        length = _check_int("length", length, 0)
+        return self.max_position_embeddings is not None and length > self.max_position_embeddings
+
     def block_bytes(self, block_size: int) -> int:
         """Bytes of one cache block of ``block_size`` token slots (chapter 03's unit)."""
         return _check_int("block_size", block_size, 1) * self.bytes_per_token()
@@ -218,7 +242,8 @@ class ModelShape:
         Uses ``num_hidden_layers``, ``num_key_value_heads`` (default: as many as
         ``num_attention_heads``, i.e. no GQA), ``head_dim`` (default ``hidden_size //
         num_attention_heads``) and ``torch_dtype`` (or ``dtype``; the ``dtype``
-        argument overrides it). Also understood: ``sliding_window`` with
+        argument overrides it), and ``max_position_embeddings`` when present.
+        Also understood: ``sliding_window`` with
         ``layer_types`` (Gemma-2 style) or ``use_sliding_window``, and DeepSeek's
         ``kv_lora_rank`` + ``qk_rope_head_dim`` (a latent MLA cache).
         """
@@ -255,35 +280,63 @@ class ModelShape:
             kwargs.update(sliding_window=window, sliding_layers=layers)
         return cls(name=name or config.get("_name_or_path", "") or "model", num_layers=num_layers,
                    num_kv_heads=kv_heads, head_dim=head_dim, dtype_bytes=element_size(dtype),
-                   num_attention_heads=None if kwargs.get("latent") else num_heads, source=source, **kwargs)
+                   num_attention_heads=None if kwargs.get("latent") else num_heads, source=source,
+                   max_position_embeddings=config.get("max_position_embeddings"), **kwargs)
 
 
 # The article's teaching model (§02). It matches no particular checkpoint.
 TEACHING_MODEL = ModelShape("teaching model", num_layers=32, num_kv_heads=8, head_dim=128, dtype_bytes=2,
                             num_attention_heads=32, source="the article, §02 (a model for arithmetic only)")
 
-# Real shapes, from each model's config.json on the Hugging Face Hub (bf16 weights, so 2-byte caches).
-PRESETS: dict[str, ModelShape] = {shape.name: shape for shape in [
-    TEACHING_MODEL,
-    ModelShape("Llama-3-8B", num_layers=32, num_kv_heads=8, head_dim=128, num_attention_heads=32,
-               source="meta-llama/Meta-Llama-3-8B config.json: 32 layers, 32 heads, 8 KV heads, hidden 4096"),
-    ModelShape("Llama-3-70B", num_layers=80, num_kv_heads=8, head_dim=128, num_attention_heads=64,
-               source="meta-llama/Meta-Llama-3-70B config.json: 80 layers, 64 heads, 8 KV heads, hidden 8192"),
-    ModelShape("Mistral-7B-v0.1", num_layers=32, num_kv_heads=8, head_dim=128, num_attention_heads=32,
-               sliding_window=4096, sliding_layers=tuple(range(32)),
-               source="mistralai/Mistral-7B-v0.1 config.json: 32 layers, 32 heads, 8 KV heads, hidden 4096, "
-                      "sliding_window 4096 on every layer"),
-    ModelShape("Qwen2.5-7B", num_layers=28, num_kv_heads=4, head_dim=128, num_attention_heads=28,
-               source="Qwen/Qwen2.5-7B config.json: 28 layers, 28 heads, 4 KV heads, hidden 3584 "
-                      "(use_sliding_window false)"),
-    ModelShape("Gemma-2-9B", num_layers=42, num_kv_heads=8, head_dim=256, num_attention_heads=16,
-               sliding_window=4096, sliding_layers=tuple(range(0, 42, 2)),
-               source="google/gemma-2-9b config.json: 42 layers, 16 heads, 8 KV heads, head_dim 256, "
-                      "sliding_window 4096; even layers local, odd global (transformers Gemma2Config layer_types)"),
-    ModelShape("DeepSeek-V3", num_layers=61, num_kv_heads=1, head_dim=512 + 64, latent=True,
-               source="deepseek-ai/DeepSeek-V3 config.json: 61 layers, kv_lora_rank 512 + qk_rope_head_dim 64 "
-                      "(MLA: one latent vector per token and layer)"),
-]}
+# Excerpts of each model's config.json on the Hugging Face Hub: the keys that decide the
+# cache, transcribed by hand from the public files named in "_name_or_path" (this book
+# cannot download them). PRESETS below is built from them by ModelShape.from_config, so
+# the presets go through the same parsing path as any config.json a reader loads.
+PRESET_CONFIGS: dict[str, dict[str, Any]] = {
+    "Llama-3-8B": {"_name_or_path": "meta-llama/Meta-Llama-3-8B", "model_type": "llama", "hidden_size": 4096,
+                   "num_hidden_layers": 32, "num_attention_heads": 32, "num_key_value_heads": 8,
+                   "max_position_embeddings": 8192, "torch_dtype": "bfloat16"},
+    "Llama-3-70B": {"_name_or_path": "meta-llama/Meta-Llama-3-70B", "model_type": "llama", "hidden_size": 8192,
+                    "num_hidden_layers": 80, "num_attention_heads": 64, "num_key_value_heads": 8,
+                    "max_position_embeddings": 8192, "torch_dtype": "bfloat16"},
+    "Mistral-7B-v0.1": {"_name_or_path": "mistralai/Mistral-7B-v0.1", "model_type": "mistral", "hidden_size": 4096,
+                        "num_hidden_layers": 32, "num_attention_heads": 32, "num_key_value_heads": 8,
+                        "sliding_window": 4096, "max_position_embeddings": 32768, "torch_dtype": "bfloat16"},
+    "Qwen2.5-7B": {"_name_or_path": "Qwen/Qwen2.5-7B", "model_type": "qwen2", "hidden_size": 3584,
+                   "num_hidden_layers": 28, "num_attention_heads": 28, "num_key_value_heads": 4,
+                   "sliding_window": 131072, "use_sliding_window": False, "max_position_embeddings": 131072,
+                   "torch_dtype": "bfloat16"},
+    "Gemma-2-9B": {"_name_or_path": "google/gemma-2-9b", "model_type": "gemma2", "hidden_size": 3584,
+                   "num_hidden_layers": 42, "num_attention_heads": 16, "num_key_value_heads": 8, "head_dim": 256,
+                   "sliding_window": 4096, "max_position_embeddings": 8192, "torch_dtype": "float32"},
+    "DeepSeek-V3": {"_name_or_path": "deepseek-ai/DeepSeek-V3", "model_type": "deepseek_v3", "hidden_size": 7168,
+                    "num_hidden_layers": 61, "num_attention_heads": 128, "num_key_value_heads": 128,
+                    "kv_lora_rank": 512, "qk_rope_head_dim": 64, "qk_nope_head_dim": 128, "v_head_dim": 128,
+                    "max_position_embeddings": 163840, "torch_dtype": "bfloat16"},
+}
+
+_PRESET_NOTES = {
+    "Mistral-7B-v0.1": "the window applies to every layer",
+    "Qwen2.5-7B": "the base model's file; use_sliding_window is false, so no layer uses the window; "
+                  "max_position_embeddings unverified: the Instruct model's file says 32,768",
+    "Gemma-2-9B": "the file does not list which layers are local: even layers local, odd global, as in "
+                  "transformers' Gemma2Config layer_types; checkpoint stored in float32, cache assumed bf16 as served",
+    "DeepSeek-V3": "MLA: one latent vector of kv_lora_rank + qk_rope_head_dim elements per token and layer",
+}
+
+
+def _preset(name: str) -> ModelShape:
+    """A preset read from its config.json excerpt, with a 2-byte (bf16) cache as served."""
+    config = PRESET_CONFIGS[name]
+    keys = ", ".join(f"{k} {v}" for k, v in config.items() if not k.startswith("_") and k != "model_type")
+    note = f" ({_PRESET_NOTES[name]})" if name in _PRESET_NOTES else ""
+    source = f"{config['_name_or_path']} config.json, transcribed: {keys}{note}"
+    return ModelShape.from_config(config, name=name, dtype="bfloat16", source=source)
+
+
+# The presets: the teaching model, then real shapes read from the excerpts above.
+PRESETS: dict[str, ModelShape] = {TEACHING_MODEL.name: TEACHING_MODEL} | {
+    name: _preset(name) for name in PRESET_CONFIGS}
 
 
 # --------------------------------------------------------------------------- sharding
@@ -343,8 +396,8 @@ def shard(shape: ModelShape, tensor_parallel: int = 1, pipeline_parallel: int = 
 
 
 def kv_pool_bytes(device_bytes: float, reserved_bytes: float) -> float:
-    """Memory left for the KV cache: the device minus weights, workspace and any reserve."""
-    device_bytes = _check_bytes("device_bytes", device_bytes)
+    """Memory left for the KV cache: the device (> 0 bytes) minus weights, workspace and any reserve."""
+    device_bytes = _check_bytes("device_bytes", device_bytes, positive=True)
     reserved_bytes = _check_bytes("reserved_bytes", reserved_bytes)
     if reserved_bytes > device_bytes:
         raise ValueError(f"reserved_bytes must be in [0, device_bytes={device_bytes:,}], got {reserved_bytes:,}")

@@ -45,7 +45,8 @@ __all__ = ["Device", "DEVICES", "ModelCost", "MODEL_COSTS", "CostModel", "get_de
 class Device:
     """An accelerator as its datasheet describes it.
 
-    ``memory_bytes`` is the memory a program can use, ``memory_bandwidth`` in
+    ``memory_bytes`` is the capacity the datasheet states (the physical memory; what a
+    program can allocate is lower, see ``DEVICES``), ``memory_bandwidth`` in
     bytes per second (decimal: 1 TB/s = 10**12 B/s, as datasheets write it) and
     ``peak_flops`` the dense (no sparsity) bf16/fp16 tensor-core rate with fp32
     accumulation, in operations per second.
@@ -69,8 +70,10 @@ class Device:
         return self.peak_flops / self.memory_bandwidth
 
 
-# Datasheet figures. Memory chips come in binary sizes: an "80 GB" H100 holds 80 GiB
-# of HBM3 and a "24 GB" RTX 4090 twelve 2 GiB GDDR6X chips, so capacities are in GiB.
+# Datasheet figures. Capacities are the datasheets' "80 GB" / "24 GB", read here as binary
+# GiB (memory chips come in binary sizes). That is the physical capacity: the memory a
+# program can allocate is lower (the driver and CUDA context take some, and so does ECC
+# where it is enabled), so a real engine sizes its pool from the free memory it measures.
 DEVICES: dict[str, Device] = {d.name: d for d in [
     Device("H100 SXM", 80 * GiB, 3.35e12, 989.4e12,
            source="NVIDIA H100 datasheet: 80 GB HBM3, 3.35 TB/s, BF16 tensor 1,979 TFLOPS with sparsity "

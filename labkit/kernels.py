@@ -26,14 +26,21 @@ Each has a ``*_ref`` twin in plain PyTorch that gathers the blocks into a contig
 tensor and runs textbook attention. The references are the definition; the tests
 prove the kernels against them. The public functions check their arguments, then
 run the Triton kernel, or the reference when Triton cannot run here
-(``fallback_reason`` says why). Paging changes *where* K and V live, not what
-attention computes: no element is compressed and no position is skipped.
+(``fallback_reason`` says why) or when a compiled kernel fails to compile or launch on
+this GPU; either way a RuntimeWarning says so, once per reason. In the interpreter a
+failing kernel is a bug and raises. Index tensors (``block_tables``, ``seq_lens``,
+``cu_seqlens_q``, ``slot_mapping``) may be strided views: the wrappers hand the kernels
+dense copies. The caches must be dense in head_dim; other strides are fine.
+
+Paging changes *where* K and V live, not what attention computes: no element is
+compressed and no position is skipped.
 """
 
 from __future__ import annotations
 
 import math
 import warnings
+from typing import Callable, TypeVar
 
 import torch
 
@@ -49,6 +56,7 @@ except ImportError:  # pragma: no cover
 
 SUPPORTED_DTYPES = (torch.float32, torch.float16, torch.bfloat16)
 MAX_HEAD_DIM = 256
+T = TypeVar("T")
 LOG2E = 1.4426950408889634  # exp(x) = exp2(x * log2(e)); exp2 is the cheaper instruction on a GPU
 
 
@@ -126,11 +134,15 @@ def paged_prefill_attention_ref(q: torch.Tensor, k_cache: torch.Tensor, v_cache:
 
 def write_kv_ref(k: torch.Tensor, v: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
                  slot_mapping: torch.Tensor) -> None:
-    """Reference scatter: ``cache.view(-1, Hkv, D)[slot] = k[token]`` for every slot >= 0, in place."""
+    """Reference scatter, in place: token t goes to block ``slot // block_size``, offset ``slot % block_size``.
+
+    Tokens whose slot is -1 are skipped (padding, or positions a prefix cache already holds).
+    """
     keep = slot_mapping >= 0
     slots = slot_mapping[keep].long()
-    k_cache.view(-1, *k_cache.shape[2:])[slots] = k[keep]
-    v_cache.view(-1, *v_cache.shape[2:])[slots] = v[keep]
+    block_size = k_cache.shape[1]
+    k_cache[slots // block_size, slots % block_size] = k[keep]
+    v_cache[slots // block_size, slots % block_size] = v[keep]
 
 
 # ----------------------------------------------------------------------------------------------
@@ -152,20 +164,51 @@ def fallback_reason(dtype: torch.dtype, device: torch.device | str) -> str | Non
 
 
 _warned: set[str] = set()
+# Kernels that failed to compile or launch on this GPU, keyed by (kernel, dtype, head_dim): not retried.
+_failed_launches: dict[tuple[str, torch.dtype, int], str] = {}
+
+
+def _warn_once(reason: str, stacklevel: int = 4) -> None:
+    """Say once per distinct reason that the reference runs instead of Triton."""
+    if reason not in _warned:
+        _warned.add(reason)
+        warnings.warn(f"labkit.kernels runs its PyTorch reference instead of Triton: {reason}",
+                      RuntimeWarning, stacklevel=stacklevel)
 
 
 def _use_reference(dtype: torch.dtype, device: torch.device | str) -> bool:
     """True when the reference must run instead of Triton; says why, once per reason."""
     reason = fallback_reason(dtype, device)
-    if reason is not None and reason not in _warned:
-        _warned.add(reason)
-        warnings.warn(f"labkit.kernels runs its PyTorch reference instead of Triton: {reason}",
-                      RuntimeWarning, stacklevel=3)
+    if reason is not None:
+        _warn_once(reason)
     return reason is not None
 
 
 def _interpreted() -> bool:
     return RUNTIME.triton_mode == "interpreter"
+
+
+def _launch_or_reference(kernel: str, dtype: torch.dtype, head_dim: int,
+                         launch: Callable[[], T], reference: Callable[[], T]) -> T:
+    """Run ``launch`` (a Triton launch); on a GPU, fall back to ``reference`` if it cannot compile or launch.
+
+    A compiled Triton may not support every GPU or dtype (an old architecture, bf16 on a
+    new one before the compiler learns it). Then the first launch raises, we warn once,
+    naming the error, and this (kernel, dtype, head_dim) uses the PyTorch reference from
+    then on. In the interpreter there is no such excuse: a failure there is a bug in the
+    kernel or its arguments, and it propagates.
+    """
+    key = (kernel, dtype, head_dim)
+    if _interpreted():
+        return launch()
+    if key not in _failed_launches:
+        try:
+            return launch()
+        except Exception as err:  # noqa: BLE001 - any compiler or driver error: the reference still works
+            _failed_launches[key] = f"{type(err).__name__}: {err}"
+    _warn_once(f"the {kernel} kernel failed to compile or launch for {dtype}, head_dim {head_dim} "
+               f"({_failed_launches[key]})")
+    return reference()
 
 
 # ----------------------------------------------------------------------------------------------
@@ -183,7 +226,13 @@ def _check_tensor(name: str, t: object, dim: int, dtypes: tuple[torch.dtype, ...
     return t
 
 
-def _check_caches(k_cache: object, v_cache: object, dtype: torch.dtype, device: torch.device) -> None:
+def _check_caches(k_cache: object, v_cache: object, like: str, ref: torch.Tensor) -> None:
+    """The two pools: same shape and strides, ``ref``'s dtype and device, head_dim contiguous.
+
+    ``like`` names the tensor the caches must agree with (q for attention, k for write_kv).
+    Only the last dimension must be dense: the kernels address blocks, slots and heads
+    through strides, so a pool that is a view into a larger buffer works.
+    """
     _check_tensor("k_cache", k_cache, 4, SUPPORTED_DTYPES)
     _check_tensor("v_cache", v_cache, 4, SUPPORTED_DTYPES)
     if v_cache.shape != k_cache.shape:
@@ -191,14 +240,31 @@ def _check_caches(k_cache: object, v_cache: object, dtype: torch.dtype, device: 
     if v_cache.stride() != k_cache.stride():  # the kernels address both pools with one set of strides
         raise ValueError(f"v_cache must have the strides of k_cache {k_cache.stride()}, got {v_cache.stride()}")
     for name, t in (("k_cache", k_cache), ("v_cache", v_cache)):
-        if t.dtype != dtype:
-            raise ValueError(f"{name} must have the dtype of the queries/keys ({dtype}), got {t.dtype}")
-        if t.device != device:
-            raise ValueError(f"{name} must be on {device} like the other tensors, got {t.device}")
-        if t.stride(-1) != 1:
-            raise ValueError(f"{name} must be contiguous in head_dim (stride 1 in its last dimension)")
+        if t.device != ref.device:
+            raise ValueError(f"{name} must be on {like}'s device ({ref.device}), got {t.device}")
+        if t.dtype != ref.dtype:
+            raise ValueError(f"{name} dtype ({t.dtype}) must equal {like}'s dtype ({ref.dtype})")
+        if t.shape[-1] > 1 and t.stride(-1) != 1:
+            raise ValueError(f"{name} must be contiguous in head_dim (stride 1 in its last dimension), "
+                             f"got strides {t.stride()}")
     if not 1 <= k_cache.shape[3] <= MAX_HEAD_DIM:
         raise ValueError(f"k_cache head_dim must be in [1, {MAX_HEAD_DIM}], got {k_cache.shape[3]}")
+
+
+def _check_device(name: str, t: torch.Tensor, like: str, ref: torch.Tensor) -> None:
+    if t.device != ref.device:
+        raise ValueError(f"{name} must be on {like}'s device ({ref.device}), got {t.device}")
+
+
+def _dense(t: torch.Tensor) -> torch.Tensor:
+    """Index tensors (block_tables, seq_lens, cu_seqlens_q, slot_mapping) as the kernels read them.
+
+    The kernels find entry i of an index vector at ``ptr + i`` and entry (s, j) of a block
+    table at ``ptr + s * stride(0) + j``: a strided view such as ``block_tables[:, ::2]``
+    would be read wrongly. These tensors are tiny, so a dense copy (a no-op when already
+    dense) is cheaper than a kernel that handles every stride.
+    """
+    return t.contiguous()
 
 
 def _check_scale(scale: object) -> None:
@@ -219,7 +285,7 @@ def _check_out(out: object, q: torch.Tensor) -> None:
 
 def _check_attention_args(q, k_cache, v_cache, block_tables, seq_lens, num_seqs: int) -> None:
     """Shared checks of the two attention functions; ``q`` already checked for dim and dtype."""
-    _check_caches(k_cache, v_cache, q.dtype, q.device)
+    _check_caches(k_cache, v_cache, "q", q)
     num_blocks, block_size, num_kv_heads, head_dim = k_cache.shape
     if q.shape[-1] != head_dim:
         raise ValueError(f"q head_dim must equal k_cache head_dim {head_dim}, got {q.shape[-1]}")
@@ -227,9 +293,8 @@ def _check_attention_args(q, k_cache, v_cache, block_tables, seq_lens, num_seqs:
         raise ValueError(f"q num_heads ({q.shape[-2]}) must be a multiple of num_kv_heads ({num_kv_heads})")
     _check_tensor("block_tables", block_tables, 2, (torch.int32,))
     _check_tensor("seq_lens", seq_lens, 1, (torch.int32,))
-    for name, t in (("block_tables", block_tables), ("seq_lens", seq_lens)):
-        if t.device != q.device:
-            raise ValueError(f"{name} must be on {q.device} like q, got {t.device}")
+    _check_device("block_tables", block_tables, "q", q)
+    _check_device("seq_lens", seq_lens, "q", q)
     if block_tables.shape[0] != num_seqs or seq_lens.shape[0] != num_seqs:
         raise ValueError(f"block_tables and seq_lens must have num_seqs={num_seqs} rows, got "
                          f"{tuple(block_tables.shape)} and {tuple(seq_lens.shape)}")
@@ -598,27 +663,22 @@ def write_kv(k: torch.Tensor, v: torch.Tensor, k_cache: torch.Tensor, v_cache: t
              slot_mapping: torch.Tensor) -> None:
     """Scatter new keys and values into their cache slots, in place.
 
-    k, v: [num_tokens, num_kv_heads, head_dim], the dtype of the caches.
-    k_cache, v_cache: [num_blocks, block_size, num_kv_heads, head_dim].
+    k, v: [num_tokens, num_kv_heads, head_dim], the dtype of the caches (any strides).
+    k_cache, v_cache: [num_blocks, block_size, num_kv_heads, head_dim], dense in head_dim.
     slot_mapping: int32 or int64 [num_tokens]; token t goes to slot ``slot_mapping[t]``
     (block ``slot // block_size``, offset ``slot % block_size``); -1 skips the token.
     """
     _check_tensor("k", k, 3, SUPPORTED_DTYPES)
     _check_tensor("v", v, 3, SUPPORTED_DTYPES)
+    _check_device("v", v, "k", k)
     if v.shape != k.shape or v.dtype != k.dtype:
         raise ValueError(f"v must match k's shape {tuple(k.shape)} and dtype {k.dtype}, got {tuple(v.shape)} {v.dtype}")
-    _check_caches(k_cache, v_cache, k.dtype, k.device)
-    if v.device != k.device:
-        raise ValueError(f"v must be on {k.device} like k, got {v.device}")
+    _check_caches(k_cache, v_cache, "k", k)
     if tuple(k.shape[1:]) != tuple(k_cache.shape[2:]):
         raise ValueError(f"k must be [num_tokens, {k_cache.shape[2]}, {k_cache.shape[3]}] to match k_cache, "
                          f"got {tuple(k.shape)}")
-    for name, t in (("k", k), ("v", v)):
-        if t.stride(-1) != 1:
-            raise ValueError(f"{name} must be contiguous in head_dim (stride 1 in its last dimension)")
     _check_tensor("slot_mapping", slot_mapping, 1, (torch.int32, torch.int64))
-    if slot_mapping.device != k.device:
-        raise ValueError(f"slot_mapping must be on {k.device} like k, got {slot_mapping.device}")
+    _check_device("slot_mapping", slot_mapping, "k", k)
     if slot_mapping.shape[0] != k.shape[0]:
         raise ValueError(f"slot_mapping must have num_tokens={k.shape[0]} entries, got {slot_mapping.shape[0]}")
     num_slots = k_cache.shape[0] * k_cache.shape[1]
@@ -630,10 +690,16 @@ def write_kv(k: torch.Tensor, v: torch.Tensor, k_cache: torch.Tensor, v_cache: t
         kept = slot_mapping[slot_mapping >= 0]
         if kept.unique().numel() != kept.numel():
             raise ValueError("slot_mapping must not send two tokens to the same slot")
+    # The kernel reads k and v rows through their strides but needs head_dim dense.
+    k = k if k.stride(-1) == 1 else k.contiguous()
+    v = v if v.stride(-1) == 1 else v.contiguous()
+    slot_mapping = _dense(slot_mapping)
     if _use_reference(k.dtype, k.device):
         write_kv_ref(k, v, k_cache, v_cache, slot_mapping)
         return
-    _write_kv_triton(k, v, k_cache, v_cache, slot_mapping)
+    _launch_or_reference("write_kv", k.dtype, k.shape[-1],
+                         lambda: _write_kv_triton(k, v, k_cache, v_cache, slot_mapping),
+                         lambda: write_kv_ref(k, v, k_cache, v_cache, slot_mapping))
 
 
 def paged_decode_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
@@ -642,7 +708,7 @@ def paged_decode_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torc
     """Attention of one new query per sequence over its paged K/V.
 
     q: [num_seqs, num_heads, head_dim] (float32, float16 or bfloat16);
-    k_cache, v_cache: [num_blocks, block_size, num_kv_heads, head_dim], q's dtype;
+    k_cache, v_cache: [num_blocks, block_size, num_kv_heads, head_dim], q's dtype, dense in head_dim;
     block_tables: int32 [num_seqs, max_blocks_per_seq]; seq_lens: int32 [num_seqs], each >= 1
     and counting the query's own position, whose K/V are already in the cache.
     scale: default 1 / sqrt(head_dim). num_splits: None picks the split-K plan with
@@ -659,11 +725,15 @@ def paged_decode_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torc
     scale = 1.0 / math.sqrt(q.shape[-1]) if scale is None else float(scale)
     if q.shape[0] == 0:
         return torch.empty_like(q) if out is None else out
-    if q.stride(-1) != 1:
-        q = q.contiguous()
-    if _use_reference(q.dtype, q.device):
+    q = q if q.stride(-1) == 1 else q.contiguous()
+    block_tables, seq_lens = _dense(block_tables), _dense(seq_lens)
+
+    def reference() -> torch.Tensor:
         result = paged_decode_attention_ref(q, k_cache, v_cache, block_tables, seq_lens, scale)
         return result if out is None else out.copy_(result)
+
+    if _use_reference(q.dtype, q.device):
+        return reference()
     max_len = int(seq_lens.max())
     tiles = _tile_settings(q.dtype, q.shape[-1], max_len)
     if num_splits is None:
@@ -672,7 +742,11 @@ def paged_decode_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torc
     else:
         per_split = -(-max_len // num_splits)
         num_splits = -(-max_len // per_split)  # never an empty split at the end
-    return _decode_triton(q, k_cache, v_cache, block_tables, seq_lens, scale, num_splits, per_split, max_len, out)
+    return _launch_or_reference(
+        "paged_decode_attention", q.dtype, q.shape[-1],
+        lambda: _decode_triton(q, k_cache, v_cache, block_tables, seq_lens, scale, num_splits, per_split,
+                               max_len, out),
+        reference)
 
 
 def paged_prefill_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
@@ -691,8 +765,7 @@ def paged_prefill_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: tor
     _check_scale(scale)
     _check_out(out, q)
     _check_tensor("cu_seqlens_q", cu_seqlens_q, 1, (torch.int32,))
-    if cu_seqlens_q.device != q.device:
-        raise ValueError(f"cu_seqlens_q must be on {q.device} like q, got {cu_seqlens_q.device}")
+    _check_device("cu_seqlens_q", cu_seqlens_q, "q", q)
     if cu_seqlens_q.shape[0] < 1:
         raise ValueError("cu_seqlens_q must have num_seqs + 1 >= 1 entries")
     num_seqs = cu_seqlens_q.shape[0] - 1
@@ -710,12 +783,19 @@ def paged_prefill_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: tor
         raise ValueError(f"each sequence's query count (from cu_seqlens_q) must be <= its seq_lens entry, got "
                          f"q_lens {q_lens.tolist()} and seq_lens {seq_lens.tolist()}")
     scale = 1.0 / math.sqrt(q.shape[-1]) if scale is None else float(scale)
-    if q.stride(-1) != 1:
-        q = q.contiguous()
     if num_seqs == 0 or q.shape[0] == 0:
         return torch.empty_like(q) if out is None else out
-    if _use_reference(q.dtype, q.device):
+    q = q if q.stride(-1) == 1 else q.contiguous()
+    block_tables, seq_lens, cu_seqlens_q = _dense(block_tables), _dense(seq_lens), _dense(cu_seqlens_q)
+
+    def reference() -> torch.Tensor:
         result = paged_prefill_attention_ref(q, k_cache, v_cache, block_tables, seq_lens, cu_seqlens_q, scale)
         return result if out is None else out.copy_(result)
-    return _prefill_triton(q, k_cache, v_cache, block_tables, seq_lens, cu_seqlens_q, scale,
-                           int(q_lens.max()), int(seq_lens.max()), out)
+
+    if _use_reference(q.dtype, q.device):
+        return reference()
+    return _launch_or_reference(
+        "paged_prefill_attention", q.dtype, q.shape[-1],
+        lambda: _prefill_triton(q, k_cache, v_cache, block_tables, seq_lens, cu_seqlens_q, scale,
+                                int(q_lens.max()), int(seq_lens.max()), out),
+        reference)

@@ -52,6 +52,7 @@ from __future__ import annotations
 
 import hashlib
 import json
+import math
 from dataclasses import astuple, dataclass
 from typing import Callable, Iterable, Sequence
 
@@ -110,8 +111,11 @@ class CacheKey:
             if value is not None and not isinstance(value, str):
                 raise ValueError(f"{name} must be a string or None, got {value!r}")
         if isinstance(self.rope_theta, bool) or not isinstance(self.rope_theta, (int, float)) \
-                or not self.rope_theta > 0:
-            raise ValueError(f"rope_theta must be a number > 0, got {self.rope_theta!r}")
+                or not (math.isfinite(self.rope_theta) and self.rope_theta > 0):
+            raise ValueError(f"rope_theta must be a finite number > 0, got {self.rope_theta!r}")
+        # One spelling per value: 10000 and 10000.0 must give the same block hash, and the hash
+        # encodes the fields as JSON, where they would differ ("10000" vs "10000.0").
+        object.__setattr__(self, "rope_theta", float(self.rope_theta))
 
 
 HashFn = Callable[["str | None", "tuple[int, ...]", CacheKey], str]
@@ -559,6 +563,14 @@ def _check_token_ids(token_ids: object, min_len: int = 0) -> tuple[int, ...]:
     return tokens
 
 
+def _check_vocab(tokens: tuple[int, ...], vocab_size: int) -> None:
+    """Every id must name a row of the embedding table: [0, vocab_size)."""
+    if tokens and max(tokens) >= vocab_size:
+        bad = next(t for t in tokens if t >= vocab_size)
+        raise ValueError(f"prompt_ids must hold token ids in [0, {vocab_size - 1}] (the model's vocab_size is "
+                         f"{vocab_size}), found {bad}")
+
+
 # ---------------------------------------------------------------------------------------------
 # Prefix reuse with real tensors: the decoder's cache protocol on top of a PrefixCache
 # ---------------------------------------------------------------------------------------------
@@ -663,6 +675,7 @@ def generate_with_prefix_cache(model, kv: PrefixKVCache, prompt_ids: Sequence[in
     if max_new_tokens < 1:
         raise ValueError(f"max_new_tokens must be an integer >= 1, got {max_new_tokens!r}")
     prompt = _check_token_ids(prompt_ids, min_len=1)
+    _check_vocab(prompt, model.config.vocab_size)  # before begin(): a bad id must change nothing
     device = model.lm_head.weight.device
     num_cached = kv.begin(prompt, key)
     try:

@@ -20,7 +20,11 @@ and a decoding request asks for one token per step.
 * ``Request``: token ids, how many of them are computed (have K/V in the pool),
   the block table, the status (waiting, running, finished).
 * the *running* list (oldest first) and the *waiting* queue (first come, first
-  served). Running requests are candidates before waiting ones.
+  served). Running requests are candidates before waiting ones. One rule is added
+  to the article's pass, as in vLLM: once a waiting request is skipped because its
+  blocks do not fit, no request behind it is admitted in that step (``head_of_line``).
+  Otherwise small newcomers could take every block that frees up, and a large
+  request at the head of the queue would wait forever.
 * a ``PrefixCache`` (chapter 04): a waiting request's cached prefix is looked up
   just before its turn; those tokens count as computed and are not recomputed.
 * **preemption by recompute** (as vLLM does): when the running requests' next
@@ -61,6 +65,8 @@ __all__ = [
 
 
 def _check_int(name: str, value: object, minimum: int) -> None:
+    if type(value) is int and value >= minimum:  # the common case, checked fast (bool is not int here)
+        return
     if not isinstance(value, int) or isinstance(value, bool) or value < minimum:
         raise ValueError(f"{name} must be an integer >= {minimum}, got {value!r}")
 
@@ -303,6 +309,9 @@ class Scheduler:
     ``priority``: ``None`` serves the waiting queue first come, first served; a key
     function reorders it before each step (smaller first), e.g. shortest prompt first.
     ``cache_key``: the computation identity for prefix hashing (chapter 04).
+    ``head_of_line``: ``True`` (as vLLM): once a waiting request does not get its
+    blocks, no request behind it in the queue is admitted in that step, so no request
+    starves. ``False``: the article's rule, a later, smaller request may pass it.
 
     Use: ``add_request`` any time; each step ``step = schedule()``, run the model on
     ``step.chunks``, then ``postprocess(step, sampled_token_ids)``.
@@ -311,7 +320,7 @@ class Scheduler:
     def __init__(self, num_blocks: int | None = None, block_size: int = 16, max_num_batched_tokens: int = 256,
                  *, enable_prefix_caching: bool = True, allocator: BlockAllocator | None = None,
                  prefix_cache: PrefixCache | None = None, priority: Callable[[Request], Any] | None = None,
-                 cache_key: CacheKey = CacheKey()):
+                 cache_key: CacheKey = CacheKey(), head_of_line: bool = True):
         _check_int("block_size", block_size, 1)
         _check_int("max_num_batched_tokens", max_num_batched_tokens, 1)
         if prefix_cache is not None:
@@ -333,6 +342,7 @@ class Scheduler:
         self.enable_prefix_caching = bool(enable_prefix_caching)
         self.priority = priority
         self.cache_key = cache_key
+        self.head_of_line = bool(head_of_line)
         self.waiting: deque[Request] = deque()
         self.running: list[Request] = []
         self.finished: list[Request] = []
@@ -468,6 +478,10 @@ class Scheduler:
 
         A generator, so that each request's shared tail and prefix hit are looked at
         just before its turn, after the requests before it reserved their blocks.
+        With ``head_of_line``, the first waiting request that ``plan_iteration`` skips
+        (its blocks did not fit) ends the waiting candidates of this step: the article's
+        ``continue`` would let smaller requests behind it take the blocks that free up,
+        step after step, and a large request could wait forever.
         """
         for request in list(self.running):
             self._refresh_tail(request)
@@ -479,6 +493,8 @@ class Scheduler:
             self._look_up_prefix(request)
             self._record_turn(request, waiting=True)
             yield request
+            if self.head_of_line and request.status is RequestStatus.WAITING:
+                return  # it did not fit: nobody queued behind it may pass it (no starvation)
 
     def _record_turn(self, request: Request, waiting: bool) -> None:
         """Note what ``plan_iteration`` is about to see for ``request`` (for ``Step.decisions``)."""

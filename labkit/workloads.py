@@ -13,7 +13,9 @@ arrival time, the prompt's token ids and how many tokens the answer will have.
   means the PagedAttention paper reports (ShareGPT 161.31 prompt / 337.99
   output tokens, Alpaca 19.31 / 58.45) and choose its *spread* ``sigma``
   ourselves (the paper shows histograms, not parameters): an assumption, stated.
-  Lengths are clipped to the model's context as the paper's traces were.
+  Lengths are clipped so that a request fits a 2,048-token context: the book's
+  assumption (vLLM's benchmark scripts filter ShareGPT samples by length in a
+  similar way), not a property of the paper's traces.
 * **Shared prefixes**: a share of requests can start with the same document
   (the same token ids), the case chapter 04's prefix cache serves.
 
@@ -82,7 +84,8 @@ class LengthProfile:
 SHAREGPT = LengthProfile(
     "ShareGPT-like", prompt_mean=161.31, output_mean=337.99, prompt_sigma=1.0, output_sigma=0.9,
     source="means from the PagedAttention paper (Kwon et al. 2023, ShareGPT); log-normal spreads assumed; "
-           "prompt and output each clipped to 1,024 so a request fits OPT's 2,048-token context")
+           "prompt and output each clipped to 1,024 so a request fits a 2,048-token context (the book's "
+           "assumption, resembling vLLM's benchmark length filter)")
 ALPACA = LengthProfile(
     "Alpaca-like", prompt_mean=19.31, output_mean=58.45, prompt_sigma=0.6, output_sigma=0.8,
     source="means from the PagedAttention paper (Kwon et al. 2023, Alpaca); log-normal spreads assumed")

@@ -122,7 +122,9 @@ def slider(page, label: str):
 
 
 def readout_number(page, label: str) -> float:
-    return float(slider(page, label).locator(".widget-readout").inner_text().replace(",", ""))
+    """The number a slider's readout shows. text_content, not inner_text: JupyterLab skips rendering
+    cells that are out of view (CSS content-visibility), and inner_text is empty for those."""
+    return float(slider(page, label).locator(".widget-readout").text_content().strip().replace(",", ""))
 
 
 def test_capacity_explorer_in_chromium(jupyter_lab, tmp_path):
@@ -170,6 +172,7 @@ def test_capacity_explorer_in_chromium(jupyter_lab, tmp_path):
                 return capacity.sequences_that_fit(per_request, readout_number(page, "device memory (GiB)") * GiB,
                                                    readout_number(page, "set aside (GiB)") * GiB)
 
+            page.locator(".capacity-explorer").scroll_into_view_if_needed()  # as a reader would, before reading
             before = expected_fit()
             assert before == 7  # the default setting is the article's 24 GiB device with 17 GiB set aside
             sync_api.expect(fit).to_have_text(f"{before:,}")

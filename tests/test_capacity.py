@@ -115,34 +115,71 @@ def test_format_bytes_with_a_unit_parses_back_to_the_value():
 # ------------------------------------------------------------------ presets and config.json
 
 
-CONFIGS = {  # excerpts of each model's config.json, as published
-    "Llama-3-8B": {"hidden_size": 4096, "num_hidden_layers": 32, "num_attention_heads": 32,
-                   "num_key_value_heads": 8, "torch_dtype": "bfloat16"},
-    "Llama-3-70B": {"hidden_size": 8192, "num_hidden_layers": 80, "num_attention_heads": 64,
-                    "num_key_value_heads": 8, "torch_dtype": "bfloat16"},
-    "Mistral-7B-v0.1": {"hidden_size": 4096, "num_hidden_layers": 32, "num_attention_heads": 32,
-                        "num_key_value_heads": 8, "sliding_window": 4096, "torch_dtype": "bfloat16"},
-    "Qwen2.5-7B": {"hidden_size": 3584, "num_hidden_layers": 28, "num_attention_heads": 28,
-                   "num_key_value_heads": 4, "sliding_window": 131072, "use_sliding_window": False,
-                   "torch_dtype": "bfloat16"},
-    "Gemma-2-9B": {"model_type": "gemma2", "hidden_size": 3584, "num_hidden_layers": 42,
-                   "num_attention_heads": 16, "num_key_value_heads": 8, "head_dim": 256,
-                   "sliding_window": 4096, "torch_dtype": "float32"},
-    "DeepSeek-V3": {"hidden_size": 7168, "num_hidden_layers": 61, "num_attention_heads": 128,
-                    "num_key_value_heads": 128, "kv_lora_rank": 512, "qk_rope_head_dim": 64,
-                    "qk_nope_head_dim": 128, "v_head_dim": 128, "torch_dtype": "bfloat16"},
-}
+# transformers' own config classes: an independent reading of the same config.json keys.
+HF_CONFIG_CLASSES = {"llama": "LlamaConfig", "mistral": "MistralConfig", "qwen2": "Qwen2Config",
+                     "gemma2": "Gemma2Config", "deepseek_v3": "DeepseekV3Config"}
 
 
-@pytest.mark.parametrize("name", list(CONFIGS))
-def test_presets_are_what_their_config_json_says(name):
-    # Gemma-2's checkpoint is stored in float32 but served in bf16: the preset assumes a 2-byte cache.
-    loaded = ModelShape.from_config(CONFIGS[name], name=name, dtype="bfloat16")
-    preset = PRESETS[name]
-    for field in ["num_layers", "num_kv_heads", "head_dim", "dtype_bytes", "num_attention_heads",
-                  "sliding_window", "sliding_layers", "latent"]:
-        assert getattr(loaded, field) == getattr(preset, field), field
-    assert preset.source
+def hf_config(excerpt: dict):
+    """The excerpt loaded by the transformers class its model_type names."""
+    import transformers
+
+    cls = getattr(transformers, HF_CONFIG_CLASSES[excerpt["model_type"]])
+    return cls(**{k: v for k, v in excerpt.items() if not k.startswith("_") and k != "torch_dtype"})
+
+
+@pytest.mark.parametrize("name", list(capacity.PRESET_CONFIGS))
+def test_presets_are_read_from_their_config_excerpts_as_transformers_reads_them(name):
+    """Each preset is ModelShape.from_config applied to its config.json excerpt, and agrees with transformers.
+
+    The excerpts in capacity.PRESET_CONFIGS are transcribed by hand from the public
+    config.json files named in each preset's source (they cannot be downloaded here),
+    so this test cannot prove the transcription right; FACTS.md's sizes are checked in
+    the next test. What it does check is the parsing path: the preset is exactly what
+    from_config makes of the excerpt, and from_config reads every key the way
+    transformers' own config class for that model_type does (head_dim derived from
+    hidden_size, GQA heads, sliding-window layers, MLA ranks, the context limit).
+    """
+    excerpt, preset = capacity.PRESET_CONFIGS[name], PRESETS[name]
+    assert preset == ModelShape.from_config(excerpt, name=name, dtype="bfloat16", source=preset.source)
+    assert excerpt["_name_or_path"] in preset.source
+
+    hf = hf_config(excerpt)
+    assert preset.num_layers == hf.num_hidden_layers
+    assert preset.max_position_embeddings == hf.max_position_embeddings
+    assert preset.dtype_bytes == 2  # every preset assumes a bf16 cache, as served
+    if preset.latent:  # MLA: one latent vector of kv_lora_rank + qk_rope_head_dim per token and layer
+        assert (preset.num_kv_heads, preset.head_dim) == (1, hf.kv_lora_rank + hf.qk_rope_head_dim)
+        return
+    assert preset.num_attention_heads == hf.num_attention_heads
+    assert preset.num_kv_heads == hf.num_key_value_heads
+    assert preset.head_dim == (getattr(hf, "head_dim", None) or hf.hidden_size // hf.num_attention_heads)
+    layer_types = getattr(hf, "layer_types", None)
+    if layer_types is not None:  # transformers lists, layer by layer, which ones use the window
+        expected = tuple(i for i, t in enumerate(layer_types) if t == "sliding_attention")
+    else:  # MistralConfig: one window for every layer, when there is one
+        expected = tuple(range(hf.num_hidden_layers)) if getattr(hf, "sliding_window", None) else ()
+    assert preset.sliding_layers == expected
+    assert preset.sliding_window == (hf.sliding_window if expected else None)
+
+
+def test_from_config_reads_the_context_limit():
+    cfg = capacity.PRESET_CONFIGS["Llama-3-8B"]
+    assert ModelShape.from_config(cfg).max_position_embeddings == cfg["max_position_embeddings"]
+    without = {k: v for k, v in cfg.items() if k != "max_position_embeddings"}
+    assert ModelShape.from_config(without).max_position_embeddings is None
+
+
+def test_beyond_context_is_a_comparison_with_max_position_embeddings():
+    rng = random.Random(11)
+    for _ in range(50):
+        limit = rng.choice([None, rng.randint(1, 200_000)])
+        shape = ModelShape("m", 2, 2, 8, max_position_embeddings=limit)
+        for length in [0, 1, rng.randint(0, 300_000)] + ([limit - 1, limit, limit + 1] if limit else []):
+            assert shape.beyond_context(length) == (limit is not None and length > limit)
+            assert shape.cache_bytes(length) == length * shape.bytes_per_token()  # the bytes do not change
+    shard = capacity.shard(PRESETS["Llama-3-70B"], tensor_parallel=8, pipeline_parallel=2)
+    assert shard.max_position_embeddings == PRESETS["Llama-3-70B"].max_position_embeddings
 
 
 def test_preset_sizes_match_the_facts_table():
@@ -158,10 +195,10 @@ def test_from_config_defaults_and_overrides():
     mha = ModelShape.from_config({"hidden_size": 256, "num_hidden_layers": 2, "num_attention_heads": 4,
                                   "num_key_value_heads": None, "torch_dtype": "float16"})
     assert (mha.num_kv_heads, mha.head_dim, mha.dtype_bytes) == (4, 64, 2)
-    cfg = dict(CONFIGS["Llama-3-8B"])
+    cfg = dict(capacity.PRESET_CONFIGS["Llama-3-8B"])
     assert ModelShape.from_config(cfg, dtype="fp8").dtype_bytes == 1
     assert ModelShape.from_config(cfg | {"dtype": "float32", "torch_dtype": None}).dtype_bytes == 4
-    gemma_new = CONFIGS["Gemma-2-9B"] | {"layer_types": ["sliding_attention", "full_attention"] * 21}
+    gemma_new = capacity.PRESET_CONFIGS["Gemma-2-9B"] | {"layer_types": ["sliding_attention", "full_attention"] * 21}
     assert ModelShape.from_config(gemma_new).sliding_layers == tuple(range(0, 42, 2))
     with pytest.raises(ValueError, match="torch_dtype"):
         ModelShape.from_config({k: v for k, v in cfg.items() if k != "torch_dtype"})
@@ -293,7 +330,7 @@ def test_sequences_that_fit_the_articles_device():
 def test_sequences_that_fit_against_integer_division():
     rng = random.Random(7)
     for _ in range(200):
-        per_seq, device = rng.randint(1, 2**32), rng.randint(0, 2**40)
+        per_seq, device = rng.randint(1, 2**32), rng.randint(1, 2**40)
         reserved = rng.randint(0, device)
         assert capacity.sequences_that_fit(per_seq, device, reserved) == (device - reserved) // per_seq
     assert capacity.sequences_that_fit(GiB, 1.5 * GiB, 0.25 * GiB) == 1  # fractional GiB are fine
@@ -323,8 +360,14 @@ def test_cache_bytes_refuses_bad_input(kwargs, message):
 def test_capacity_refuses_bad_memory_sizes():
     with pytest.raises(ValueError, match=r"reserved_bytes must be in \[0, device_bytes="):
         capacity.sequences_that_fit(GiB, 24 * GiB, 25 * GiB)
-    with pytest.raises(ValueError, match="device_bytes must be a number of bytes >= 0"):
-        capacity.kv_pool_bytes(-1, 0)
+    for device in [0, 0.0, -1, float("nan"), "24 GiB", True]:
+        with pytest.raises(ValueError, match=re.escape(f"device_bytes must be a number of bytes > 0, got {device!r}")):
+            capacity.kv_pool_bytes(device, 0)
+        with pytest.raises(ValueError, match="device_bytes must be a number of bytes > 0"):
+            capacity.sequences_that_fit(1, device, 0)
+    assert capacity.kv_pool_bytes(GiB, GiB) == 0  # a device may have nothing left for the cache
+    with pytest.raises(ValueError, match="reserved_bytes must be a number of bytes >= 0, got -1"):
+        capacity.kv_pool_bytes(GiB, -1)
     with pytest.raises(ValueError, match="reserved_bytes must be a number of bytes >= 0"):
         capacity.kv_pool_bytes(GiB, float("nan"))
     with pytest.raises(ValueError, match="bytes_per_sequence must be an integer >= 1"):
@@ -342,6 +385,23 @@ def test_model_shape_refuses_bad_fields():
         ModelShape("x", 2, 2, 8, sliding_layers=(0,))
     with pytest.raises(ValueError, match="block_size must be an integer >= 1"):
         TEACHING_MODEL.block_bytes(0)
+    with pytest.raises(ValueError, match="max_position_embeddings must be an integer >= 1, got 0"):
+        ModelShape("x", 2, 2, 8, max_position_embeddings=0)
+    with pytest.raises(ValueError, match="length must be an integer >= 0, got -1"):
+        TEACHING_MODEL.beyond_context(-1)
+
+
+@pytest.mark.parametrize("heads, kv_heads", [(12, 8), (7, 2), (4, 8), (1, 3)])
+def test_query_heads_must_be_a_multiple_of_kv_heads(heads, kv_heads):
+    message = re.escape(f"num_attention_heads must be a multiple of num_kv_heads ({kv_heads})") + r".*got " + str(heads)
+    with pytest.raises(ValueError, match=message):
+        ModelShape("x", 2, kv_heads, 8, num_attention_heads=heads)
+    config = {"num_hidden_layers": 2, "num_attention_heads": heads, "num_key_value_heads": kv_heads,
+              "head_dim": 8, "torch_dtype": "bfloat16"}
+    with pytest.raises(ValueError, match=message):
+        ModelShape.from_config(config)
+    for groups in [1, 2, 3]:  # whole groups are fine
+        assert ModelShape("x", 2, kv_heads, 8, num_attention_heads=groups * kv_heads).num_kv_heads == kv_heads
 
 
 # ------------------------------------------------------------------ the explorer widget (without a browser)
@@ -367,3 +427,35 @@ def test_explorer_readout_follows_its_sliders():
 
     explorer.sliders["reserved_gib"].value = 100
     assert "capacity-error" in explorer.readout.value and "more than" in explorer.readout.value
+
+
+def test_explorer_warns_past_the_presets_context_limit():
+    from labkit.widgets.capacity_explorer import CapacityExplorer
+
+    explorer = CapacityExplorer(preset="Llama-3-8B", context_len=8192, device_gib=80, reserved_gib=20)
+    limit = PRESETS["Llama-3-8B"].max_position_embeddings
+    assert "capacity-context-warning" not in explorer.readout.value
+    explorer.sliders["context_len"].value = limit + 512
+    assert "capacity-context-warning" in explorer.readout.value and f"({limit:,})" in explorer.readout.value
+    explorer.sliders["dtype_bytes"].value = 1  # the same model with an 8-bit cache: same limit
+    assert explorer.setting.shape.max_position_embeddings == limit
+    assert "capacity-context-warning" in explorer.readout.value
+    explorer.sliders["num_layers"].value = 16  # a custom model: no known limit
+    assert explorer.setting.shape.name == "custom" and explorer.setting.shape.max_position_embeddings is None
+    assert "capacity-context-warning" not in explorer.readout.value
+    explorer.preset.value = "Qwen2.5-7B"
+    explorer.sliders["context_len"].value = PRESETS["Qwen2.5-7B"].max_position_embeddings
+    assert "capacity-context-warning" not in explorer.readout.value
+
+
+def test_static_figure_draws_lengths_past_the_limit_dotted():
+    from labkit.widgets.capacity_explorer import CONTEXTS, static_figure
+
+    fig = static_figure(["Gemma-2-9B", "Qwen2.5-7B"], 60 * GiB)
+    lines = [line for line in fig.axes[0].get_lines() if len(line.get_xdata())]
+    dotted = [line for line in lines if line.get_linestyle() == ":"]
+    limit = PRESETS["Gemma-2-9B"].max_position_embeddings
+    assert len(dotted) == 1  # Qwen2.5-7B's limit is the plot's last length: nothing beyond it
+    assert dotted[0].get_xdata()[0] == limit and dotted[0].get_xdata()[-1] == CONTEXTS[-1]
+    solid = [line for line in lines if line.get_linestyle() == "-"]
+    assert max(solid[0].get_xdata()) == limit and max(solid[1].get_xdata()) == CONTEXTS[-1]

@@ -9,6 +9,7 @@ whose unused slots hold NaN, and an output buffer filled with NaN before the run
 from __future__ import annotations
 
 import math
+import warnings
 
 import pytest
 import torch
@@ -169,9 +170,11 @@ def prefill_case(lens, q_lens, num_heads, num_kv_heads, head_dim, block_size, dt
     return out, ref
 
 
-PREFILL_CASES = [  # dtype, head_dim, heads, block_size
-    (torch.float32, 64, (4, 4), 8), (torch.float32, 80, (5, 1), 16), (torch.float16, 96, (8, 2), 32),
-    (torch.float16, 128, (6, 2), 16), (torch.bfloat16, 64, (8, 2), 16), (torch.bfloat16, 256, (4, 1), 8),
+PREFILL_CASES = [  # dtype, head_dim, heads, block_size: every block size, every head dim in float32
+    (torch.float32, 64, (4, 4), 8), (torch.float32, 80, (5, 1), 16), (torch.float32, 96, (6, 2), 32),
+    (torch.float32, 128, (4, 2), 64), (torch.float32, 256, (2, 1), 128),
+    (torch.float16, 96, (8, 2), 32), (torch.float16, 128, (6, 2), 16), (torch.float16, 64, (4, 1), 128),
+    (torch.bfloat16, 64, (8, 2), 16), (torch.bfloat16, 256, (4, 1), 8), (torch.bfloat16, 80, (5, 1), 64),
 ]
 
 
@@ -220,26 +223,104 @@ def test_gpu_tiling_path_in_float16(monkeypatch):
 
 # -- write_kv -----------------------------------------------------------------------------------
 
+def guarded_cache(num_blocks: int, block_size: int, hkv: int, d: int, dtype: torch.dtype, gen: torch.Generator):
+    """A random cache that is a view into a buffer with one NaN guard block on each side.
+
+    A write to slot -1 (block -1, offset block_size - 1) or past the last slot lands in a
+    guard, where it shows up as a non-NaN value instead of silently corrupting memory.
+    """
+    buf = torch.full((num_blocks + 2, block_size, hkv, d), float("nan"), dtype=dtype)
+    buf[1:-1] = torch.randn(num_blocks, block_size, hkv, d, generator=gen).to(dtype)
+    return buf, buf[1:-1]
+
+
+def assert_guards_untouched(buf: torch.Tensor) -> None:
+    assert buf[0].isnan().all() and buf[-1].isnan().all(), "write_kv wrote outside the cache"
+
+
 @needs_kernels
 @pytest.mark.parametrize("dtype", list(TOL))
 @pytest.mark.parametrize("slot_dtype", [torch.int32, torch.int64])
 def test_write_kv_matches_reference(dtype, slot_dtype):
     gen = torch.Generator().manual_seed(3)
     num_blocks, block_size, hkv, d = 6, 8, 3, 80
-    k_cache = torch.randn(num_blocks, block_size, hkv, d, generator=gen).to(dtype)
-    v_cache = torch.randn(num_blocks, block_size, hkv, d, generator=gen).to(dtype)
-    slots = torch.randperm(num_blocks * block_size, generator=gen)[:10]
-    slots[[2, 7]] = -1  # skipped tokens
+    k_buf, k_cache = guarded_cache(num_blocks, block_size, hkv, d, dtype, gen)
+    v_buf, v_cache = guarded_cache(num_blocks, block_size, hkv, d, dtype, gen)
+    last = num_blocks * block_size - 1
+    # The first and the last slot (the guards' neighbours), random ones between, two skipped tokens.
+    slots = torch.cat([torch.tensor([0, last]), 1 + torch.randperm(last - 1, generator=gen)[:8]])
+    slots = slots[torch.randperm(10, generator=gen)]
+    slots[[2, 7]] = -1
     k = torch.randn(10, hkv, d, generator=gen).to(dtype)
     v = torch.randn(10, hkv, d, generator=gen).to(dtype)
     k_ref, v_ref = k_cache.clone(), v_cache.clone()
     kernels.write_kv_ref(k, v, k_ref, v_ref, slots.to(slot_dtype))
     kernels.write_kv(k, v, k_cache, v_cache, slots.to(slot_dtype))
+    assert_guards_untouched(k_buf)
+    assert_guards_untouched(v_buf)
     assert torch.equal(k_cache, k_ref) and torch.equal(v_cache, v_ref)  # a copy: bit-exact
-    flat = k_cache.view(-1, hkv, d)
+    flat = k_cache.reshape(-1, hkv, d)
     for t, s in enumerate(slots.tolist()):
         if s >= 0:
             assert torch.equal(flat[s], k[t])
+
+
+# -- strided inputs: the wrappers must hand the kernels what they assume -------------------------
+
+def spread(t: torch.Tensor, dim: int, fill: int) -> torch.Tensor:
+    """The same values as ``t``, as a view with stride 2 along ``dim`` (the gaps hold ``fill``)."""
+    shape = list(t.shape)
+    shape[dim] *= 2
+    wide = torch.full(shape, fill, dtype=t.dtype)
+    index = [slice(None)] * t.dim()
+    index[dim] = slice(None, None, 2)
+    wide[tuple(index)] = t
+    view = wide[tuple(index)]
+    assert torch.equal(view, t) and not view.is_contiguous()
+    return view
+
+
+@needs_kernels
+def test_decode_and_prefill_with_strided_index_tensors_and_views():
+    gen = torch.Generator().manual_seed(31)
+    lens, q_lens, bs = [3, 17, 40], [3, 5, 1], 8
+    k_cache, v_cache, block_tables, seq_lens = make_pool(lens, 2, 64, bs, torch.float32, gen)
+    # The caches as a view into a pool with more KV heads: strides differ, head_dim stays dense.
+    k_wide = torch.randn(*k_cache.shape[:2], 5, 64, generator=gen)
+    v_wide = torch.randn(*v_cache.shape[:2], 5, 64, generator=gen)
+    k_wide[:, :, 1:3], v_wide[:, :, 1:3] = k_cache, v_cache
+    k_view, v_view = k_wide[:, :, 1:3], v_wide[:, :, 1:3]
+    cu = torch.tensor([0] + torch.tensor(q_lens).cumsum(0).tolist(), dtype=torch.int32)
+    # Strided block tables (a column slice and a row slice), lengths and cumulative query counts.
+    tables = spread(spread(block_tables, 1, 10**6), 0, 10**6)
+    lens_view, cu_view = spread(seq_lens, 0, 0), spread(cu, 0, 10**6)
+    q = torch.randn(len(lens), 64, 4, generator=gen).transpose(1, 2)  # [num_seqs, 4, 64], stride(-1) = 4
+    ref = kernels.paged_decode_attention_ref(q.double(), k_cache.double(), v_cache.double(), block_tables, seq_lens)
+    out = kernels.paged_decode_attention(q, k_view, v_view, tables, lens_view)
+    assert_close_to(out, ref, torch.float32)
+    qp = torch.randn(int(cu[-1]), 64, 4, generator=gen).transpose(1, 2)
+    ref = kernels.paged_prefill_attention_ref(qp.double(), k_cache.double(), v_cache.double(), block_tables,
+                                              seq_lens, cu)
+    out = kernels.paged_prefill_attention(qp, k_view, v_view, tables, lens_view, cu_view)
+    assert_close_to(out, ref, torch.float32)
+
+
+@needs_kernels
+def test_write_kv_with_strided_inputs_and_a_cache_view():
+    gen = torch.Generator().manual_seed(32)
+    num_blocks, bs, hkv, d = 5, 8, 2, 64
+    k_buf, k_cache = guarded_cache(num_blocks, bs, hkv, d, torch.float32, gen)
+    v_buf, v_cache = guarded_cache(num_blocks, bs, hkv, d, torch.float32, gen)
+    slots = torch.randperm(num_blocks * bs, generator=gen)[:7]
+    slots[3] = -1
+    k = torch.randn(7, d, hkv, generator=gen).transpose(1, 2)  # head_dim not dense: stride(-1) = 2
+    v = torch.randn(7, d, hkv, generator=gen).transpose(1, 2)
+    k_ref, v_ref = k_cache.clone(), v_cache.clone()
+    kernels.write_kv_ref(k, v, k_ref, v_ref, slots)
+    kernels.write_kv(k, v, k_cache, v_cache, spread(slots, 0, 0))  # gaps of slot 0: read wrongly, they'd clash
+    assert_guards_untouched(k_buf)
+    assert_guards_untouched(v_buf)
+    assert torch.equal(k_cache, k_ref) and torch.equal(v_cache, v_ref)
 
 
 @needs_kernels
@@ -286,6 +367,67 @@ def test_fallback_runs_the_reference(monkeypatch):
     assert torch.equal(k_cache[0, 0], q[0, :1])
 
 
+def pretend_compiled(monkeypatch, broken: list[str]) -> list[str]:
+    """A compiled runtime whose Triton launchers in ``broken`` raise; CPU tensors stand in for CUDA ones."""
+    monkeypatch.setattr(kernels, "RUNTIME", Runtime(torch.device("cpu"), "compiled", "pretend GPU", (9, 0)))
+    monkeypatch.setattr(kernels, "fallback_reason", lambda dtype, device: None)
+    monkeypatch.setattr(kernels, "_warned", set())
+    monkeypatch.setattr(kernels, "_failed_launches", {})
+    calls: list[str] = []
+
+    def make(name):
+        def launcher(*args, **kwargs):
+            calls.append(name)
+            raise RuntimeError(f"{name}: sm_999 is not supported by this Triton")
+        return launcher
+
+    for name in broken:
+        monkeypatch.setattr(kernels, name, make(name))
+    return calls
+
+
+def test_failed_launch_on_a_gpu_warns_once_and_runs_the_reference(monkeypatch):
+    calls = pretend_compiled(monkeypatch, ["_decode_triton", "_prefill_triton", "_write_kv_triton"])
+    gen = torch.Generator().manual_seed(4)
+    k_cache, v_cache, block_tables, seq_lens = make_pool([3, 9], 1, 64, 8, torch.float32, gen)
+    q = torch.randn(2, 2, 64, generator=gen)
+    out = torch.full_like(q, float("nan"))
+    with pytest.warns(RuntimeWarning, match=r"paged_decode_attention kernel failed to compile or launch for "
+                                            r"torch.float32, head_dim 64 \(RuntimeError: _decode_triton: sm_999"):
+        got = kernels.paged_decode_attention(q, k_cache, v_cache, block_tables, seq_lens, out=out)
+    assert got is out
+    assert torch.equal(out, kernels.paged_decode_attention_ref(q, k_cache, v_cache, block_tables, seq_lens))
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")  # the second call neither warns again nor retries the launch
+        again = kernels.paged_decode_attention(q, k_cache, v_cache, block_tables, seq_lens)
+    assert torch.equal(again, out) and calls == ["_decode_triton"]
+
+    cu = torch.tensor([0, 1, 2], dtype=torch.int32)
+    with pytest.warns(RuntimeWarning, match=r"paged_prefill_attention kernel failed .*_prefill_triton: sm_999"):
+        out = kernels.paged_prefill_attention(q, k_cache, v_cache, block_tables, seq_lens, cu)
+    assert torch.equal(out, kernels.paged_prefill_attention_ref(q, k_cache, v_cache, block_tables, seq_lens, cu))
+    k_ref, v_ref = k_cache.clone(), v_cache.clone()
+    new_k, new_v, slots = q[:, :1] + 1, q[:, :1] - 1, torch.tensor([5, -1])
+    kernels.write_kv_ref(new_k, new_v, k_ref, v_ref, slots)
+    with pytest.warns(RuntimeWarning, match=r"write_kv kernel failed .*_write_kv_triton: sm_999"):
+        kernels.write_kv(new_k, new_v, k_cache, v_cache, slots)
+    torch.testing.assert_close(k_cache, k_ref, atol=0, rtol=0, equal_nan=True)  # the pool's free slots hold NaN
+    torch.testing.assert_close(v_cache, v_ref, atol=0, rtol=0, equal_nan=True)
+
+
+@pytest.mark.skipif(labkit.RUNTIME.triton_mode != "interpreter", reason="interpreter only")
+def test_failed_launch_in_the_interpreter_is_an_error(monkeypatch):
+    def broken(*args, **kwargs):
+        raise RuntimeError("a bug in the kernel")
+
+    monkeypatch.setattr(kernels, "_decode_triton", broken)
+    args = _decode_args()
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")  # no silent fallback either
+        with pytest.raises(RuntimeError, match="a bug in the kernel"):
+            kernels.paged_decode_attention(**args)
+
+
 @pytest.mark.skipif(labkit.RUNTIME.triton_mode != "interpreter", reason="interpreter only")
 def test_fallback_reason_in_the_interpreter():
     assert kernels.fallback_reason(torch.float32, "cpu") is None
@@ -301,33 +443,62 @@ def _decode_args():
     return dict(q=q, k_cache=k_cache, v_cache=v_cache, block_tables=block_tables, seq_lens=seq_lens)
 
 
+# (argument to replace, how, the message it must raise). Each pattern names the argument at fault.
 BAD_DECODE = [
-    ("q", lambda a: a["q"].half()),  # dtype differs from the caches
-    ("q", lambda a: a["q"][0]),  # 2-D
-    ("q", lambda a: a["q"].double()),
-    ("k_cache", lambda a: a["k_cache"][..., :32]),
-    ("v_cache", lambda a: a["v_cache"][:2]),
-    ("v_cache", lambda a: a["v_cache"].transpose(0, 1).contiguous().transpose(0, 1)),  # other strides
-    ("num_kv_heads", lambda a: a["q"][:, :3]),
-    ("block_tables", lambda a: a["block_tables"].long()),
-    ("block_tables", lambda a: a["block_tables"][:1]),
-    ("block_tables", lambda a: a["block_tables"].clone().fill_(99)),
-    ("block_tables", lambda a: a["block_tables"].clone().fill_(-1)),
-    ("seq_lens", lambda a: torch.tensor([0, 3], dtype=torch.int32)),
-    ("seq_lens", lambda a: torch.tensor([5, 10**4], dtype=torch.int32)),
-    ("seq_lens", lambda a: a["seq_lens"].float()),
-    ("scale", lambda a: -1.0),
-    ("scale", lambda a: float("nan")),
-    ("out", lambda a: torch.empty(3, 4, 64)),
+    # q in float16 against float32 caches: the caches are checked against q, and the message names both.
+    ("q", lambda a: a["q"].half(), r"k_cache dtype \(torch.float32\) must equal q's dtype \(torch.float16\)"),
+    ("q", lambda a: a["q"][0], r"^q must have 3 dimensions"),
+    ("q", lambda a: a["q"].double(), r"^q must have dtype in"),
+    ("q", lambda a: a["q"][..., :32], r"^q head_dim must equal k_cache head_dim 64"),
+    ("q", lambda a: a["q"][:, :3], r"q num_heads \(3\) must be a multiple of num_kv_heads \(2\)"),
+    ("k_cache", lambda a: a["k_cache"][0], r"^k_cache must have 4 dimensions"),
+    ("k_cache", lambda a: a["k_cache"].int(), r"^k_cache must have dtype in"),
+    # A k_cache that disagrees with v_cache: v_cache is checked against k_cache, so v_cache is named
+    # (the pair is inconsistent; the message shows k_cache's shape or strides next to v_cache's).
+    ("k_cache", lambda a: a["k_cache"][..., :32], r"^v_cache must have the shape of k_cache \(6, 8, 2, 32\)"),
+    ("k_cache", lambda a: a["k_cache"].transpose(-1, -2).contiguous().transpose(-1, -2),
+     r"^v_cache must have the strides of k_cache"),
+    ("v_cache", lambda a: a["v_cache"][:2], r"^v_cache must have the shape of k_cache"),
+    ("v_cache", lambda a: a["v_cache"].transpose(0, 1).contiguous().transpose(0, 1),
+     r"^v_cache must have the strides of k_cache"),
+    ("v_cache", lambda a: a["v_cache"].to("meta"), r"^v_cache must be on q's device \(cpu\), got meta"),
+    ("block_tables", lambda a: a["block_tables"].long(), r"^block_tables must have dtype in \(int32\)"),
+    ("block_tables", lambda a: a["block_tables"][:1], r"^block_tables and seq_lens must have num_seqs=2 rows"),
+    ("block_tables", lambda a: a["block_tables"].clone().fill_(99), r"^block_tables entries in use must be block ids"),
+    ("block_tables", lambda a: a["block_tables"].clone().fill_(-1), r"^block_tables entries in use must be block ids"),
+    ("block_tables", lambda a: a["block_tables"].to("meta"), r"^block_tables must be on q's device \(cpu\), got meta"),
+    ("seq_lens", lambda a: torch.tensor([0, 3], dtype=torch.int32), r"^seq_lens must lie in \[1, 24\]"),
+    ("seq_lens", lambda a: torch.tensor([5, 10**4], dtype=torch.int32), r"^seq_lens must lie in \[1, 24\]"),
+    ("seq_lens", lambda a: a["seq_lens"].float(), r"^seq_lens must have dtype in \(int32\)"),
+    ("seq_lens", lambda a: a["seq_lens"].to("meta"), r"^seq_lens must be on q's device \(cpu\), got meta"),
+    ("scale", lambda a: -1.0, r"^scale must be None or a finite number > 0, got -1.0"),
+    ("scale", lambda a: float("nan"), r"^scale must be None or a finite number > 0, got nan"),
+    ("out", lambda a: torch.empty(3, 4, 64), r"^out must be None or a tensor shaped like q \(2, 4, 64\)"),
+    ("out", lambda a: torch.empty(2, 64, 4).transpose(1, 2), r"^out must be contiguous in head_dim"),
 ]
 
 
-@pytest.mark.parametrize("name,make_bad", BAD_DECODE)
-def test_decode_rejects_bad_input(name, make_bad):
+@pytest.mark.parametrize("key,make_bad,match", BAD_DECODE)
+def test_decode_rejects_bad_input(key, make_bad, match):
     args = _decode_args()
-    key = "q" if name == "num_kv_heads" else name
     args[key] = make_bad(args)
-    with pytest.raises(ValueError, match=name):
+    with pytest.raises(ValueError, match=match):
+        kernels.paged_decode_attention(**args)
+
+
+def test_decode_rejects_q_on_another_device_naming_the_caches():
+    """A meta q: the caches are checked against q, so the message names k_cache and q's device."""
+    args = _decode_args()
+    args["q"] = args["q"].to("meta")
+    with pytest.raises(ValueError, match=r"^k_cache must be on q's device \(meta\), got cpu"):
+        kernels.paged_decode_attention(**args)
+
+
+def test_caches_must_be_dense_in_head_dim():
+    args = _decode_args()
+    for name in ("k_cache", "v_cache"):
+        args[name] = args[name].transpose(-1, -2).contiguous().transpose(-1, -2)  # same strides, stride(-1) = 8
+    with pytest.raises(ValueError, match=r"^k_cache must be contiguous in head_dim"):
         kernels.paged_decode_attention(**args)
 
 
@@ -337,6 +508,7 @@ BAD_PREFILL = [
     ("cu_seqlens_q", torch.tensor([0, 3, 2], dtype=torch.int32)),  # decreases / wrong total
     ("cu_seqlens_q", torch.tensor([0, 1, 4], dtype=torch.int64)),
     ("cu_seqlens_q", torch.tensor([0, 3, 9], dtype=torch.int32)),  # total != q rows
+    ("cu_seqlens_q", torch.tensor([0, 1, 4], dtype=torch.int32, device="meta")),
 ]
 
 
@@ -344,7 +516,7 @@ BAD_PREFILL = [
 def test_prefill_rejects_bad_input(name, cu):
     args = _decode_args()
     q = torch.randn(4, 4, 64)
-    with pytest.raises(ValueError, match=name):
+    with pytest.raises(ValueError, match=rf"^{name} must"):
         kernels.paged_prefill_attention(q, args["k_cache"], args["v_cache"], args["block_tables"],
                                         args["seq_lens"], cu)
 
@@ -352,28 +524,32 @@ def test_prefill_rejects_bad_input(name, cu):
 def test_prefill_rejects_more_queries_than_positions():
     args = _decode_args()  # seq_lens [5, 12]
     q = torch.randn(8, 4, 64)
-    with pytest.raises(ValueError, match="seq_lens"):
+    with pytest.raises(ValueError, match=r"query count \(from cu_seqlens_q\) must be <= its seq_lens entry"):
         kernels.paged_prefill_attention(q, args["k_cache"], args["v_cache"], args["block_tables"],
                                         args["seq_lens"], torch.tensor([0, 6, 8], dtype=torch.int32))
 
 
-@pytest.mark.parametrize("name,change", [
-    ("slot_mapping", lambda a: a.update(slot_mapping=torch.tensor([0, 10**5]))),
-    ("slot_mapping", lambda a: a.update(slot_mapping=torch.tensor([-2, 1]))),
-    ("slot_mapping", lambda a: a.update(slot_mapping=torch.tensor([3, 3]))),
-    ("slot_mapping", lambda a: a.update(slot_mapping=torch.tensor([1, 2, 3]))),
-    ("slot_mapping", lambda a: a.update(slot_mapping=torch.tensor([1.0, 2.0]))),
-    ("k_cache", lambda a: a.update(k_cache=a["k_cache"].half())),
-    ("v", lambda a: a.update(v=a["v"][:1])),
-    ("k", lambda a: a.update(k=a["k"][:, :1], v=a["v"][:, :1])),
+@pytest.mark.parametrize("change,match", [
+    (lambda a: a.update(slot_mapping=torch.tensor([0, 10**5])), r"^slot_mapping entries must be -1 \(skip\) or slots in \[0, 31\]"),
+    (lambda a: a.update(slot_mapping=torch.tensor([-2, 1])), r"^slot_mapping entries must be -1"),
+    (lambda a: a.update(slot_mapping=torch.tensor([3, 3])), r"^slot_mapping must not send two tokens to the same slot"),
+    (lambda a: a.update(slot_mapping=torch.tensor([1, 2, 3])), r"^slot_mapping must have num_tokens=2 entries"),
+    (lambda a: a.update(slot_mapping=torch.tensor([1.0, 2.0])), r"^slot_mapping must have dtype in"),
+    (lambda a: a.update(slot_mapping=torch.tensor([0, 1], device="meta")), r"^slot_mapping must be on k's device"),
+    (lambda a: a.update(k_cache=a["k_cache"].half()), r"^k_cache dtype \(torch.float16\) must equal k's dtype"),
+    (lambda a: a.update(v_cache=a["v_cache"].half()), r"^v_cache dtype \(torch.float16\) must equal k's dtype"),
+    (lambda a: a.update(v=a["v"][:1]), r"^v must match k's shape"),
+    (lambda a: a.update(v=a["v"].to("meta")), r"^v must be on k's device"),
+    (lambda a: a.update(k=a["k"][:, :1], v=a["v"][:, :1]), r"^k must be \[num_tokens, 2, 64\] to match k_cache"),
 ])
-def test_write_kv_rejects_bad_input_and_changes_nothing(name, change):
+def test_write_kv_rejects_bad_input_and_changes_nothing(change, match):
     args = dict(k=torch.randn(2, 2, 64), v=torch.randn(2, 2, 64), k_cache=torch.zeros(4, 8, 2, 64),
                 v_cache=torch.zeros(4, 8, 2, 64), slot_mapping=torch.tensor([0, 1]))
+    k_cache, v_cache = args["k_cache"], args["v_cache"]
     change(args)
-    with pytest.raises(ValueError, match=name):
+    with pytest.raises(ValueError, match=match):
         kernels.write_kv(**args)
-    assert not args["v_cache"].any()
+    assert not k_cache.any() and not v_cache.any()
 
 
 def test_gather_kv_reads_blocks_in_table_order():

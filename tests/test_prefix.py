@@ -252,6 +252,9 @@ def test_constructor_checks():
         PrefixCache(BlockAllocator(2), 0)
     with pytest.raises(ValueError, match="rope_theta"):
         CacheKey(rope_theta=-1.0)
+    for bad in (float("inf"), float("nan"), True):
+        with pytest.raises(ValueError, match="rope_theta must be a finite number > 0"):
+            CacheKey(rope_theta=bad)
     with pytest.raises(ValueError, match="adapter"):
         CacheKey(adapter=3)
 
@@ -271,6 +274,17 @@ def test_article_figure_two_sequences_sharing_half():
 
 # ----------------------------------------------------------------------------- property tests
 VOCAB = st.integers(0, 2)
+def test_cache_key_normalises_numbers_so_equal_keys_hash_equal():
+    tokens = [5, 6, 7, 8, 9, 10, 11, 12]
+    as_int, as_float = CacheKey(rope_theta=500000), CacheKey(rope_theta=500000.0)
+    assert as_int == as_float and hash(as_int) == hash(as_float)
+    assert type(as_int.rope_theta) is float
+    assert block_hash(None, tokens, as_int) == block_hash(None, tokens, as_float)
+    assert hash_chain(tokens, 4, as_int) == hash_chain(tokens, 4, as_float)
+    assert block_hash(None, tokens, CacheKey(rope_theta=10000)) == block_hash(None, tokens, CacheKey())
+    assert block_hash(None, tokens, as_int) != block_hash(None, tokens, CacheKey())  # a different value still differs
+
+
 KEYS = [CacheKey(), CacheKey(adapter="lora-1")]
 
 
@@ -434,6 +448,37 @@ def test_prefix_kv_cache_reuse_gives_the_same_tokens_and_logits():
         torch.testing.assert_close(a.logits, b.logits, atol=1e-4, rtol=1e-4)
     assert off.prefix.num_cached_blocks == 0 and off.prefix.allocator.num_free == 32
     assert on.prefix.allocator.num_free == 32 and on.prefix.num_cached_blocks > 0  # released, still cached
+
+
+def test_generate_with_prefix_cache_rejects_out_of_vocab_ids_and_changes_nothing():
+    import copy
+
+    import torch
+
+    from labkit.model import Decoder, DecoderConfig
+    from labkit.prefix import PrefixKVCache, generate_with_prefix_cache
+
+    cfg = DecoderConfig(vocab_size=50, hidden_size=32, intermediate_size=64, num_hidden_layers=2,
+                        num_attention_heads=4, num_key_value_heads=2)
+    model = Decoder.random(cfg, seed=1)
+    kv = PrefixKVCache(cfg, num_blocks=8, block_size=4)
+    shared = list(range(10, 19))
+    generate_with_prefix_cache(model, kv, shared, 2)  # two full blocks now cached
+
+    def state():
+        p = kv.prefix
+        return (copy.deepcopy(p.stats), dict(p._by_hash), sorted(p._by_block), list(p.allocator.ref_counts),  # noqa: SLF001
+                list(p.allocator._free), kv.table, kv.seq_len, [c.clone() for c in kv.k_caches])  # noqa: SLF001
+
+    before = state()
+    # The bad id sits after the cached prefix: a lookup would hit before the model ever saw it.
+    for bad in (50, 10**6):
+        with pytest.raises(ValueError, match=r"prompt_ids must hold token ids in \[0, 49\] .*found " + str(bad)):
+            generate_with_prefix_cache(model, kv, shared + [3, bad], 2)
+        after = state()
+        assert after[:-1] == before[:-1]
+        assert all(torch.equal(a, b) for a, b in zip(after[-1], before[-1]))
+    assert generate_with_prefix_cache(model, kv, shared + [3, 49], 1).num_cached_tokens == 8  # 49 is fine
 
 
 def test_prefix_kv_cache_checks_its_use():

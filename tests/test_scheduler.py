@@ -114,6 +114,9 @@ def run(sched: Scheduler, arrivals: dict[int, list[Request]], max_steps: int = 1
             assert d.outcome == ("stop" if d.tokens == 0 else "skipped" if d.needed > d.free_blocks else "planned")
         assert [d.request for d in step.decisions if d.outcome == "planned"] == [c.request for c in step.chunks]
         assert all(d.outcome != "stop" for d in step.decisions[:-1])  # the pass ends at a stop
+        waiting_turns = [d.outcome for d in step.decisions if d.waiting]
+        if sched.head_of_line and "skipped" in waiting_turns:  # nobody after a skipped waiting request
+            assert waiting_turns.index("skipped") == len(waiting_turns) - 1
         # a request appears at most once and always continues where it stopped
         ids = [id(c.request) for c in step.chunks]
         assert len(ids) == len(set(ids))
@@ -380,7 +383,59 @@ def test_priority_reorders_the_waiting_queue():
     fcfs = Scheduler(4, 4, max_num_batched_tokens=64, enable_prefix_caching=False)
     long, short = fcfs.add_request([1] * 12, 2), fcfs.add_request([2] * 3, 2)
     step = fcfs.schedule()
-    assert [c.request for c in step.chunks] == [long, short] or [c.request for c in step.chunks] == [long]
+    assert [c.request for c in step.chunks] == [long, short]  # 3 + 1 blocks: both fit, oldest first
+    assert [d.request for d in step.decisions] == [long, short]
+
+
+def test_a_waiting_request_that_does_not_fit_blocks_the_queue_behind_it():
+    """Head of line (vLLM): a skipped waiting request ends admission for the step;
+    the article's rule (head_of_line=False) lets the smaller one behind it pass."""
+    for hol, expected in ((True, []), (False, ["short"])):
+        sched = Scheduler(6, 4, max_num_batched_tokens=64, enable_prefix_caching=False, head_of_line=hol)
+        pool = SymbolicPool(4)
+        first = sched.add_request([3] * 8, 4)           # 2 blocks, then 3 while decoding
+        step = sched.schedule()
+        sched.postprocess(step, pool.execute(step))
+        long = sched.add_request([1] * 20, 2)           # 5 blocks: only 4 are free
+        short = sched.add_request([2] * 3, 2)           # 1 block
+        step = sched.schedule()
+        names = {id(long): "long", id(short): "short"}
+        assert [names[id(c.request)] for c in step.chunks if c.request is not first] == expected
+        assert [d.outcome for d in step.decisions if d.waiting] == ["skipped"] + (["planned"] if not hol else [])
+        sched.postprocess(step, pool.execute(step))
+        assert long.status is RequestStatus.WAITING
+
+
+def serve_small_stream_behind_a_big_request(head_of_line: bool, steps: int = 200) -> tuple[int | None, int]:
+    """Small requests (3 prompt + 7 new tokens) arrive every other step; at step 6 a big one
+    (20 + 4 tokens, 6 of the pool's 8 blocks) joins the queue. Returns the step that admits
+    the big request (None: never) and the longest queue seen."""
+    sched = Scheduler(8, 4, max_num_batched_tokens=64, enable_prefix_caching=False, head_of_line=head_of_line)
+    pool = SymbolicPool(4)
+    big, admitted, longest = None, None, 0
+    for t in range(steps):
+        if t % 2 == 0:
+            sched.add_request([1 + t % 30] * 3, 7)
+        if t == 6:
+            big = sched.add_request(list(range(1, 21)), 4)
+        step = sched.schedule()
+        if admitted is None and any(c.request is big for c in step.chunks):
+            admitted = t
+        sched.postprocess(step, pool.execute(step))
+        check_ref_counts(sched)
+        longest = max(longest, len(sched.waiting))
+    return admitted, longest
+
+
+def test_no_starvation_with_continuing_arrivals_of_small_requests():
+    admitted, longest = serve_small_stream_behind_a_big_request(head_of_line=True)
+    # Once the big request heads the queue nobody passes it; the running small ones finish
+    # within 1 + 7 steps and give back their blocks, so it waits at most that long.
+    assert admitted is not None and admitted - 6 <= 1 + 7
+    assert longest <= 8  # the queue drains again afterwards
+    # The article's rule alone: the small requests take every block that frees up.
+    starved, _ = serve_small_stream_behind_a_big_request(head_of_line=False)
+    assert starved is None
 
 
 @st.composite
@@ -402,7 +457,9 @@ def workloads(draw):
         arrivals.setdefault(rng.randrange(0, 6), []).append(Request(prompt, new, eos))
     caching = draw(st.booleans())
     priority = draw(st.sampled_from([None, lambda r: len(r.prompt_token_ids), lambda r: -r.max_new_tokens]))
-    return Scheduler(num_blocks, bs, budget, enable_prefix_caching=caching, priority=priority), arrivals
+    hol = draw(st.booleans())
+    return Scheduler(num_blocks, bs, budget, enable_prefix_caching=caching, priority=priority,
+                     head_of_line=hol), arrivals
 
 
 @settings(max_examples=150, deadline=None)

@@ -20,6 +20,7 @@ from labkit.capacity import GiB, TEACHING_MODEL, ModelShape
 from labkit.costmodel import DEVICES, CostModel, ModelCost, get_device, get_model_cost
 from labkit.engine import Engine
 from labkit.model import Decoder, DecoderConfig
+from labkit.scheduler import Scheduler
 from labkit.sim import Simulator, plan_pool, reservation_shares, weighted_percentile
 from labkit.workloads import (ALPACA, SHAREGPT, RequestSpec, long_document_questions, make_workload,
                               poisson_arrivals, sharegpt_like)
@@ -239,9 +240,11 @@ def model() -> Decoder:
     return Decoder.random(SMALL, seed=3)
 
 
-@pytest.mark.parametrize("seed, num_blocks, budget, spread", [(0, 16, 32, 0.01), (1, 12, 16, 0.003),
-                                                              (2, 40, 64, 0.05), (3, 9, 8, 0.0),
-                                                              (4, 10, 3, 0.02), (5, 30, 1, 0.001)])
+ENGINE_CASES = [(0, 16, 32, 0.01), (1, 12, 16, 0.003), (2, 40, 64, 0.05), (3, 9, 8, 0.0), (4, 10, 3, 0.02),
+                (5, 30, 1, 0.001)]
+
+
+@pytest.mark.parametrize("seed, num_blocks, budget, spread", ENGINE_CASES)
 def test_simulator_and_engine_make_the_same_schedule(model, seed, num_blocks, budget, spread):
     """Chapter 05's engine (a real model, real K/V) and the simulator (synthetic tokens)
     plan the same steps: the same requests, token counts and block tables at every step."""
@@ -265,15 +268,35 @@ def test_simulator_and_engine_make_the_same_schedule(model, seed, num_blocks, bu
     assert engine.scheduler.allocator.num_free == num_blocks
 
 
-def test_the_engine_comparison_covers_hits_preemption_and_chunks():
-    """The workloads above do exercise what could make the two differ."""
-    results = [Simulator(num_blocks=nb, block_size=4, max_num_batched_tokens=b).run(
-        tiny_workload(s, 8, shared=9, max_prompt=24, max_output=14, spread=sp))
-        for s, nb, b, sp in [(0, 16, 32, 0.01), (1, 12, 16, 0.003), (3, 9, 8, 0.0)]]
+def test_the_engine_comparison_covers_hits_preemption_and_chunks(monkeypatch):
+    """The workloads above do exercise what could make the two differ: prefix hits,
+    preemption, recomputation, skip-ahead, chunked prefill (a chunk that ends inside the
+    prompt) and a waiting request that blocks the queue behind it (head of line)."""
+    blocked = []
+
+    class Recording(Scheduler):
+        def schedule(self):
+            step = super().schedule()
+            turns = [d for d in step.decisions if d.waiting]
+            if turns and turns[-1].outcome == "skipped" and self.waiting[-1] is not turns[-1].request:
+                blocked.append(step.index)  # someone queued behind the skipped request was not tried
+            return step
+
+    monkeypatch.setattr("labkit.sim.Scheduler", Recording)
+    results, mid_prompt_chunks = [], 0
+    for s, nb, b, sp in ENGINE_CASES:
+        specs = tiny_workload(s, 8, shared=9, max_prompt=24, max_output=14, spread=sp)
+        r = Simulator(num_blocks=nb, block_size=4, max_num_batched_tokens=b, record_schedule=True).run(specs)
+        prompt_len = {sp_.request_id: sp_.prompt_len for sp_ in specs}
+        mid_prompt_chunks += sum(1 for step in r.schedule for rid, start, n, _ in step
+                                 if start + n < prompt_len[rid])
+        results.append(r)
     assert sum(r.hit_tokens.sum() for r in results) > 0
     assert sum(r.preemptions.sum() for r in results) > 0
     assert sum(r.recomputed_tokens for r in results) > 0
     assert any(r.skipped_steps for r in results)
+    assert mid_prompt_chunks > 0
+    assert blocked
 
 
 def assert_same_run(a, b):

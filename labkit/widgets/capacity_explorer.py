@@ -4,7 +4,10 @@ A preset menu fills in a real model's shape; sliders change the layers, KV heads
 head dim, element size, context length, concurrent sequences, device memory and
 the memory set aside for weights and workspace. The readout shows bytes per
 token, bytes per request and how many sequences fit; the plot shows how that
-number falls as the context grows.
+number falls as the context grows. A preset knows the longest context its model
+was built for (``max_position_embeddings``): a context slider set past it gets a
+warning, and the plot draws lengths past it dotted. The bytes are still what the
+formula gives; the model just was not built to attend that far.
 
 Every number comes from :mod:`labkit.capacity`. The readout's elements carry CSS
 classes (``capacity-readout``, ``capacity-fit`` ...) so that a browser test can
@@ -69,6 +72,12 @@ def readout_html(s: Setting) -> str:
                 f'the device\'s {s.device_gib:g} GiB: labkit.capacity refuses this with a ValueError.</div>')
     fit = s.sequences_that_fit
     pool = s.device_gib * GiB - s.reserved_gib * GiB
+    limit = s.shape.max_position_embeddings
+    context_note = ""
+    if s.shape.beyond_context(s.context_len):
+        context_note = (f'<div class="capacity-context-warning" style="color:#b60">⚠ {s.context_len:,} tokens is '
+                        f'beyond {s.shape.name}\'s max_position_embeddings ({limit:,}): the bytes are what the '
+                        f'formula gives, but the model was not built for this length.</div>')
     needed = s.num_seqs * s.bytes_per_request
     verdict = ("fit" if s.num_seqs <= fit else "do <b>not</b> fit")
     kind = "one latent vector (MLA, no factor 2)" if s.shape.latent else "K and V (factor 2)"
@@ -83,15 +92,22 @@ def readout_html(s: Setting) -> str:
     ]
     body = "".join(f'<tr><td style="padding-right:1em">{name}</td><td><b class="{cls}">{value}</b></td></tr>'
                    for name, cls, value in rows)
-    return (f'<table>{body}</table><div class="capacity-verdict">{s.num_seqs} requested: {verdict}. '
+    return (f'<table>{body}</table>{context_note}<div class="capacity-verdict">{s.num_seqs} requested: {verdict}. '
             f'Cache stores {kind} per token and layer.</div>')
 
 
 def draw(ax: plt.Axes, shape: ModelShape, pool_bytes: float, label: str | None = None, **style) -> None:
-    """Sequences that fit in ``pool_bytes`` against context length (log-log; zero is not drawn)."""
+    """Sequences that fit in ``pool_bytes`` against context length (log-log; zero is not drawn).
+
+    Lengths beyond the model's ``max_position_embeddings`` are drawn dotted and faint.
+    """
     fits = np.array([pool_bytes // shape.cache_bytes(int(t), apply_window=False) for t in CONTEXTS], dtype=float)
     fits[fits == 0] = np.nan
-    ax.plot(CONTEXTS, fits, marker=".", label=label, **style)
+    within = np.array([not shape.beyond_context(int(t)) for t in CONTEXTS])
+    (line,) = ax.plot(CONTEXTS[within], fits[within], marker=".", label=label, **style)
+    if not within.all():
+        start = max(int(within.sum()) - 1, 0)  # join the dotted part to the last point within the limit
+        ax.plot(CONTEXTS[start:], fits[start:], marker=".", linestyle=":", alpha=0.5, color=line.get_color())
     ax.set_xscale("log", base=2)
     ax.set_yscale("log")
     ax.yaxis.set_major_formatter(StrMethodFormatter("{x:g}"))
@@ -139,16 +155,28 @@ class CapacityExplorer:
 
     @property
     def setting(self) -> Setting:
+        """The shape and numbers the controls show now.
+
+        Changing only the element size keeps the preset's model (and its context
+        limit); changing layers, KV heads or head dim makes a "custom" model whose
+        context limit is unknown.
+        """
         v = {k: s.value for k, s in self.sliders.items()}
-        shape = ModelShape(self.preset.value if not self._edited() else "custom", v["num_layers"],
-                           1 if self._latent else v["num_kv_heads"], v["head_dim"], v["dtype_bytes"],
-                           latent=self._latent)
+        preset = capacity.PRESETS[self.preset.value]
+        if self._architecture_edited():
+            name, limit = "custom", None
+        elif v["dtype_bytes"] != preset.dtype_bytes:
+            name, limit = f"{preset.name} ({v['dtype_bytes']}-byte cache)", preset.max_position_embeddings
+        else:
+            name, limit = preset.name, preset.max_position_embeddings
+        shape = ModelShape(name, v["num_layers"], 1 if self._latent else v["num_kv_heads"], v["head_dim"],
+                           v["dtype_bytes"], latent=self._latent, max_position_embeddings=limit)
         return Setting(shape, v["context_len"], v["num_seqs"], v["device_gib"], v["reserved_gib"])
 
-    def _edited(self) -> bool:
+    def _architecture_edited(self) -> bool:
         p = capacity.PRESETS[self.preset.value]
-        return (p.num_layers, p.num_kv_heads, p.head_dim, p.dtype_bytes) != tuple(
-            self.sliders[k].value for k in ("num_layers", "num_kv_heads", "head_dim", "dtype_bytes"))
+        return (p.num_layers, p.num_kv_heads, p.head_dim) != tuple(
+            self.sliders[k].value for k in ("num_layers", "num_kv_heads", "head_dim"))
 
     def _apply_preset(self, name: str) -> None:
         p = capacity.PRESETS[name]
@@ -179,6 +207,9 @@ class CapacityExplorer:
             fit = s.sequences_that_fit
             if fit:
                 ax.plot([s.context_len], [fit], "o", color="C3", label="this setting")
+            if s.shape.max_position_embeddings is not None and s.shape.max_position_embeddings < CONTEXTS[-1]:
+                ax.axvline(s.shape.max_position_embeddings, color="grey", linestyle=":",
+                           label="max_position_embeddings")
             ax.set_title(f"{fit:,} sequences of {s.context_len:,} tokens fit in {format_bytes(pool)}")
             ax.legend(loc="upper right", fontsize="small")
             fig.tight_layout()
@@ -196,6 +227,8 @@ def static_figure(names: list[str], pool_bytes: float) -> Figure:
         shape = capacity.PRESETS[name]
         draw(ax, shape, pool_bytes, label=f"{name} ({format_bytes(shape.bytes_per_token())}/token)")
     ax.set_title(f"In a {format_bytes(pool_bytes)} pool, fewer bytes per token means more long sequences")
+    if any(capacity.PRESETS[name].beyond_context(int(CONTEXTS[-1])) for name in names):
+        ax.plot([], [], color="grey", linestyle=":", alpha=0.5, label="beyond the model's max_position_embeddings")
     ax.legend(fontsize="small")
     fig.tight_layout()
     return fig
