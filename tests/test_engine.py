@@ -17,7 +17,7 @@ import random
 import pytest
 import torch
 
-import labkit  # noqa: F401  (sets up Triton's interpreter without a GPU)
+import labkit  # first: sets up Triton's interpreter without a GPU
 from labkit.cache import generate
 from labkit.engine import Engine
 from labkit.model import Decoder, DecoderConfig
@@ -28,7 +28,7 @@ CONFIG = DecoderConfig(vocab_size=97, hidden_size=32, intermediate_size=64, num_
 
 @pytest.fixture(scope="module")
 def model() -> Decoder:
-    return Decoder.random(CONFIG, seed=3)
+    return Decoder.random(CONFIG, seed=3).to(labkit.DEVICE)  # on a GPU the compiled kernels run
 
 
 def alone(model: Decoder, prompts: list[list[int]], max_new_tokens: int) -> list[list[int]]:

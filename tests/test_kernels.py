@@ -4,6 +4,11 @@ Without a GPU every kernel runs in Triton's interpreter: the same kernel code, s
 same indexing, masking and online softmax are proven here. Every case uses fresh random
 data, shuffled block tables, ragged lengths (1, around block boundaries, random), a pool
 whose unused slots hold NaN, and an output buffer filled with NaN before the run.
+
+Random data is drawn on the CPU from a seeded generator (the same numbers everywhere) and
+then moved to ``labkit.DEVICE``: on a GPU the compiled kernels run, not the reference.
+References run on CPU copies in float64. Tests about the fallback, the interpreter or
+argument checks keep CPU tensors on purpose.
 """
 
 from __future__ import annotations
@@ -24,6 +29,7 @@ TOL = {  # (atol, rtol) against the float64 reference; bf16 stores truncate in t
     torch.float16: (1e-3, 2e-3),
     torch.bfloat16: (1e-2, 1.6e-2),
 }
+DEVICE = labkit.DEVICE
 needs_kernels = pytest.mark.skipif(kernels.fallback_reason(torch.float32, labkit.DEVICE) is not None,
                                    reason="Triton kernels cannot run here")
 
@@ -35,9 +41,17 @@ def boundary_lens(block_size: int, gen: torch.Generator, extra: int = 2) -> list
     return [n for n in lens if n >= 1]
 
 
+def cpu64(t: torch.Tensor) -> torch.Tensor:
+    """A float64 copy on the CPU, where the references run."""
+    return t.detach().cpu().double()
+
+
 def make_pool(lens: list[int], num_kv_heads: int, head_dim: int, block_size: int, dtype: torch.dtype,
-              gen: torch.Generator, spare_blocks: int = 3):
-    """A NaN-filled pool, shuffled block tables (unused entries -1), random K/V in the used slots only."""
+              gen: torch.Generator, spare_blocks: int = 3, device: torch.device | str = DEVICE):
+    """A NaN-filled pool, shuffled block tables (unused entries -1), random K/V in the used slots only.
+
+    Built on the CPU, returned on ``device``.
+    """
     used = [-(-n // block_size) for n in lens]
     num_blocks = sum(used) + spare_blocks
     max_blocks = max(used) + 1  # one entry more than any sequence needs: never read
@@ -55,25 +69,26 @@ def make_pool(lens: list[int], num_kv_heads: int, head_dim: int, block_size: int
         slots = ids[pos // block_size] * block_size + pos % block_size  # only valid positions; the tail stays NaN
         for cache in (k_cache, v_cache):
             cache.view(-1, num_kv_heads, head_dim)[slots] = torch.randn(n, num_kv_heads, head_dim, generator=gen).to(dtype)
-    return k_cache, v_cache, block_tables, torch.tensor(lens, dtype=torch.int32)
+    seq_lens = torch.tensor(lens, dtype=torch.int32)
+    return tuple(t.to(device) for t in (k_cache, v_cache, block_tables, seq_lens))
 
 
 def assert_close_to(out: torch.Tensor, ref64: torch.Tensor, dtype: torch.dtype) -> None:
     assert out.dtype == dtype
     assert not out.isnan().any(), "an output element was never written or read a poisoned slot"
     atol, rtol = TOL[dtype]
-    torch.testing.assert_close(out.double(), ref64, atol=atol, rtol=rtol)
+    torch.testing.assert_close(cpu64(out), ref64.cpu(), atol=atol, rtol=rtol)
 
 
 def decode_case(lens, num_heads, num_kv_heads, head_dim, block_size, dtype, seed, **kwargs):
     gen = torch.Generator().manual_seed(seed)
     k_cache, v_cache, block_tables, seq_lens = make_pool(lens, num_kv_heads, head_dim, block_size, dtype, gen)
-    q = torch.randn(len(lens), num_heads, head_dim, generator=gen).to(dtype)
+    q = torch.randn(len(lens), num_heads, head_dim, generator=gen).to(dtype).to(DEVICE)
     out = torch.full_like(q, float("nan"))
     got = kernels.paged_decode_attention(q, k_cache, v_cache, block_tables, seq_lens, out=out, **kwargs)
     assert got is out
-    ref = kernels.paged_decode_attention_ref(q.double(), k_cache.double(), v_cache.double(), block_tables, seq_lens,
-                                             kwargs.get("scale"))
+    ref = kernels.paged_decode_attention_ref(cpu64(q), cpu64(k_cache), cpu64(v_cache), block_tables.cpu(),
+                                             seq_lens.cpu(), kwargs.get("scale"))
     return out, ref, (q, k_cache, v_cache, block_tables, seq_lens)
 
 
@@ -136,7 +151,7 @@ def test_split_k_agrees_with_single_pass(dtype, num_splits):
     kernels.paged_decode_attention(*args, num_splits=num_splits, out=split)
     assert_close_to(split, ref, dtype)
     atol, rtol = TOL[dtype]
-    torch.testing.assert_close(split.double(), single.double(), atol=atol, rtol=rtol)
+    torch.testing.assert_close(cpu64(split), cpu64(single), atol=atol, rtol=rtol)
 
 
 def test_split_plan_is_chosen_for_long_contexts_with_few_sequences():
@@ -150,7 +165,7 @@ def test_split_plan_is_chosen_for_long_contexts_with_few_sequences():
 @needs_kernels
 def test_auto_split_path_matches_reference():
     lens = [1100]
-    splits, _ = kernels.choose_num_splits(1, 1, lens[0], "cpu")
+    splits, _ = kernels.choose_num_splits(1, 1, lens[0], DEVICE)
     assert splits > 1
     out, ref, _ = decode_case(lens, 4, 1, 64, 32, torch.float32, seed=3)
     assert_close_to(out, ref, torch.float32)
@@ -163,10 +178,11 @@ def prefill_case(lens, q_lens, num_heads, num_kv_heads, head_dim, block_size, dt
     k_cache, v_cache, block_tables, seq_lens = make_pool(lens, num_kv_heads, head_dim, block_size, dtype, gen)
     cu = torch.tensor([0] + torch.tensor(q_lens).cumsum(0).tolist(), dtype=torch.int32)
     q = torch.randn(int(cu[-1]), num_heads, head_dim, generator=gen).to(dtype)
+    ref = kernels.paged_prefill_attention_ref(cpu64(q), cpu64(k_cache), cpu64(v_cache), block_tables.cpu(),
+                                              seq_lens.cpu(), cu)
+    q, cu = q.to(DEVICE), cu.to(DEVICE)
     out = torch.full_like(q, float("nan"))
     kernels.paged_prefill_attention(q, k_cache, v_cache, block_tables, seq_lens, cu, out=out)
-    ref = kernels.paged_prefill_attention_ref(q.double(), k_cache.double(), v_cache.double(), block_tables,
-                                              seq_lens, cu)
     return out, ref
 
 
@@ -193,8 +209,8 @@ def test_prefill_matches_reference(dtype, head_dim, heads, block_size):
 def test_prefill_of_one_query_equals_decode():
     gen = torch.Generator().manual_seed(8)
     k_cache, v_cache, block_tables, seq_lens = make_pool([7, 16, 30], 2, 64, 8, torch.float32, gen)
-    q = torch.randn(3, 6, 64, generator=gen)
-    cu = torch.arange(4, dtype=torch.int32)
+    q = torch.randn(3, 6, 64, generator=gen).to(DEVICE)
+    cu = torch.arange(4, dtype=torch.int32, device=DEVICE)
     pre = kernels.paged_prefill_attention(q, k_cache, v_cache, block_tables, seq_lens, cu)
     dec = kernels.paged_decode_attention(q, k_cache, v_cache, block_tables, seq_lens)
     torch.testing.assert_close(pre, dec, atol=1e-6, rtol=1e-6)
@@ -223,7 +239,8 @@ def test_gpu_tiling_path_in_float16(monkeypatch):
 
 # -- write_kv -----------------------------------------------------------------------------------
 
-def guarded_cache(num_blocks: int, block_size: int, hkv: int, d: int, dtype: torch.dtype, gen: torch.Generator):
+def guarded_cache(num_blocks: int, block_size: int, hkv: int, d: int, dtype: torch.dtype, gen: torch.Generator,
+                  device: torch.device | str = DEVICE):
     """A random cache that is a view into a buffer with one NaN guard block on each side.
 
     A write to slot -1 (block -1, offset block_size - 1) or past the last slot lands in a
@@ -231,6 +248,7 @@ def guarded_cache(num_blocks: int, block_size: int, hkv: int, d: int, dtype: tor
     """
     buf = torch.full((num_blocks + 2, block_size, hkv, d), float("nan"), dtype=dtype)
     buf[1:-1] = torch.randn(num_blocks, block_size, hkv, d, generator=gen).to(dtype)
+    buf = buf.to(device)
     return buf, buf[1:-1]
 
 
@@ -251,8 +269,9 @@ def test_write_kv_matches_reference(dtype, slot_dtype):
     slots = torch.cat([torch.tensor([0, last]), 1 + torch.randperm(last - 1, generator=gen)[:8]])
     slots = slots[torch.randperm(10, generator=gen)]
     slots[[2, 7]] = -1
-    k = torch.randn(10, hkv, d, generator=gen).to(dtype)
-    v = torch.randn(10, hkv, d, generator=gen).to(dtype)
+    k = torch.randn(10, hkv, d, generator=gen).to(dtype).to(DEVICE)
+    v = torch.randn(10, hkv, d, generator=gen).to(dtype).to(DEVICE)
+    slots = slots.to(DEVICE)
     k_ref, v_ref = k_cache.clone(), v_cache.clone()
     kernels.write_kv_ref(k, v, k_ref, v_ref, slots.to(slot_dtype))
     kernels.write_kv(k, v, k_cache, v_cache, slots.to(slot_dtype))
@@ -271,7 +290,7 @@ def spread(t: torch.Tensor, dim: int, fill: int) -> torch.Tensor:
     """The same values as ``t``, as a view with stride 2 along ``dim`` (the gaps hold ``fill``)."""
     shape = list(t.shape)
     shape[dim] *= 2
-    wide = torch.full(shape, fill, dtype=t.dtype)
+    wide = torch.full(shape, fill, dtype=t.dtype, device=t.device)
     index = [slice(None)] * t.dim()
     index[dim] = slice(None, None, 2)
     wide[tuple(index)] = t
@@ -286,21 +305,22 @@ def test_decode_and_prefill_with_strided_index_tensors_and_views():
     lens, q_lens, bs = [3, 17, 40], [3, 5, 1], 8
     k_cache, v_cache, block_tables, seq_lens = make_pool(lens, 2, 64, bs, torch.float32, gen)
     # The caches as a view into a pool with more KV heads: strides differ, head_dim stays dense.
-    k_wide = torch.randn(*k_cache.shape[:2], 5, 64, generator=gen)
-    v_wide = torch.randn(*v_cache.shape[:2], 5, 64, generator=gen)
+    k_wide = torch.randn(*k_cache.shape[:2], 5, 64, generator=gen).to(DEVICE)
+    v_wide = torch.randn(*v_cache.shape[:2], 5, 64, generator=gen).to(DEVICE)
     k_wide[:, :, 1:3], v_wide[:, :, 1:3] = k_cache, v_cache
     k_view, v_view = k_wide[:, :, 1:3], v_wide[:, :, 1:3]
-    cu = torch.tensor([0] + torch.tensor(q_lens).cumsum(0).tolist(), dtype=torch.int32)
+    cu = torch.tensor([0] + torch.tensor(q_lens).cumsum(0).tolist(), dtype=torch.int32, device=DEVICE)
     # Strided block tables (a column slice and a row slice), lengths and cumulative query counts.
     tables = spread(spread(block_tables, 1, 10**6), 0, 10**6)
     lens_view, cu_view = spread(seq_lens, 0, 0), spread(cu, 0, 10**6)
-    q = torch.randn(len(lens), 64, 4, generator=gen).transpose(1, 2)  # [num_seqs, 4, 64], stride(-1) = 4
-    ref = kernels.paged_decode_attention_ref(q.double(), k_cache.double(), v_cache.double(), block_tables, seq_lens)
+    q = torch.randn(len(lens), 64, 4, generator=gen).to(DEVICE).transpose(1, 2)  # [num_seqs, 4, 64], stride(-1) = 4
+    ref = kernels.paged_decode_attention_ref(cpu64(q), cpu64(k_cache), cpu64(v_cache), block_tables.cpu(),
+                                             seq_lens.cpu())
     out = kernels.paged_decode_attention(q, k_view, v_view, tables, lens_view)
     assert_close_to(out, ref, torch.float32)
-    qp = torch.randn(int(cu[-1]), 64, 4, generator=gen).transpose(1, 2)
-    ref = kernels.paged_prefill_attention_ref(qp.double(), k_cache.double(), v_cache.double(), block_tables,
-                                              seq_lens, cu)
+    qp = torch.randn(int(cu[-1]), 64, 4, generator=gen).to(DEVICE).transpose(1, 2)
+    ref = kernels.paged_prefill_attention_ref(cpu64(qp), cpu64(k_cache), cpu64(v_cache), block_tables.cpu(),
+                                              seq_lens.cpu(), cu.cpu())
     out = kernels.paged_prefill_attention(qp, k_view, v_view, tables, lens_view, cu_view)
     assert_close_to(out, ref, torch.float32)
 
@@ -313,8 +333,9 @@ def test_write_kv_with_strided_inputs_and_a_cache_view():
     v_buf, v_cache = guarded_cache(num_blocks, bs, hkv, d, torch.float32, gen)
     slots = torch.randperm(num_blocks * bs, generator=gen)[:7]
     slots[3] = -1
-    k = torch.randn(7, d, hkv, generator=gen).transpose(1, 2)  # head_dim not dense: stride(-1) = 2
-    v = torch.randn(7, d, hkv, generator=gen).transpose(1, 2)
+    slots = slots.to(DEVICE)
+    k = torch.randn(7, d, hkv, generator=gen).to(DEVICE).transpose(1, 2)  # head_dim not dense: stride(-1) = 2
+    v = torch.randn(7, d, hkv, generator=gen).to(DEVICE).transpose(1, 2)
     k_ref, v_ref = k_cache.clone(), v_cache.clone()
     kernels.write_kv_ref(k, v, k_ref, v_ref, slots)
     kernels.write_kv(k, v, k_cache, v_cache, spread(slots, 0, 0))  # gaps of slot 0: read wrongly, they'd clash
@@ -330,16 +351,18 @@ def test_write_then_attend_round_trip():
     n, bs, hq, hkv, d = 29, 8, 4, 2, 64
     k = torch.randn(n, hkv, d, generator=gen)
     v = torch.randn(n, hkv, d, generator=gen)
-    k_cache = torch.full((6, bs, hkv, d), float("nan"))
-    v_cache = torch.full((6, bs, hkv, d), float("nan"))
-    table = torch.tensor([4, 0, 5, 2], dtype=torch.int32)
-    slots = torch.tensor([int(table[p // bs]) * bs + p % bs for p in range(n)])
-    kernels.write_kv(k, v, k_cache, v_cache, slots)
     q = torch.randn(n, hq, d, generator=gen)
-    out = kernels.paged_prefill_attention(q, k_cache, v_cache, table[None], torch.tensor([n], dtype=torch.int32),
-                                          torch.tensor([0, n], dtype=torch.int32))
     expected = causal_attention(q[None].double(), k[None].double(), v[None].double())[0]
-    torch.testing.assert_close(out.double(), expected, atol=2e-5, rtol=1e-5)
+    k, v, q = k.to(DEVICE), v.to(DEVICE), q.to(DEVICE)
+    k_cache = torch.full((6, bs, hkv, d), float("nan"), device=DEVICE)
+    v_cache = torch.full((6, bs, hkv, d), float("nan"), device=DEVICE)
+    table = torch.tensor([4, 0, 5, 2], dtype=torch.int32, device=DEVICE)
+    slots = torch.tensor([int(table[p // bs]) * bs + p % bs for p in range(n)], device=DEVICE)
+    kernels.write_kv(k, v, k_cache, v_cache, slots)
+    out = kernels.paged_prefill_attention(q, k_cache, v_cache, table[None],
+                                          torch.tensor([n], dtype=torch.int32, device=DEVICE),
+                                          torch.tensor([0, n], dtype=torch.int32, device=DEVICE))
+    torch.testing.assert_close(cpu64(out), expected, atol=2e-5, rtol=1e-5)
 
 
 # -- falling back to the reference ----------------------------------------------------------------
@@ -354,7 +377,7 @@ def test_fallback_runs_the_reference(monkeypatch):
     for name in ("_decode_triton", "_prefill_triton", "_write_kv_triton"):
         monkeypatch.setattr(kernels, name, no_triton)
     gen = torch.Generator().manual_seed(2)
-    k_cache, v_cache, block_tables, seq_lens = make_pool([3, 9], 1, 64, 8, torch.float32, gen)
+    k_cache, v_cache, block_tables, seq_lens = make_pool([3, 9], 1, 64, 8, torch.float32, gen, device="cpu")
     q = torch.randn(2, 2, 64, generator=gen)
     monkeypatch.setattr(kernels, "_warned", set())
     with pytest.warns(RuntimeWarning, match="reference instead of Triton: .*testing the fallback"):
@@ -389,7 +412,7 @@ def pretend_compiled(monkeypatch, broken: list[str]) -> list[str]:
 def test_failed_launch_on_a_gpu_warns_once_and_runs_the_reference(monkeypatch):
     calls = pretend_compiled(monkeypatch, ["_decode_triton", "_prefill_triton", "_write_kv_triton"])
     gen = torch.Generator().manual_seed(4)
-    k_cache, v_cache, block_tables, seq_lens = make_pool([3, 9], 1, 64, 8, torch.float32, gen)
+    k_cache, v_cache, block_tables, seq_lens = make_pool([3, 9], 1, 64, 8, torch.float32, gen, device="cpu")
     q = torch.randn(2, 2, 64, generator=gen)
     out = torch.full_like(q, float("nan"))
     with pytest.warns(RuntimeWarning, match=r"paged_decode_attention kernel failed to compile or launch for "
@@ -428,6 +451,26 @@ def test_failed_launch_in_the_interpreter_is_an_error(monkeypatch):
             kernels.paged_decode_attention(**args)
 
 
+@pytest.mark.skipif(labkit.RUNTIME.triton_mode != "compiled" or labkit.DEVICE.type != "cuda",
+                    reason="needs a CUDA GPU on which Triton compiles")
+def test_compiled_kernels_run_on_the_gpu_without_falling_back():
+    """On a GPU the tests above must exercise the compiled kernels, not compare the reference with itself."""
+    dtypes = [torch.float16, torch.float32] + ([torch.bfloat16] if labkit.RUNTIME.bf16_supported else [])
+    for dtype in dtypes:
+        assert kernels.fallback_reason(dtype, DEVICE) is None, dtype
+    assert kernels.fallback_reason(torch.float32, "cpu") is not None  # CPU tensors would fall back
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")  # a failed compile or launch warns and falls back: make it fail here
+        for dtype in dtypes:
+            out, ref, args = decode_case([1, 17, 300], 8, 2, 128, 16, dtype, seed=9)
+            assert out.device.type == "cuda" and all(t.device.type == "cuda" for t in args)
+            assert_close_to(out, ref, dtype)
+            out, ref = prefill_case([9, 40], [9, 20], 8, 2, 128, 16, dtype, seed=10)
+            assert out.device.type == "cuda"
+            assert_close_to(out, ref, dtype)
+    assert not kernels._failed_launches, kernels._failed_launches  # noqa: SLF001 - none so far in this process
+
+
 @pytest.mark.skipif(labkit.RUNTIME.triton_mode != "interpreter", reason="interpreter only")
 def test_fallback_reason_in_the_interpreter():
     assert kernels.fallback_reason(torch.float32, "cpu") is None
@@ -438,7 +481,7 @@ def test_fallback_reason_in_the_interpreter():
 
 def _decode_args():
     gen = torch.Generator().manual_seed(0)
-    k_cache, v_cache, block_tables, seq_lens = make_pool([5, 12], 2, 64, 8, torch.float32, gen)
+    k_cache, v_cache, block_tables, seq_lens = make_pool([5, 12], 2, 64, 8, torch.float32, gen, device="cpu")
     q = torch.randn(2, 4, 64, generator=gen)
     return dict(q=q, k_cache=k_cache, v_cache=v_cache, block_tables=block_tables, seq_lens=seq_lens)
 

@@ -1,4 +1,8 @@
-"""Block allocator, block tables and the paged KV cache (labkit.paging)."""
+"""Block allocator, block tables and the paged KV cache (labkit.paging).
+
+The model and every tensor it is fed live on ``labkit.DEVICE`` (where ``PagedKVCache`` puts its
+pool by default), so on a GPU the paged cache runs the compiled Triton kernels.
+"""
 
 from __future__ import annotations
 
@@ -8,6 +12,7 @@ import random
 import pytest
 import torch
 
+from labkit import DEVICE
 from labkit.cache import KVCache, generate
 from labkit.model import Decoder, DecoderConfig
 from labkit.paging import (BlockAllocator, BlockTable, OutOfBlocksError, PagedKVCache, blocks_needed,
@@ -140,11 +145,11 @@ CONFIG = DecoderConfig(vocab_size=64, hidden_size=64, intermediate_size=128, num
 
 @pytest.fixture(scope="module")
 def model() -> Decoder:
-    return Decoder.random(CONFIG, seed=3)
+    return Decoder.random(CONFIG, seed=3).to(DEVICE)
 
 
 def test_paged_cache_reproduces_the_contiguous_cache_step_by_step(model):
-    prompt = torch.randint(0, CONFIG.vocab_size, (1, 9), generator=torch.Generator().manual_seed(0))
+    prompt = torch.randint(0, CONFIG.vocab_size, (1, 9), generator=torch.Generator().manual_seed(0)).to(DEVICE)
     paged = PagedKVCache(CONFIG, num_blocks=6, block_size=4)  # 9 + 4 tokens span the 4-token blocks
     contiguous = KVCache(CONFIG)
     feed = prompt
@@ -181,15 +186,15 @@ def test_ragged_batch_needs_explicit_positions(model):
     a, b = cache.add_sequence(), cache.add_sequence()
     with torch.no_grad():
         cache.select([a])
-        model(torch.tensor([[1, 2, 3]]), cache=cache)
+        model(torch.tensor([[1, 2, 3]], device=DEVICE), cache=cache)
         cache.select([b])
-        model(torch.tensor([[4, 5, 6, 7, 8]]), cache=cache)
+        model(torch.tensor([[4, 5, 6, 7, 8]], device=DEVICE), cache=cache)
         cache.select([a, b])
         assert cache.seq_lens() == [3, 5]
         assert cache.positions(2).tolist() == [[3, 4], [5, 6]]
         with pytest.raises(ValueError, match="positions"):
-            model(torch.tensor([[1], [2]]), cache=cache)
-        model(torch.tensor([[1], [2]]), positions=cache.positions(1), cache=cache)
+            model(torch.tensor([[1], [2]], device=DEVICE), cache=cache)
+        model(torch.tensor([[1], [2]], device=DEVICE), positions=cache.positions(1), cache=cache)
     assert cache.seq_lens() == [4, 6]
     used = cache.allocator.num_used
     cache.free_sequence(a)
@@ -199,10 +204,10 @@ def test_ragged_batch_needs_explicit_positions(model):
 def test_paged_cache_out_of_blocks_changes_nothing(model):
     cache = PagedKVCache(CONFIG, num_blocks=2, block_size=4, batch_size=2)
     with torch.no_grad():
-        model(torch.tensor([[1, 2, 3], [4, 5, 6]]), cache=cache)
+        model(torch.tensor([[1, 2, 3], [4, 5, 6]], device=DEVICE), cache=cache)
         before = (cache.seq_lens(), snapshot(cache.allocator), [list(t.block_ids) for t in cache.tables.values()])
         with pytest.raises(OutOfBlocksError):
-            model(torch.tensor([[1, 2], [3, 4]]), cache=cache)  # needs 2 more blocks, none free
+            model(torch.tensor([[1, 2], [3, 4]], device=DEVICE), cache=cache)  # needs 2 more blocks, none free
         after = (cache.seq_lens(), snapshot(cache.allocator), [list(t.block_ids) for t in cache.tables.values()])
     assert after == before
 
@@ -225,8 +230,8 @@ def test_paged_cache_rejects_bad_arguments():
         cache.select([7])
     with pytest.raises(ValueError, match="seq_ids"):
         cache.select([0, 0])
-    q = torch.zeros(1, 1, 4, CONFIG.head_dim)
-    k = torch.zeros(1, 1, 2, CONFIG.head_dim)
+    q = torch.zeros(1, 1, 4, CONFIG.head_dim, device=DEVICE)
+    k = torch.zeros(1, 1, 2, CONFIG.head_dim, device=DEVICE)
     with pytest.raises(ValueError, match="out of order"):
         cache.attend(1, q, k, k)
     with pytest.raises(ValueError, match="k and v"):
@@ -239,6 +244,7 @@ def test_paged_cache_rejects_bad_arguments():
 # -- the chapter's stepper ----------------------------------------------------------------------
 
 def test_stepper_simulation_is_consistent():
+    pytest.importorskip("ipywidgets", reason="the widget module needs ipywidgets (absent on bare GPU images)")
     from labkit.widgets.paging_stepper import DEFAULT_WORKLOAD, Request, simulate
 
     snaps = simulate(DEFAULT_WORKLOAD, num_blocks=16, block_size=4)
