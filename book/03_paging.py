@@ -48,11 +48,9 @@ ON_GPU = labkit.RUNTIME.triton_mode == "compiled"
 
 # %%
 # NBVAL_CHECK_OUTPUT
-try:  # chapter 02's module; the same formula written out if it is missing
-    from labkit.capacity import bytes_per_token
-    per_token = bytes_per_token(32, 8, 128, 2)
-except ImportError:
-    per_token = 2 * 32 * 8 * 128 * 2  # 2 (K and V) x layers x KV heads x head dim x bytes
+from labkit.capacity import TEACHING_MODEL  # chapter 02: 32 layers, 8 KV heads, head dim 128, 2 bytes
+
+per_token = TEACHING_MODEL.bytes_per_token()
 BLOCK = 16
 per_block = BLOCK * per_token
 
@@ -105,22 +103,19 @@ assert allocator.num_free == 8
 # had to be sized for the longest allowed sequence, or some guess of it. Everything beyond the
 # tokens actually produced is reserved but never used.
 #
-# Let's measure that on a realistic mix. We draw 1,000 requests whose prompt and output lengths
-# follow a log-normal shape with the means of the ShareGPT conversations used in the PagedAttention
-# paper (161 prompt tokens and 338 output tokens on average), capped at a 2,048-token limit.
-# For each strategy we compute the share of the reserved memory that holds real token states.
+# Let's measure that on a realistic mix. We draw 1,000 requests from chapter 06's ShareGPT-like
+# workload (`labkit.workloads`): log-normal prompt and output lengths with the means of the
+# ShareGPT conversations used in the PagedAttention paper (161 prompt tokens and 338 output tokens
+# on average), each side capped at 1,024 tokens, so no request exceeds a 2,048-token limit.
+# For each strategy we compute the share of the reserved memory that holds real token states
+# once every request has reached its final length.
 
 # %%
-rng = np.random.default_rng(0)
+from labkit.workloads import SHAREGPT, sharegpt_like
 
-
-def lognormal_lengths(mean: float, n: int, sigma: float = 1.0) -> np.ndarray:
-    """Integer lengths >= 1 from a log-normal whose mean is ``mean``."""
-    return np.maximum(1, rng.lognormal(math.log(mean) - sigma**2 / 2, sigma, n).round()).astype(int)
-
-
-MAX_LEN = 2048
-lengths = np.minimum(lognormal_lengths(161.31, 1000) + lognormal_lengths(337.99, 1000), MAX_LEN)
+MAX_LEN = SHAREGPT.max_prompt_len + SHAREGPT.max_output_len
+lengths = np.array([r.prompt_len + r.output_len for r in sharegpt_like(1000, arrival_rate=1.0, seed=0)])
+assert MAX_LEN == 2048 and lengths.max() <= MAX_LEN
 
 
 def share_max(lengths: np.ndarray, max_len: int = MAX_LEN) -> float:
@@ -615,7 +610,7 @@ answer_2 = int(sum(blocks_and_tail(int(n), 32)[1] for n in lengths)) * per_token
 answer_2 = None  # replace None with your expression
 # END STUB
 ex.check("Exercise 2", answer_2,
-         expected=int(((-(-lengths // 32)) * 32 - lengths).sum()) * 2 * 32 * 8 * 128 * 2)
+         expected=int(((-(-lengths // 32)) * 32 - lengths).sum()) * per_token)
 
 # %% [markdown]
 # **Exercise 3.** Write the gather of the reference yourself: `gather(cache, block_table, seq_len)`

@@ -15,6 +15,7 @@ from dataclasses import dataclass
 
 import torch
 
+from .checks import check_int
 from .model import Decoder, DecoderConfig, causal_attention
 
 
@@ -77,8 +78,7 @@ def generate(model: Decoder, prompt_ids: list[int], max_new_tokens: int, use_cac
     token. Without it, every step recomputes the whole sequence from scratch: the
     same tokens, at a cost that grows with the square of the length.
     """
-    if not isinstance(max_new_tokens, int) or max_new_tokens < 1:
-        raise ValueError(f"max_new_tokens must be an integer >= 1, got {max_new_tokens!r}")
+    check_int("max_new_tokens", max_new_tokens, 1)
     if len(prompt_ids) < 1:
         raise ValueError("prompt_ids must hold at least one token")
     device = model.lm_head.weight.device

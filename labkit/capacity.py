@@ -38,6 +38,7 @@ from typing import Any
 import torch
 
 from .units import format_bytes  # re-exported: the book writes sizes one way everywhere
+from .checks import check_int
 from .paging import blocks_needed
 
 __all__ = [
@@ -61,13 +62,6 @@ DTYPE_BYTES: dict[str, int] = {
 # --------------------------------------------------------------------------- checks
 
 
-def _check_int(name: str, value: object, minimum: int) -> int:
-    """``value`` as an int, or ValueError naming ``name`` and the allowed range."""
-    if isinstance(value, bool) or not isinstance(value, numbers.Integral) or value < minimum:
-        raise ValueError(f"{name} must be an integer >= {minimum}, got {value!r}")
-    return int(value)
-
-
 def _check_bytes(name: str, value: object, *, positive: bool = False) -> float:
     """A memory size in bytes: a real number >= 0, or > 0 when ``positive`` (1.5 GiB need not be whole)."""
     ok = not isinstance(value, bool) and isinstance(value, numbers.Real) and (value > 0 if positive else value >= 0)
@@ -85,7 +79,7 @@ def element_size(dtype: str | torch.dtype | int) -> int:
         if key not in DTYPE_BYTES:
             raise ValueError(f"dtype must be one of {sorted(DTYPE_BYTES)} (or a torch.dtype), got {dtype!r}")
         return DTYPE_BYTES[key]
-    return _check_int("dtype_bytes", dtype, 1)
+    return check_int("dtype_bytes", dtype, 1)
 
 
 def _resolve_dtype_bytes(dtype_bytes: int | None, dtype: str | torch.dtype | None) -> int:
@@ -109,9 +103,9 @@ def bytes_per_token(num_layers: int, num_kv_heads: int, head_dim: int, dtype_byt
     131072
     """
     b = _resolve_dtype_bytes(dtype_bytes, dtype)
-    num_layers = _check_int("num_layers", num_layers, 1)
-    num_kv_heads = _check_int("num_kv_heads", num_kv_heads, 1)
-    head_dim = _check_int("head_dim", head_dim, 1)
+    num_layers = check_int("num_layers", num_layers, 1)
+    num_kv_heads = check_int("num_kv_heads", num_kv_heads, 1)
+    head_dim = check_int("head_dim", head_dim, 1)
     return 2 * num_layers * num_kv_heads * head_dim * b
 
 
@@ -122,7 +116,7 @@ def cache_bytes(length: int, num_layers: int, num_kv_heads: int, head_dim: int, 
     ``length`` counts the tokens *in the cache* (prompt plus tokens generated so
     far); for capacity planning take the prompt plus the most tokens it may generate.
     """
-    length = _check_int("length", length, 0)
+    length = check_int("length", length, 0)
     return length * bytes_per_token(num_layers, num_kv_heads, head_dim, dtype_bytes, dtype=dtype)
 
 
@@ -167,18 +161,18 @@ class ModelShape:
 
     def __post_init__(self) -> None:
         for name in ("num_layers", "num_kv_heads", "head_dim", "dtype_bytes"):
-            _check_int(name, getattr(self, name), 1)
+            check_int(name, getattr(self, name), 1)
         if self.num_attention_heads is not None:
-            heads = _check_int("num_attention_heads", self.num_attention_heads, 1)
+            heads = check_int("num_attention_heads", self.num_attention_heads, 1)
             if heads % self.num_kv_heads:
                 raise ValueError(f"num_attention_heads must be a multiple of num_kv_heads ({self.num_kv_heads}): "
                                  f"each KV head serves a whole group of query heads, got {heads}")
         if self.max_position_embeddings is not None:
-            _check_int("max_position_embeddings", self.max_position_embeddings, 1)
+            check_int("max_position_embeddings", self.max_position_embeddings, 1)
         if self.latent and self.num_kv_heads != 1:
             raise ValueError(f"num_kv_heads must be 1 for a latent (MLA) cache, got {self.num_kv_heads}")
         if self.sliding_window is not None:
-            _check_int("sliding_window", self.sliding_window, 1)
+            check_int("sliding_window", self.sliding_window, 1)
         bad = [i for i in self.sliding_layers if not isinstance(i, int) or not 0 <= i < self.num_layers]
         if bad or len(set(self.sliding_layers)) != len(self.sliding_layers):
             raise ValueError(f"sliding_layers must hold distinct layer indices in [0, {self.num_layers - 1}], "
@@ -205,7 +199,7 @@ class ModelShape:
         Sliding-window layers keep at most ``sliding_window`` tokens (beyond the
         article; ``apply_window=False`` gives the article's plain formula).
         """
-        length = _check_int("length", length, 0)
+        length = check_int("length", length, 0)
         windowed = len(self.sliding_layers) if apply_window else 0
         kept = min(length, self.sliding_window) if windowed else length
         per_layer = self.bytes_per_token_per_layer()
@@ -217,12 +211,12 @@ class ModelShape:
         The bytes of such a request are still what the formula says; the model
         just was not built (or trained) to attend over that many positions.
         """
-        length = _check_int("length", length, 0)
+        length = check_int("length", length, 0)
         return self.max_position_embeddings is not None and length > self.max_position_embeddings
 
     def block_bytes(self, block_size: int) -> int:
         """Bytes of one cache block of ``block_size`` token slots (chapter 03's unit)."""
-        return _check_int("block_size", block_size, 1) * self.bytes_per_token()
+        return check_int("block_size", block_size, 1) * self.bytes_per_token()
 
     def query_head_mistake(self) -> int:
         """Bytes per token if one wrongly used the query heads instead of the KV heads."""
@@ -250,14 +244,14 @@ class ModelShape:
         for key in ("num_hidden_layers", "num_attention_heads"):
             if key not in config:
                 raise ValueError(f"config must have {key!r} (an integer >= 1)")
-        num_layers = _check_int("num_hidden_layers", config["num_hidden_layers"], 1)
-        num_heads = _check_int("num_attention_heads", config["num_attention_heads"], 1)
+        num_layers = check_int("num_hidden_layers", config["num_hidden_layers"], 1)
+        num_heads = check_int("num_attention_heads", config["num_attention_heads"], 1)
         kv_heads = config.get("num_key_value_heads")
         if kv_heads is None:  # no GQA: one KV head per query head
             kv_heads = num_heads
         head_dim = config.get("head_dim")
         if head_dim is None:
-            head_dim = _check_int("hidden_size", config.get("hidden_size"), 1) // num_heads
+            head_dim = check_int("hidden_size", config.get("hidden_size"), 1) // num_heads
         if dtype is None:
             dtype = config.get("torch_dtype") or config.get("dtype")
             if dtype is None:
@@ -266,7 +260,7 @@ class ModelShape:
         if config.get("kv_lora_rank"):  # DeepSeek-V2/V3: multi-head latent attention
             kwargs.update(latent=True)
             kv_heads = 1
-            head_dim = _check_int("kv_lora_rank", config["kv_lora_rank"], 1) + _check_int(
+            head_dim = check_int("kv_lora_rank", config["kv_lora_rank"], 1) + check_int(
                 "qk_rope_head_dim", config.get("qk_rope_head_dim", 0), 0)
         window = config.get("sliding_window")
         if window and config.get("use_sliding_window", True):
@@ -349,8 +343,8 @@ def kv_heads_per_device(num_kv_heads: int, tensor_parallel: int) -> int:
     more devices than KV heads, each device still needs a whole head, so every
     head is *replicated* on ``tensor_parallel // num_kv_heads`` devices: one head each.
     """
-    num_kv_heads = _check_int("num_kv_heads", num_kv_heads, 1)
-    tensor_parallel = _check_int("tensor_parallel", tensor_parallel, 1)
+    num_kv_heads = check_int("num_kv_heads", num_kv_heads, 1)
+    tensor_parallel = check_int("tensor_parallel", tensor_parallel, 1)
     if tensor_parallel <= num_kv_heads:
         if num_kv_heads % tensor_parallel:
             raise ValueError(f"tensor_parallel must divide num_kv_heads ({num_kv_heads}) when it is smaller, "
@@ -364,8 +358,8 @@ def kv_heads_per_device(num_kv_heads: int, tensor_parallel: int) -> int:
 
 def pipeline_stages(num_layers: int, pipeline_parallel: int) -> list[range]:
     """The layers of each pipeline stage: contiguous ranges whose sizes differ by at most one."""
-    num_layers = _check_int("num_layers", num_layers, 1)
-    pipeline_parallel = _check_int("pipeline_parallel", pipeline_parallel, 1)
+    num_layers = check_int("num_layers", num_layers, 1)
+    pipeline_parallel = check_int("pipeline_parallel", pipeline_parallel, 1)
     if pipeline_parallel > num_layers:
         raise ValueError(f"pipeline_parallel must be in [1, {num_layers}] (num_layers), got {pipeline_parallel}")
     bounds = [s * num_layers // pipeline_parallel for s in range(pipeline_parallel + 1)]
@@ -411,5 +405,5 @@ def sequences_that_fit(bytes_per_sequence: int, device_bytes: float, reserved_by
     a safety margin). Block-table overhead and latency goals are not counted:
     fitting in memory is not the same as being served fast enough.
     """
-    bytes_per_sequence = _check_int("bytes_per_sequence", bytes_per_sequence, 1)
+    bytes_per_sequence = check_int("bytes_per_sequence", bytes_per_sequence, 1)
     return int(kv_pool_bytes(device_bytes, reserved_bytes) // bytes_per_sequence)

@@ -27,6 +27,8 @@ from typing import TYPE_CHECKING, Iterator
 
 import torch
 
+from .checks import check_int
+
 if TYPE_CHECKING:  # imported lazily at run time: the kernels module loads Triton
     from .cache import Generation
     from .model import Decoder, DecoderConfig
@@ -38,14 +40,9 @@ class OutOfBlocksError(RuntimeError):
 
 def blocks_needed(num_tokens: int, block_size: int) -> int:
     """Blocks that hold ``num_tokens`` tokens: ceil(num_tokens / block_size)."""
-    _check_int("num_tokens", num_tokens, 0)
-    _check_int("block_size", block_size, 1)
+    check_int("num_tokens", num_tokens, 0)
+    check_int("block_size", block_size, 1)
     return -(-num_tokens // block_size)
-
-
-def _check_int(name: str, value: object, minimum: int) -> None:
-    if not isinstance(value, int) or isinstance(value, bool) or value < minimum:
-        raise ValueError(f"{name} must be an integer >= {minimum}, got {value!r}")
 
 
 class BlockAllocator:
@@ -55,7 +52,7 @@ class BlockAllocator:
     """
 
     def __init__(self, num_blocks: int):
-        _check_int("num_blocks", num_blocks, 1)
+        check_int("num_blocks", num_blocks, 1)
         self.num_blocks = num_blocks
         self.ref_counts = [0] * num_blocks
         # Free blocks, least recently freed first. An OrderedDict gives O(1) pop from
@@ -91,7 +88,7 @@ class BlockAllocator:
 
     def allocate_many(self, n: int) -> list[int]:
         """Take ``n`` blocks, or none at all if fewer than ``n`` are free."""
-        _check_int("n", n, 0)
+        check_int("n", n, 0)
         if n > self.num_free:
             raise OutOfBlocksError(f"need {n} blocks, only {self.num_free} of {self.num_blocks} are free")
         return [self.allocate() for _ in range(n)]
@@ -131,7 +128,7 @@ class BlockTable:
     """One sequence's logical-to-physical block map and its token count."""
 
     def __init__(self, block_size: int):
-        _check_int("block_size", block_size, 1)
+        check_int("block_size", block_size, 1)
         self.block_size = block_size
         self.block_ids: list[int] = []
         self.num_tokens = 0
@@ -144,7 +141,7 @@ class BlockTable:
 
     def new_blocks_for(self, n: int) -> int:
         """How many blocks appending ``n`` tokens would allocate."""
-        _check_int("n", n, 0)
+        check_int("n", n, 0)
         return -(-(self.num_tokens + n) // self.block_size) - len(self.block_ids)  # ceil, as blocks_needed
 
     def append(self, n: int, allocator: BlockAllocator) -> list[int]:
@@ -218,8 +215,8 @@ class KVPool:
     def __init__(self, config: "DecoderConfig", num_blocks: int, block_size: int,
                  dtype: torch.dtype = torch.float32, device: torch.device | str | None = None,
                  use_triton: bool = True):
-        _check_int("num_blocks", num_blocks, 1)
-        _check_int("block_size", block_size, 1)
+        check_int("num_blocks", num_blocks, 1)
+        check_int("block_size", block_size, 1)
         if dtype not in (torch.float32, torch.float16, torch.bfloat16):
             raise ValueError(f"dtype must be torch.float32, torch.float16 or torch.bfloat16, got {dtype}")
         from .device import DEVICE
@@ -293,7 +290,7 @@ class PagedKVCache(KVPool):
     def __init__(self, config: "DecoderConfig", num_blocks: int, block_size: int = 16,
                  dtype: torch.dtype = torch.float32, device: torch.device | str | None = None,
                  batch_size: int = 1):
-        _check_int("batch_size", batch_size, 0)
+        check_int("batch_size", batch_size, 0)
         super().__init__(config, num_blocks, block_size, dtype, device)
         self.allocator = BlockAllocator(num_blocks)
         self.tables: dict[int, BlockTable] = {}
@@ -343,7 +340,7 @@ class PagedKVCache(KVPool):
 
     def positions(self, num_new: int) -> torch.Tensor:
         """Positions [batch, num_new] of the next tokens of each selected sequence."""
-        _check_int("num_new", num_new, 1)
+        check_int("num_new", num_new, 1)
         start = torch.tensor(self.seq_lens(), device=self.device, dtype=torch.long)[:, None]
         return start + torch.arange(num_new, device=self.device)[None, :]
 
@@ -401,7 +398,7 @@ def generate_paged(model: "Decoder", prompts: list[list[int]], max_new_tokens: i
     """
     from .cache import Generation
 
-    _check_int("max_new_tokens", max_new_tokens, 1)
+    check_int("max_new_tokens", max_new_tokens, 1)
     if not prompts or any(len(p) < 1 for p in prompts):
         raise ValueError("prompts must be a non-empty list of non-empty token lists")
     if num_blocks is None:

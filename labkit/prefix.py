@@ -56,6 +56,7 @@ import math
 from dataclasses import astuple, dataclass
 from typing import Callable, Iterable, Sequence
 
+from .checks import check_int
 from .paging import AttentionMetadata, BlockAllocator, BlockTable, KVPool, OutOfBlocksError, blocks_needed
 
 __all__ = [
@@ -136,7 +137,7 @@ def block_hash(parent_hash: str | None, token_ids: Sequence[int], key: CacheKey)
 def hash_chain(token_ids: Sequence[int], block_size: int, key: CacheKey = CacheKey(),
                hash_fn: HashFn = block_hash) -> list[str]:
     """The hash of every *full* block of ``token_ids``; a partial last block has no name."""
-    _check_block_size(block_size)
+    check_int("block_size", block_size, 1)
     tokens = _check_token_ids(token_ids)
     _check_key(key)
     hashes: list[str] = []
@@ -255,7 +256,7 @@ class PrefixCache:
     def __init__(self, allocator: BlockAllocator, block_size: int, *, hash_fn: HashFn = block_hash):
         if not isinstance(allocator, BlockAllocator):
             raise ValueError(f"allocator must be a labkit.paging.BlockAllocator, got {type(allocator).__name__}")
-        _check_block_size(block_size)
+        check_int("block_size", block_size, 1)
         if not callable(hash_fn):
             raise ValueError("hash_fn must be callable (parent_hash, token_ids, key) -> str")
         self.allocator = allocator
@@ -335,7 +336,7 @@ class PrefixCache:
         and must be copied first (copy-on-write): the ``extra_blocks`` of the article's §05.
         """
         self._check_table(table)
-        _check_count("num_new_tokens", num_new_tokens)
+        check_int("num_new_tokens", num_new_tokens, 0)
         return table.new_blocks_for(num_new_tokens) + int(self._needs_copy(table, num_new_tokens))
 
     # ----------------------------------------------------------------- changes
@@ -470,7 +471,7 @@ class PrefixCache:
         Engines evict lazily (when ``allocate`` hands a block out); this is the same
         decision made eagerly, e.g. to show it. The blocks stay free.
         """
-        _check_count("num_blocks", num_blocks)
+        check_int("num_blocks", num_blocks, 0)
         victims = self.evictable_block_ids()[:num_blocks]
         for b in victims:
             self._forget(b)
@@ -533,16 +534,6 @@ def _free_queue(allocator: BlockAllocator) -> Iterable[int]:
     return list(allocator.free_block_ids())
 
 
-def _check_block_size(block_size: object) -> None:
-    if not isinstance(block_size, int) or isinstance(block_size, bool) or block_size < 1:
-        raise ValueError(f"block_size must be an integer >= 1, got {block_size!r}")
-
-
-def _check_count(name: str, value: object) -> None:
-    if not isinstance(value, int) or isinstance(value, bool) or value < 0:
-        raise ValueError(f"{name} must be an integer >= 0, got {value!r}")
-
-
 def _check_key(key: object) -> None:
     if not isinstance(key, CacheKey):
         raise ValueError(f"key must be a labkit.prefix.CacheKey, got {type(key).__name__}")
@@ -589,7 +580,7 @@ class PrefixKVCache(KVPool):
                  model_name: str = "teaching-model", reuse: bool = True):
         import torch
 
-        _check_block_size(block_size)
+        check_int("block_size", block_size, 1)
         super().__init__(config, num_blocks, block_size, torch.float32 if dtype is None else dtype, device)
         self.reuse = bool(reuse)
         self.model_name = model_name
@@ -671,7 +662,7 @@ def generate_with_prefix_cache(model, kv: PrefixKVCache, prompt_ids: Sequence[in
     """
     import torch
 
-    _check_count("max_new_tokens", max_new_tokens)
+    check_int("max_new_tokens", max_new_tokens, 0)
     if max_new_tokens < 1:
         raise ValueError(f"max_new_tokens must be an integer >= 1, got {max_new_tokens!r}")
     prompt = _check_token_ids(prompt_ids, min_len=1)

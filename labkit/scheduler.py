@@ -48,6 +48,7 @@ from collections import deque
 from dataclasses import dataclass, field
 from typing import Any, Callable, Iterable, Iterator, Sequence
 
+from .checks import check_int
 from .paging import BlockAllocator, blocks_needed
 from .prefix import CachedBlockTable, CacheKey, PrefixCache
 
@@ -62,13 +63,6 @@ __all__ = [
     "Step",
     "Scheduler",
 ]
-
-
-def _check_int(name: str, value: object, minimum: int) -> None:
-    if type(value) is int and value >= minimum:  # the common case, checked fast (bool is not int here)
-        return
-    if not isinstance(value, int) or isinstance(value, bool) or value < minimum:
-        raise ValueError(f"{name} must be an integer >= {minimum}, got {value!r}")
 
 
 class RequestStatus(enum.Enum):
@@ -119,9 +113,9 @@ class Request:
             if not isinstance(t, int) or isinstance(t, bool) or t < 0:
                 raise ValueError(f"prompt_token_ids must hold integers >= 0, found {t!r}")
         self.prompt_token_ids = list(self.prompt_token_ids)
-        _check_int("max_new_tokens", self.max_new_tokens, 1)
+        check_int("max_new_tokens", self.max_new_tokens, 1)
         if self.eos_token_id is not None:
-            _check_int("eos_token_id", self.eos_token_id, 0)
+            check_int("eos_token_id", self.eos_token_id, 0)
 
     @property
     def all_token_ids(self) -> list[int]:
@@ -160,8 +154,8 @@ def extra_blocks(request: Request, tokens: int, block_size: int) -> int:
     * **revived blocks**: a waiting request's prefix hit may point at cached blocks that
       no one holds; they sit in the free queue, and taking them uses free blocks too.
     """
-    _check_int("tokens", tokens, 0)
-    _check_int("block_size", block_size, 1)
+    check_int("tokens", tokens, 0)
+    check_int("block_size", block_size, 1)
     if tokens == 0:
         return 0
     new = max(0, blocks_needed(request.num_computed_tokens + tokens, block_size) - len(request.block_table))
@@ -182,9 +176,9 @@ def plan_iteration(candidates: Iterable[Request], free_blocks: int, token_budget
     ``Scheduler`` allocates them there); without it the pass only plans and changes nothing.
     Returns ``[(request, tokens), ...]`` in the order they were planned.
     """
-    _check_int("free_blocks", free_blocks, 0)
-    _check_int("token_budget", token_budget, 0)
-    _check_int("block_size", block_size, 1)
+    check_int("free_blocks", free_blocks, 0)
+    check_int("token_budget", token_budget, 0)
+    check_int("block_size", block_size, 1)
     plan = []
     for request in candidates:
         tokens = min(request.next_chunk, token_budget)
@@ -321,15 +315,15 @@ class Scheduler:
                  *, enable_prefix_caching: bool = True, allocator: BlockAllocator | None = None,
                  prefix_cache: PrefixCache | None = None, priority: Callable[[Request], Any] | None = None,
                  cache_key: CacheKey = CacheKey(), head_of_line: bool = True):
-        _check_int("block_size", block_size, 1)
-        _check_int("max_num_batched_tokens", max_num_batched_tokens, 1)
+        check_int("block_size", block_size, 1)
+        check_int("max_num_batched_tokens", max_num_batched_tokens, 1)
         if prefix_cache is not None:
             if prefix_cache.block_size != block_size:
                 raise ValueError(f"block_size must equal prefix_cache.block_size {prefix_cache.block_size}, "
                                  f"got {block_size}")
             allocator = prefix_cache.allocator
         if allocator is None:
-            _check_int("num_blocks", num_blocks, 1)
+            check_int("num_blocks", num_blocks, 1)
             allocator = BlockAllocator(num_blocks)
         elif not isinstance(allocator, BlockAllocator):
             raise ValueError(f"allocator must be a labkit.paging.BlockAllocator, got {type(allocator).__name__}")

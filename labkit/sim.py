@@ -38,6 +38,7 @@ from typing import Sequence
 import numpy as np
 
 from .capacity import GiB, TEACHING_MODEL, ModelShape, format_bytes
+from .checks import check_int, check_number
 from .costmodel import CostModel
 from .paging import BlockAllocator, blocks_needed
 from .prefix import PrefixCache
@@ -144,16 +145,14 @@ def plan_pool(device_bytes: float = 24 * GiB, set_aside_bytes: float = 17 * GiB,
     model, 16-token blocks; the engine limits (256 sequence slots, 8,192-token
     sequences and steps) are typical engine defaults, not from the article.
     """
-    for name, value in (("device_bytes", device_bytes), ("set_aside_bytes", set_aside_bytes)):
-        if isinstance(value, bool) or not isinstance(value, (int, float)) or not value >= 0:
-            raise ValueError(f"{name} must be a number of bytes >= 0, got {value!r}")
+    check_number("device_bytes", device_bytes, 0)
+    check_number("set_aside_bytes", set_aside_bytes, 0)
     if set_aside_bytes > device_bytes:
         raise ValueError(f"set_aside_bytes must be in [0, device_bytes = {format_bytes(device_bytes)}], "
                          f"got {format_bytes(set_aside_bytes)}")
     for name, value in (("block_size", block_size), ("max_num_seqs", max_num_seqs),
                         ("max_model_len", max_model_len), ("max_num_batched_tokens", max_num_batched_tokens)):
-        if isinstance(value, bool) or not isinstance(value, int) or value < 1:
-            raise ValueError(f"{name} must be an integer >= 1, got {value!r}")
+        check_int(name, value, 1)
     plan = PoolPlan(model, device_bytes, set_aside_bytes, block_size, max_num_seqs, max_model_len,
                     max_num_batched_tokens)
     if plan.num_blocks < 1:
@@ -191,10 +190,8 @@ def reservation_shares(requests: Sequence[RequestSpec], max_len: int = 2048, blo
     """
     if not requests:
         raise ValueError("requests must hold at least one request")
-    if isinstance(max_len, bool) or not isinstance(max_len, int) or max_len < 1:
-        raise ValueError(f"max_len must be an integer >= 1, got {max_len!r}")
-    if isinstance(block_size, bool) or not isinstance(block_size, int) or block_size < 1:
-        raise ValueError(f"block_size must be an integer >= 1, got {block_size!r}")
+    check_int("max_len", max_len, 1)
+    check_int("block_size", block_size, 1)
     prompt = np.array([r.prompt_len for r in requests], dtype=np.float64)
     output = np.array([r.output_len for r in requests], dtype=np.float64)
     total = prompt + output
@@ -353,16 +350,6 @@ def _fast_block_hash(parent_hash, token_ids, key) -> int:
     return hash((parent_hash, tuple(token_ids), key))
 
 
-def _check_number(name: str, value: object, minimum: float, *, integer: bool = False, strict: bool = False) -> None:
-    kind = int if integer else (int, float)
-    bad = isinstance(value, bool) or not isinstance(value, kind)
-    if not bad:
-        bad = value <= minimum if strict else value < minimum
-    if bad:
-        what = "an integer" if integer else "a number"
-        raise ValueError(f"{name} must be {what} {'>' if strict else '>='} {minimum}, got {value!r}")
-
-
 class Simulator:
     """Serve a workload with labkit's scheduler, timing each step with a roofline cost model.
 
@@ -380,18 +367,18 @@ class Simulator:
         self.cost_model = cost_model if cost_model is not None else CostModel()
         if not isinstance(self.cost_model, CostModel):
             raise ValueError(f"cost_model must be a labkit.costmodel.CostModel, got {type(cost_model).__name__}")
-        _check_number("block_size", block_size, 1, integer=True)
-        _check_number("max_num_batched_tokens", max_num_batched_tokens, 1, integer=True)
+        check_int("block_size", block_size, 1)
+        check_int("max_num_batched_tokens", max_num_batched_tokens, 1)
         if (num_blocks is None) == (pool_bytes is None):
             raise ValueError("give exactly one of num_blocks (an integer >= 1) or pool_bytes (bytes >= one block)")
         block_bytes = self.cost_model.model.shape.block_bytes(block_size)
         if pool_bytes is not None:
-            _check_number("pool_bytes", pool_bytes, 0)
+            check_number("pool_bytes", pool_bytes, 0)
             if pool_bytes < block_bytes:
                 raise ValueError(f"pool_bytes must hold at least one block of {block_size} tokens "
                                  f"({format_bytes(block_bytes)}), got {format_bytes(pool_bytes)}")
             num_blocks = int(pool_bytes // block_bytes)
-        _check_number("num_blocks", num_blocks, 1, integer=True)
+        check_int("num_blocks", num_blocks, 1)
         self.num_blocks = num_blocks
         self.block_size = block_size
         self.max_num_batched_tokens = max_num_batched_tokens

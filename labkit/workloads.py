@@ -31,6 +31,8 @@ from dataclasses import dataclass, field
 
 import numpy as np
 
+from .checks import check_int, check_number
+
 __all__ = ["RequestSpec", "LengthProfile", "SHAREGPT", "ALPACA", "PROFILES", "poisson_arrivals",
            "make_workload", "sharegpt_like", "alpaca_like", "long_document_questions", "distinct_short_requests",
            "length_stats"]
@@ -121,25 +123,13 @@ def _lognormal_lengths(n: int, mean: float, sigma: float, upper: int, rng: np.ra
     return np.clip(np.rint(rng.lognormal(mu, sigma, size=n)), 1, upper).astype(np.int64)
 
 
-def _check_positive(name: str, value: object) -> float:
-    if isinstance(value, bool) or not isinstance(value, (int, float)) or not value > 0 or value != value:
-        raise ValueError(f"{name} must be a number > 0, got {value!r}")
-    return float(value)
-
-
-def _check_count(name: str, value: object, minimum: int) -> int:
-    if isinstance(value, bool) or not isinstance(value, (int, np.integer)) or value < minimum:
-        raise ValueError(f"{name} must be an integer >= {minimum}, got {value!r}")
-    return int(value)
-
-
 def poisson_arrivals(num_requests: int, arrival_rate: float, rng: np.random.Generator) -> np.ndarray:
     """Arrival times (seconds) of a Poisson process: exponential gaps of mean ``1 / arrival_rate``.
 
     The first request arrives at time 0.
     """
-    num_requests = _check_count("num_requests", num_requests, 0)
-    arrival_rate = _check_positive("arrival_rate", arrival_rate)
+    num_requests = check_int("num_requests", num_requests, 0)
+    arrival_rate = check_number("arrival_rate", arrival_rate, 0, strict=True)
     gaps = rng.exponential(1.0 / arrival_rate, size=num_requests)
     if num_requests:
         gaps[0] = 0.0
@@ -160,11 +150,11 @@ def make_workload(num_requests: int, arrival_rate: float, lengths: LengthProfile
         if lengths not in PROFILES:
             raise ValueError(f"lengths must be one of {sorted(PROFILES)} or a LengthProfile, got {lengths!r}")
         lengths = PROFILES[lengths]
-    num_requests = _check_count("num_requests", num_requests, 0)
-    arrival_rate = _check_positive("arrival_rate", arrival_rate)
-    shared_prefix_len = _check_count("shared_prefix_len", shared_prefix_len, 0)
-    num_prefixes = _check_count("num_prefixes", num_prefixes, 1)
-    vocab_size = _check_count("vocab_size", vocab_size, 2)
+    num_requests = check_int("num_requests", num_requests, 0)
+    arrival_rate = check_number("arrival_rate", arrival_rate, 0, strict=True)
+    shared_prefix_len = check_int("shared_prefix_len", shared_prefix_len, 0)
+    num_prefixes = check_int("num_prefixes", num_prefixes, 1)
+    vocab_size = check_int("vocab_size", vocab_size, 2)
     if isinstance(prefix_share, bool) or not isinstance(prefix_share, (int, float)) or not 0 <= prefix_share <= 1:
         raise ValueError(f"prefix_share must be a number in [0, 1], got {prefix_share!r}")
     rng = np.random.default_rng(seed)
