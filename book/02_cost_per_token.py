@@ -304,7 +304,9 @@ assert PRESETS["Gemma-2-9B"].bytes_per_token() == 6 * PRESETS["Qwen2.5-7B"].byte
 #   a share of the KV heads. When there are more devices than KV heads, a head cannot be cut:
 #   each device keeps one whole KV head, and heads are *replicated*;
 # - **pipeline parallelism** (PP) gives each device (stage) a range of layers, and the cache of
-#   only those layers.
+#   only those layers. When the layers do not divide evenly, vLLM gives the extra layers to the
+#   stages *before* the last (`vllm/distributed/utils.py: get_pp_indices`), and so does
+#   `capacity.pipeline_stages`: 61 layers on 4 stages are 15, 15, 16, 15.
 #
 # `capacity.shard` returns the busiest device's share as a `ModelShape`, so the same formula
 # applies per device. Llama-3-70B has 8 KV heads and 80 layers:
@@ -325,6 +327,7 @@ assert per_device[1, 4] == big.bytes_per_token() // 4
 for tp in [1, 2, 4, 8]:  # only divided: the total stays at the model's per-token cost
     assert tp * per_device[tp, 1] == big.bytes_per_token() == 320 * KiB
 assert per_device[16, 1] == 40 * KiB and 16 * per_device[16, 1] == 2 * big.bytes_per_token() == 640 * KiB
+assert [len(s) for s in capacity.pipeline_stages(61, 4)] == [15, 15, 16, 15]
 
 # %% [markdown]
 # Read the last column. Up to TP=8 the total over all devices stays at the model's per-token cost:
@@ -338,14 +341,20 @@ assert per_device[16, 1] == 40 * KiB and 16 * per_device[16, 1] == 2 * big.bytes
 # The article's formula assumes an unquantized cache and no sliding window, and that every
 # layer stores separate K and V. Three common departures, each a small change to the formula:
 #
-# **An 8-bit cache** (e.g. vLLM's `kv_cache_dtype="fp8"`) halves `b`. The per-tensor scales it
-# needs are a few bytes per layer and are left out here.
+# **An 8-bit cache** (e.g. vLLM's `kv_cache_dtype="fp8"`) halves `b`. With vLLM's plain `"fp8"`
+# the scales are *per tensor*: one for K and one for V in each layer, a few bytes per layer, left
+# out here. Its per-token-head variants (`"fp8_per_token_head"`, `"int8_per_token_head"`) store two
+# 4-byte scales with every head of every token instead: 264 bytes per head and token where 256
+# hold the data, for a head dimension of 128 (`labkit.vllm.page_size_bytes` counts them).
 
 # %%
 fp8 = TEACHING_MODEL.with_dtype("fp8")
 print(f"teaching model, 8-bit cache: {format_bytes(fp8.bytes_per_token())} per token, "
       f"request A {format_bytes(fp8.cache_bytes(8192))}")
 assert 2 * fp8.cache_bytes(8192) == TEACHING_MODEL.cache_bytes(8192)
+from labkit import vllm
+assert vllm.page_size_bytes(TEACHING_MODEL, 1, "fp8_per_token_head") == 8 * 264  # 8 KV heads, 1 token
+assert vllm.page_size_bytes(TEACHING_MODEL, 1, "fp8") == 8 * 256
 
 # %% [markdown]
 # **Sliding-window layers** attend only to the last W tokens, so they need to keep only W.
@@ -413,6 +422,11 @@ assert fit == 7
 # Pick a preset, then move the sliders. The readout gives bytes per token, bytes per request and
 # the number of sequences that fit; the plot shows that number against the context length, with
 # your request count as a dashed line. (The explorer applies the article's formula: no windows.)
+# Below the table, **vLLM would print** the two start-up lines vLLM computes for the same device
+# (`labkit.vllm`, chapter 06): the pool is device − set aside times `gpu_memory_utilization`
+# (its own slider), cut into 16-token blocks, with `max_model_len` = the context length. For
+# Mistral and Gemma 2 it budgets the windows as vLLM does, so its concurrency differs from
+# "sequences that fit"; when one request would not fit, it shows vLLM's refusal instead.
 # Lengths past the preset's `max_position_embeddings` get a warning, and the plot draws them dotted.
 # Try: Qwen2.5-7B at its limit of 131,072 tokens on an 80 GiB device with 20 GiB set aside; then
 # switch the element size to 1 byte; then pick Llama-3-8B, whose limit is far shorter; then set

@@ -24,6 +24,8 @@
 #
 # - how a device's memory becomes a KV pool (§06: 24 GiB − 17 GiB = 7 GiB = seven 8,192-token
 #   sequences of the teaching model), and what block tables and other bookkeeping take from it;
+# - how to predict the lines vLLM prints at start-up, why it refuses a `max_model_len`, and where
+#   it reserves more than the model needs;
 # - why fitting is not serving: a roofline model of one step, where concurrency spreads the weight
 #   read over more sequences but multiplies the history read;
 # - the measurements that tell whether a setting serves well: cache occupancy, reusable-token
@@ -75,8 +77,12 @@ assert pool.pool_bytes == 7 * GiB and pool.num_blocks == 3584 and pool.sequences
 # - the **sequence lengths** (int32 per slot);
 # - the **slot mapping** of one step: where each new token's K and V go (int64 per token).
 #
-# With typical engine limits (256 sequence slots, 8,192-token sequences, 8,192 tokens per step)
-# that is:
+# Take the limits vLLM picks for its offline `LLM` class on a GPU under 70 GiB: 256 sequence
+# slots and 8,192 tokens per step, with 8,192-token sequences. They are not universal: vLLM
+# 0.33.0 picks them per entry point and GPU (`vllm/engine/arg_utils.py:
+# EngineArgs.get_batch_defaults`). `vllm serve` takes 2,048 tokens per step; on GPUs of 70 GiB or
+# more that are not A100s, `LLM` takes 16,384 and `vllm serve` 8,192, both with 1,024 sequences;
+# from 160 GiB both take 16,384. With the first set the bookkeeping is:
 
 # %%
 # NBVAL_CHECK_OUTPUT
@@ -98,6 +104,167 @@ assert pool.management_bytes < 600 * 1024 and round(pool.management_bytes / pool
 # fragile in the same way. Engines also keep per-block metadata on the host (a reference count, a
 # hash, free-queue links): it grows with the pool but lives in CPU memory.
 #
+# ## Reading vLLM's start-up log
+#
+# vLLM does the same subtraction when it starts. It loads the weights, runs one profiling step at
+# its largest batch, and hands everything left inside its budget to the KV cache. Then it logs what
+# it got. `labkit.vllm` redoes that arithmetic the way vLLM's code does it (vLLM 0.33.0; every
+# function names the file it follows). The budget is `ceil(device × gpu_memory_utilization)`, and
+# the non-KV memory is the article's 17 GiB. With `gpu_memory_utilization=1.0` the budget is the
+# whole device:
+
+# %%
+# NBVAL_CHECK_OUTPUT
+from labkit import vllm
+from labkit.capacity import PRESETS
+
+available = vllm.available_kv_bytes(gpu_total_bytes=24 * GiB, gpu_memory_utilization=1.0, non_kv_bytes=17 * GiB)
+report = vllm.kv_cache_report(TEACHING_MODEL, available, block_size=16, max_model_len=8192)
+print(*report.log_lines(), sep="\n")
+print(f"page: {report.page_size_bytes:,} B per layer; block: {format_bytes(report.bytes_per_block[0])}; "
+      f"blocks: {report.num_gpu_blocks:,}")
+assert available == pool.pool_bytes and report.num_gpu_blocks == pool.num_blocks == 3584
+assert report.max_concurrency == pool.sequences_that_fit == 7
+
+# %% [markdown]
+# These are vLLM's own words. "7.0 GiB" is §06's pool; "57,344 tokens" is 3,584 blocks of 16
+# tokens; "7.00x" is §06's seven sequences. vLLM counts a *page* as one block of one layer
+# (65,536 bytes here, `vllm/v1/kv_cache_interface.py: AttentionSpec.page_size_bytes`), and one
+# block id covers that page in all 32 layers: 2 MiB. Older versions word it differently: vLLM 0.10.2
+# printed "7.00 GiB" and put the token count and the concurrency on two separate lines.
+#
+# **`gpu_memory_utilization`** is the share of the device vLLM may use. Its default is 0.92 in
+# vLLM 0.33.0 (0.9 in 0.10.2). The 8% it leaves is a reserve *on top of* what the profiling run
+# found, so on §06's device the default shrinks the pool:
+
+# %%
+# NBVAL_CHECK_OUTPUT
+default = vllm.available_kv_bytes(24 * GiB, 0.92, 17 * GiB)
+print(*vllm.kv_cache_report(TEACHING_MODEL, default, max_model_len=8192).log_lines(), sep="\n")
+print()
+try:
+    vllm.kv_cache_report(TEACHING_MODEL, default, max_model_len=65_536)
+except vllm.KVCacheTooSmallError as refusal:
+    print("ValueError:", refusal)
+    too_long = refusal
+assert too_long.estimated_max_model_len == 41_584 and too_long.needed_bytes == 8 * GiB
+
+# %% [markdown]
+# The second call asks for 65,536-token requests, and vLLM refuses to start: one such request
+# needs 4,096 blocks, 8 GiB, and only 5.08 GiB are there. (vLLM checks against the pool minus one
+# block, the *null block* its block pool keeps back, so a pool of exactly one request is refused
+# too.) The message carries the fix: the longest `max_model_len` that fits, found by a binary
+# search, is 41,584 tokens. Three ways out, each computed:
+
+# %%
+# NBVAL_CHECK_OUTPUT
+fixes = {
+    "max_model_len=41,584": dict(available=default, max_model_len=41_584, kv_cache_dtype="auto"),
+    "gpu_memory_utilization=1.0": dict(available=available, max_model_len=65_536, kv_cache_dtype="auto"),
+    "kv_cache_dtype='fp8'": dict(available=default, max_model_len=65_536, kv_cache_dtype="fp8"),
+}
+started = {}
+for label, f in fixes.items():
+    try:
+        r = vllm.kv_cache_report(TEACHING_MODEL, f["available"], max_model_len=f["max_model_len"],
+                                 kv_cache_dtype=f["kv_cache_dtype"])
+        started[label] = r.max_concurrency
+        print(f"{label:<28} starts: {r.log_lines()[1]}")
+    except vllm.KVCacheTooSmallError as e:
+        print(f"{label:<28} refused: needs {vllm.format_gib(e.needed_bytes)} GiB, has "
+              f"{vllm.format_gib(e.available_bytes)} GiB")
+assert list(started) == ["max_model_len=41,584", "kv_cache_dtype='fp8'"]
+assert [f"{x:.2f}" for x in started.values()] == ["1.00", "1.27"]
+
+# %% [markdown]
+# Shortening `max_model_len` to the estimate starts, with room for a single request. Raising the
+# utilization to 1.0 is not enough: 7 GiB is still under 8 GiB. An 8-bit cache (per-tensor fp8)
+# halves every page and starts with room for about 1.27 requests. The other levers are fewer
+# bytes outside the cache: smaller or quantized weights, a smaller `max_num_batched_tokens` (a
+# smaller activation peak), or more GPUs.
+#
+# ### More GPUs: tensor parallelism, replicated heads, and MLA
+#
+# Llama-3-70B's weights (with chapter 02's shape) do not fit one 80 GiB GPU. Spread over 8 or 16
+# H100s with tensor parallelism, each GPU holds a share of the weights. We assume 5 GiB per GPU for
+# activations and CUDA graphs (an assumption; vLLM measures it). vLLM gives each GPU
+# `max(1, KV heads // tp)` KV heads (`vllm/config/model.py: ModelConfig.get_num_kv_heads`):
+
+# %%
+# NBVAL_CHECK_OUTPUT
+h100 = DEVICES["H100 SXM"]
+llama70 = MODEL_COSTS["Llama-3-70B"]
+print(f"{'GPUs':>4} {'KV heads/GPU':>12} {'page':>8} {'weights/GPU':>12} {'KV memory/GPU':>14}  vLLM would print")
+tp_reports = {}
+for tp in (8, 16):
+    kv_memory = vllm.available_kv_bytes(h100.memory_bytes, 0.92, llama70.weight_bytes / tp + 5 * GiB)
+    r = vllm.kv_cache_report("Llama-3-70B", kv_memory, max_model_len=8192, tensor_parallel_size=tp)
+    tp_reports[tp] = r
+    print(f"{tp:>4} {vllm.kv_heads_per_rank(8, tp):>12} {format_bytes(r.page_size_bytes):>8} "
+          f"{format_bytes(llama70.weight_bytes / tp):>12} {format_bytes(kv_memory):>14}  {r.log_lines()[1]}")
+assert tp_reports[8].page_size_bytes == tp_reports[16].page_size_bytes  # 16 GPUs, 8 KV heads: replicated
+assert tp_reports[16].max_concurrency < 2 * tp_reports[8].max_concurrency
+
+# %% [markdown]
+# At 8 GPUs each holds one of the 8 KV heads. At 16, a head cannot be cut, so every head is stored
+# on two GPUs and the page stays the same size. Twice the GPUs do not give twice the tokens: the
+# second engine holds more only because each GPU carries half as much weight, not because its
+# cache got denser.
+#
+# DeepSeek-V3's latent cache (MLA) is one "head" of 512 + 64 elements per token and layer, with no
+# separate V (`MLAAttentionSpec`: head_size_v = 0). Tensor parallelism cannot split it at all:
+# every GPU keeps the whole latent cache of its layers. With vLLM's FlashMLA kernels the block is
+# 64 tokens. With 40 GiB of cache per GPU (assumed), at its full context of 163,840 tokens:
+
+# %%
+# NBVAL_CHECK_OUTPUT
+for dtype in ("auto", "fp8"):
+    r = vllm.kv_cache_report("DeepSeek-V3", 40 * GiB, block_size=64, max_model_len=163_840, tensor_parallel_size=8,
+                             kv_cache_dtype=dtype)
+    print(f"kv_cache_dtype={dtype!r:<7} page {r.page_size_bytes:,} B x {PRESETS['DeepSeek-V3'].num_layers} layers: "
+          f"{r.log_lines()[1]}")
+assert r.page_size_bytes == 64 * 576  # fp8: one byte per latent element, the same on all 8 GPUs
+
+# %% [markdown]
+# ### What the model needs, and what vLLM reserves
+#
+# `labkit.capacity` keeps the physics: a sliding-window layer needs only its window. vLLM
+# budgets a window layer for more (`SlidingWindowSpec.max_admission_blocks_per_request`): the last
+# window − 1 tokens plus every token scheduled but not yet processed, because a chunk of up to
+# `max_num_batched_tokens` is written into the cache *before* the window slides past the old
+# tokens, plus one block, since the window need not start on a block boundary. vLLM 0.33.0 counts
+# two batches in flight on a GPU (asynchronous scheduling). Gemma 2 mixes window and full layers:
+# vLLM puts its 21 window layers and its 21 full layers in two groups with their own block tables
+# (`vllm/v1/core/kv_cache_planning.py: _get_kv_cache_groups_uniform_page_size`). Side by side, with
+# 20 GiB for the cache and 2,048 batched tokens:
+
+# %%
+# NBVAL_CHECK_OUTPUT
+print(f"{'model':<16} {'max_model_len':>13} {'needs':>10} {'fit':>5} {'vLLM reserves':>14} {'vLLM':>7}")
+side = {}
+for name, model_len in [("Mistral-7B-v0.1", 32_768), ("Gemma-2-9B", 8192)]:
+    shape = PRESETS[name]
+    needs = shape.cache_bytes(model_len)  # the window applied: the physics
+    r = vllm.kv_cache_report(name, 20 * GiB, max_model_len=model_len, max_num_batched_tokens=2048)
+    reserves = r.blocks_per_request * r.bytes_per_block[0]  # each block id costs a page in every layer of a group
+    side[name] = needs, reserves, r
+    print(f"{name:<16} {model_len:>13,} {format_bytes(needs):>10} {20 * GiB // needs:>5} "
+          f"{format_bytes(reserves):>14} {r.max_concurrency:>6.2f}x")
+assert side["Mistral-7B-v0.1"][0] == PRESETS["Mistral-7B-v0.1"].cache_bytes(4096)  # only the window
+assert side["Mistral-7B-v0.1"][2].blocks_per_request == -(-(4095 + 2 * 2048) // 16) + 1 == 513
+assert side["Gemma-2-9B"][2].blocks_per_request == 512 + 513
+assert 20 * GiB // side["Mistral-7B-v0.1"][0] == 40 and 2 < side["Mistral-7B-v0.1"][1] / side["Mistral-7B-v0.1"][0] < 2.01
+
+# %% [markdown]
+# Mistral needs its 4,096-token window in each layer, 512 MiB per request, so 40 requests would
+# fit in 20 GiB. vLLM reserves 513 blocks per request for the window layers (4,095 + 2 × 2,048
+# tokens, rounded up, plus one block), just over twice as much, and promises 19.96 requests. For
+# Gemma 2 the full layers need their 8,192 tokens either way; the window layers get 513 blocks,
+# where the window would need 256. Neither is waste while a request runs: vLLM frees the blocks
+# behind the window as it goes. The difference is the *guarantee*: the "Maximum concurrency" line
+# counts worst-case requests that can all be admitted at once.
+
+# %% [markdown]
 # ## Fitting is not serving
 #
 # Suppose the six sequences fit and run. Every decode step must read all of the weights once and
@@ -203,8 +370,11 @@ assert round(cost.breakeven_batch(8192)) == 15                                  
 # reported in the PagedAttention paper and choose the spread ourselves (the paper shows
 # histograms, not parameters): an assumption, stated. We also clip prompt and output to
 # `max_prompt_len` / `max_output_len` tokens each (1,024 for both profiles), so a request fits a
-# 2,048-token context: again the book's choice, similar to the length filter of vLLM's benchmark
-# scripts, not something the paper reports about its traces.
+# 2,048-token context: again the book's choice, not something the paper reports about its traces.
+# vLLM's serving benchmark does not clip: it *drops* ShareGPT samples whose prompt or output is under
+# 4 tokens, whose prompt is over 1,024, or whose prompt and output together are over 2,048
+# (`vllm/benchmarks/datasets/datasets.py: is_valid_sequence`). Our lengths are therefore not the
+# lengths vLLM's benchmark would send.
 
 # %%
 # NBVAL_CHECK_OUTPUT
@@ -550,6 +720,11 @@ assert short_128.ttft_percentiles()["p50"] > short_small.ttft_percentiles()["p50
 # - A device's memory minus weights, workspace and reserve is the KV pool: 24 − 17 = 7 GiB, 3,584
 #   blocks, seven 8,192-token sequences of the teaching model. Block tables, lengths and slot
 #   mappings (577 KiB here) cost a whole sequence when the count was exact: six remain.
+# - vLLM prints the same arithmetic: "Available KV cache memory: 7.0 GiB" and "GPU KV cache size:
+#   57,344 tokens, Maximum concurrency for 8,192 tokens per request: 7.00x" at
+#   `gpu_memory_utilization=1.0`, 5.08x at its default 0.92. It refuses a `max_model_len` whose one
+#   request does not fit and says the longest that would; it budgets sliding-window layers for
+#   a window plus the tokens in flight, more than the window the model needs.
 # - A roofline step time (bytes over bandwidth, operations over peak, whichever is slower) shows why
 #   fitting is not serving: weights are read once per step, history once per sequence per step.
 #   Concurrency is nearly free for short contexts and expensive for long ones.

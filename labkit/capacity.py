@@ -31,6 +31,7 @@ layer instead of separate K and V, so it has no factor 2.
 
 from __future__ import annotations
 
+import math
 import numbers
 from dataclasses import dataclass, field, replace
 from typing import Any
@@ -54,7 +55,9 @@ DTYPE_BYTES: dict[str, int] = {
     "float32": 4, "fp32": 4,
     "float16": 2, "fp16": 2, "half": 2,
     "bfloat16": 2, "bf16": 2,
-    # 8-bit caches (beyond the article): vLLM's kv_cache_dtype="fp8" and int8 schemes.
+    # 8-bit caches (beyond the article): vLLM's kv_cache_dtype="fp8" and int8 schemes. One byte per
+    # element is the whole cost only with per-tensor scales (vLLM's "fp8"); per-token-head variants
+    # add scales inside every page (see labkit.vllm.page_size_bytes).
     "float8_e4m3fn": 1, "float8_e5m2": 1, "fp8": 1, "fp8_e4m3": 1, "fp8_e5m2": 1, "int8": 1,
 }
 
@@ -64,15 +67,18 @@ DTYPE_BYTES: dict[str, int] = {
 
 def _check_bytes(name: str, value: object, *, positive: bool = False) -> float:
     """A memory size in bytes: a real number >= 0, or > 0 when ``positive`` (1.5 GiB need not be whole)."""
-    ok = not isinstance(value, bool) and isinstance(value, numbers.Real) and (value > 0 if positive else value >= 0)
+    ok = not isinstance(value, bool) and isinstance(value, numbers.Real) and math.isfinite(value) \
+        and (value > 0 if positive else value >= 0)
     if not ok:
-        raise ValueError(f"{name} must be a number of bytes {'>' if positive else '>='} 0, got {value!r}")
+        raise ValueError(f"{name} must be a finite number of bytes {'>' if positive else '>='} 0, got {value!r}")
     return value
 
 
 def element_size(dtype: str | torch.dtype | int) -> int:
     """Bytes per cache element: ``"bfloat16" -> 2``, ``torch.float32 -> 4``, ``1 -> 1``."""
     if isinstance(dtype, torch.dtype):
+        if dtype is torch.bool or dtype.is_complex:
+            raise ValueError(f"dtype must be a real number type for K/V (e.g. torch.bfloat16), got {dtype}")
         return dtype.itemsize
     if isinstance(dtype, str):
         key = dtype.removeprefix("torch.").lower()
@@ -312,7 +318,8 @@ PRESET_CONFIGS: dict[str, dict[str, Any]] = {
 _PRESET_NOTES = {
     "Mistral-7B-v0.1": "the window applies to every layer",
     "Qwen2.5-7B": "the base model's file; use_sliding_window is false, so no layer uses the window; "
-                  "max_position_embeddings unverified: the Instruct model's file says 32,768",
+                  "max_position_embeddings 131,072 as two independent transcriptions of the file agree; "
+                  "the Instruct model's file says 32,768",
     "Gemma-2-9B": "the file does not list which layers are local: even layers local, odd global, as in "
                   "transformers' Gemma2Config layer_types; checkpoint stored in float32, cache assumed bf16 as served",
     "DeepSeek-V3": "MLA: one latent vector of kv_lora_rank + qk_rope_head_dim elements per token and layer",
@@ -357,13 +364,22 @@ def kv_heads_per_device(num_kv_heads: int, tensor_parallel: int) -> int:
 
 
 def pipeline_stages(num_layers: int, pipeline_parallel: int) -> list[range]:
-    """The layers of each pipeline stage: contiguous ranges whose sizes differ by at most one."""
+    """The layers of each pipeline stage: contiguous ranges whose sizes differ by at most one.
+
+    Split as vLLM splits them (``vllm/distributed/utils.py: get_pp_indices``, vLLM 0.33.0):
+    every stage gets ``num_layers // pipeline_parallel`` layers and the remainder goes one
+    layer each to the stages just *before* the last (the last stage also holds the final
+    norm and the output head). 61 layers on 4 stages: 15, 15, 16, 15.
+    """
     num_layers = check_int("num_layers", num_layers, 1)
     pipeline_parallel = check_int("pipeline_parallel", pipeline_parallel, 1)
     if pipeline_parallel > num_layers:
         raise ValueError(f"pipeline_parallel must be in [1, {num_layers}] (num_layers), got {pipeline_parallel}")
-    bounds = [s * num_layers // pipeline_parallel for s in range(pipeline_parallel + 1)]
-    return [range(bounds[s], bounds[s + 1]) for s in range(pipeline_parallel)]
+    sizes = [num_layers // pipeline_parallel] * pipeline_parallel
+    for s in range(num_layers % pipeline_parallel):
+        sizes[-2 - s] += 1
+    starts = [sum(sizes[:s]) for s in range(pipeline_parallel)]
+    return [range(start, start + size) for start, size in zip(starts, sizes)]
 
 
 def shard(shape: ModelShape, tensor_parallel: int = 1, pipeline_parallel: int = 1) -> ModelShape:

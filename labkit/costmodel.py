@@ -224,8 +224,9 @@ class CostModel:
                  overhead_s: float = 0.0):
         self.model = get_model_cost(model) if isinstance(model, str) else model
         self.device = get_device(device) if isinstance(device, str) else device
-        if not isinstance(overhead_s, (int, float)) or isinstance(overhead_s, bool) or not overhead_s >= 0:
-            raise ValueError(f"overhead_s must be a number of seconds >= 0, got {overhead_s!r}")
+        if not isinstance(overhead_s, (int, float)) or isinstance(overhead_s, bool) \
+                or not 0 <= overhead_s < float("inf"):
+            raise ValueError(f"overhead_s must be a finite number of seconds >= 0, got {overhead_s!r}")
         self.overhead_s = float(overhead_s)
         self.kv_bytes_per_token = self.model.shape.bytes_per_token()
         # Computed once: a simulation asks for step times hundreds of thousands of times.

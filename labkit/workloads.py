@@ -13,9 +13,15 @@ arrival time, the prompt's token ids and how many tokens the answer will have.
   means the PagedAttention paper reports (ShareGPT 161.31 prompt / 337.99
   output tokens, Alpaca 19.31 / 58.45) and choose its *spread* ``sigma``
   ourselves (the paper shows histograms, not parameters): an assumption, stated.
-  Lengths are clipped so that a request fits a 2,048-token context: the book's
-  assumption (vLLM's benchmark scripts filter ShareGPT samples by length in a
-  similar way), not a property of the paper's traces.
+  Each length is clipped to ``max_prompt_len`` / ``max_output_len`` (1,024 for
+  ShareGPT-like), so a request fits a 2,048-token context: the book's choice, not
+  a property of the paper's traces. vLLM's serving benchmark does something
+  different: it *drops* ShareGPT samples (it never clips them) whose prompt or
+  output is under 4 tokens, whose prompt is over 1,024 tokens, or whose prompt
+  plus output is over 2,048 (``vllm/benchmarks/datasets/datasets.py:
+  is_valid_sequence``, called by ``ShareGPTDataset.sample``; vLLM 0.33.0). Clipping
+  piles long samples up at the limit; dropping removes them. So our lengths are
+  not vLLM's benchmark lengths.
 * **Shared prefixes**: a share of requests can start with the same document
   (the same token ids), the case chapter 04's prefix cache serves.
 
@@ -87,7 +93,8 @@ SHAREGPT = LengthProfile(
     "ShareGPT-like", prompt_mean=161.31, output_mean=337.99, prompt_sigma=1.0, output_sigma=0.9,
     source="means from the PagedAttention paper (Kwon et al. 2023, ShareGPT); log-normal spreads assumed; "
            "prompt and output each clipped to 1,024 so a request fits a 2,048-token context (the book's "
-           "assumption, resembling vLLM's benchmark length filter)")
+           "choice; vLLM's benchmark instead drops samples with prompt or output < 4, prompt > 1,024 "
+           "or prompt + output > 2,048 tokens)")
 ALPACA = LengthProfile(
     "Alpaca-like", prompt_mean=19.31, output_mean=58.45, prompt_sigma=0.6, output_sigma=0.8,
     source="means from the PagedAttention paper (Kwon et al. 2023, Alpaca); log-normal spreads assumed")

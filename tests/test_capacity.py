@@ -264,7 +264,11 @@ def reference_device_bytes(shape: ModelShape, tp: int, pp: int, length: int) -> 
     """Place every (layer, KV head) on devices one by one and count each device's bytes."""
     per_head_layer = shape.kv_factor * shape.head_dim * shape.dtype_bytes
     counts = [[0] * tp for _ in range(pp)]
-    stage_of = [min(s for s in range(pp) if layer < (s + 1) * shape.num_layers // pp) for layer in range(shape.num_layers)]
+    # vLLM's get_pp_indices: the last stage takes layers // pp; each earlier stage one more while the
+    # remainder lasts, counting back from the second-to-last stage.
+    extra = shape.num_layers % pp
+    sizes = [shape.num_layers // pp + (1 if pp - 1 - extra <= s < pp - 1 else 0) for s in range(pp)]
+    stage_of = [s for s in range(pp) for _ in range(sizes[s])]
     for layer in range(shape.num_layers):
         tokens = min(length, shape.sliding_window) if layer in shape.sliding_layers else length
         for rank in range(tp):
@@ -319,6 +323,17 @@ def test_pipeline_stages_cover_every_layer_once():
         capacity.pipeline_stages(4, 5)
 
 
+def test_pipeline_stages_follow_vllms_get_pp_indices():
+    # vllm/distributed/utils.py get_pp_indices (vLLM 0.33.0): partitions[-i] += 1 for i in 2 .. remainder + 1.
+    assert [len(s) for s in capacity.pipeline_stages(61, 4)] == [15, 15, 16, 15]
+    assert [len(s) for s in capacity.pipeline_stages(80, 3)] == [27, 27, 26]
+    assert [len(s) for s in capacity.pipeline_stages(7, 4)] == [2, 2, 2, 1]
+    assert capacity.pipeline_stages(10, 4) == [range(0, 2), range(2, 5), range(5, 8), range(8, 10)]
+    for layers in [1, 7, 32, 42, 61, 80]:
+        for pp in range(1, min(layers, 9) + 1):
+            assert len(capacity.pipeline_stages(layers, pp)[-1]) == layers // pp  # never an extra on the last
+
+
 # ------------------------------------------------------------------ capacity
 
 
@@ -360,15 +375,15 @@ def test_cache_bytes_refuses_bad_input(kwargs, message):
 def test_capacity_refuses_bad_memory_sizes():
     with pytest.raises(ValueError, match=r"reserved_bytes must be in \[0, device_bytes="):
         capacity.sequences_that_fit(GiB, 24 * GiB, 25 * GiB)
-    for device in [0, 0.0, -1, float("nan"), "24 GiB", True]:
-        with pytest.raises(ValueError, match=re.escape(f"device_bytes must be a number of bytes > 0, got {device!r}")):
+    for device in [0, 0.0, -1, float("nan"), float("inf"), "24 GiB", True]:
+        with pytest.raises(ValueError, match=re.escape(f"device_bytes must be a finite number of bytes > 0, got {device!r}")):
             capacity.kv_pool_bytes(device, 0)
-        with pytest.raises(ValueError, match="device_bytes must be a number of bytes > 0"):
+        with pytest.raises(ValueError, match="device_bytes must be a finite number of bytes > 0"):
             capacity.sequences_that_fit(1, device, 0)
     assert capacity.kv_pool_bytes(GiB, GiB) == 0  # a device may have nothing left for the cache
-    with pytest.raises(ValueError, match="reserved_bytes must be a number of bytes >= 0, got -1"):
+    with pytest.raises(ValueError, match="reserved_bytes must be a finite number of bytes >= 0, got -1"):
         capacity.kv_pool_bytes(GiB, -1)
-    with pytest.raises(ValueError, match="reserved_bytes must be a number of bytes >= 0"):
+    with pytest.raises(ValueError, match="reserved_bytes must be a finite number of bytes >= 0"):
         capacity.kv_pool_bytes(GiB, float("nan"))
     with pytest.raises(ValueError, match="bytes_per_sequence must be an integer >= 1"):
         capacity.sequences_that_fit(0, GiB, 0)
@@ -459,3 +474,21 @@ def test_static_figure_draws_lengths_past_the_limit_dotted():
     assert dotted[0].get_xdata()[0] == limit and dotted[0].get_xdata()[-1] == CONTEXTS[-1]
     solid = [line for line in lines if line.get_linestyle() == "-"]
     assert max(solid[0].get_xdata()) == limit and max(solid[1].get_xdata()) == CONTEXTS[-1]
+
+
+def test_explorer_shows_what_vllm_would_print():
+    from labkit import vllm
+    from labkit.widgets.capacity_explorer import CapacityExplorer
+
+    explorer = CapacityExplorer()  # the article's device: 24 GiB, 17 GiB set aside, utilization 1.0
+    assert "Available KV cache memory: 7.0 GiB" in explorer.readout.value
+    assert "Maximum concurrency for 8,192 tokens per request: 7.00x" in explorer.readout.value
+    explorer.sliders["gpu_memory_utilization"].value = 0.92
+    assert "Available KV cache memory: 5.08 GiB" in explorer.readout.value
+    explorer.preset.value = "Gemma-2-9B"  # the windows are budgeted as vLLM does: not the plain formula
+    expected = vllm.kv_cache_report("Gemma-2-9B", vllm.available_kv_bytes(24 * GiB, 0.92, 17 * GiB),
+                                    max_model_len=8192).log_lines()
+    assert explorer.setting.vllm_lines() == expected
+    explorer.sliders["context_len"].value = 131072
+    assert explorer.setting.vllm_lines()[0].startswith("ValueError: To serve at least one request")
+    assert "estimated maximum model length is" in explorer.readout.value

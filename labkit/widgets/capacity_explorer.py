@@ -9,6 +9,12 @@ was built for (``max_position_embeddings``): a context slider set past it gets a
 warning, and the plot draws lengths past it dotted. The bytes are still what the
 formula gives; the model just was not built to attend that far.
 
+Below the table, "vLLM would print" shows the start-up lines vLLM would log for the
+same device (:mod:`labkit.vllm`): the pool is ``ceil(device × gpu_memory_utilization)``
+minus the memory set aside, in 16-token blocks, with ``max_model_len`` = the context
+length; sliding windows are budgeted as vLLM budgets them. When one request would not
+fit, it shows vLLM's refusal instead.
+
 Every number comes from :mod:`labkit.capacity`. The readout's elements carry CSS
 classes (``capacity-readout``, ``capacity-fit`` ...) so that a browser test can
 read them, and each slider's description names what it sets.
@@ -19,7 +25,8 @@ readers without a live kernel.
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+import html
+from dataclasses import dataclass, replace
 
 import ipywidgets as widgets
 import matplotlib.pyplot as plt
@@ -28,7 +35,7 @@ from IPython.display import clear_output, display
 from matplotlib.figure import Figure
 from matplotlib.ticker import StrMethodFormatter
 
-from .. import capacity
+from .. import capacity, vllm
 from ..capacity import GiB, ModelShape, format_bytes
 
 # Slider descriptions: the browser test finds sliders by these words.
@@ -41,7 +48,9 @@ LABELS = {
     "num_seqs": "concurrent sequences",
     "device_gib": "device memory (GiB)",
     "reserved_gib": "set aside (GiB)",
+    "gpu_memory_utilization": "gpu_memory_utilization",
 }
+VLLM_BLOCK_SIZE = 16
 CONTEXTS = 2 ** np.arange(9, 18)  # 512 ... 131,072 tokens, the plot's x axis
 
 
@@ -54,6 +63,8 @@ class Setting:
     num_seqs: int
     device_gib: float
     reserved_gib: float
+    gpu_memory_utilization: float = 1.0
+    vllm_shape: ModelShape | None = None  # the preset with its windows; None: use ``shape``
 
     @property
     def bytes_per_request(self) -> int:
@@ -63,6 +74,17 @@ class Setting:
     @property
     def sequences_that_fit(self) -> int:
         return capacity.sequences_that_fit(self.bytes_per_request, self.device_gib * GiB, self.reserved_gib * GiB)
+
+    def vllm_lines(self) -> list[str]:
+        """What vLLM would log at start-up for this device and model, or its refusal (one line)."""
+        available = vllm.available_kv_bytes(self.device_gib * GiB, self.gpu_memory_utilization,
+                                            self.reserved_gib * GiB)
+        try:
+            report = vllm.kv_cache_report(self.vllm_shape or self.shape, max(available, 0),
+                                          block_size=VLLM_BLOCK_SIZE, max_model_len=self.context_len)
+        except ValueError as refusal:
+            return [f"ValueError: {refusal}"]
+        return report.log_lines()
 
 
 def readout_html(s: Setting) -> str:
@@ -92,8 +114,12 @@ def readout_html(s: Setting) -> str:
     ]
     body = "".join(f'<tr><td style="padding-right:1em">{name}</td><td><b class="{cls}">{value}</b></td></tr>'
                    for name, cls, value in rows)
+    lines = "<br>".join(html.escape(line) for line in s.vllm_lines())
+    vllm_box = (f'<div>vLLM would print (gpu_memory_utilization={s.gpu_memory_utilization:g}, '
+                f'block_size={VLLM_BLOCK_SIZE}, max_model_len={s.context_len:,}):</div>'
+                f'<pre class="capacity-vllm" style="white-space:pre-wrap;margin:0">{lines}</pre>')
     return (f'<table>{body}</table>{context_note}<div class="capacity-verdict">{s.num_seqs} requested: {verdict}. '
-            f'Cache stores {kind} per token and layer.</div>')
+            f'Cache stores {kind} per token and layer.</div>{vllm_box}')
 
 
 def draw(ax: plt.Axes, shape: ModelShape, pool_bytes: float, label: str | None = None, **style) -> None:
@@ -119,7 +145,7 @@ class CapacityExplorer:
     """The widget. ``CapacityExplorer()`` in a cell shows it; ``.setting`` is what it shows."""
 
     def __init__(self, preset: str = "teaching model", context_len: int = 8192, num_seqs: int = 3,
-                 device_gib: float = 24, reserved_gib: float = 17):
+                 device_gib: float = 24, reserved_gib: float = 17, gpu_memory_utilization: float = 1.0):
         style, layout = {"description_width": "13em"}, widgets.Layout(width="34em")
 
         def slider(cls, key, value, lo, hi, step):
@@ -138,6 +164,8 @@ class CapacityExplorer:
             "num_seqs": slider(widgets.IntSlider, "num_seqs", num_seqs, 1, 256, 1),
             "device_gib": slider(widgets.IntSlider, "device_gib", device_gib, 1, 192, 1),
             "reserved_gib": slider(widgets.FloatSlider, "reserved_gib", reserved_gib, 0, 192, 0.5),
+            "gpu_memory_utilization": slider(widgets.FloatSlider, "gpu_memory_utilization", gpu_memory_utilization,
+                                             0.5, 1.0, 0.01),
         }
         self.readout = widgets.HTML()
         self.readout.add_class("capacity-readout")
@@ -171,7 +199,9 @@ class CapacityExplorer:
             name, limit = preset.name, preset.max_position_embeddings
         shape = ModelShape(name, v["num_layers"], 1 if self._latent else v["num_kv_heads"], v["head_dim"],
                            v["dtype_bytes"], latent=self._latent, max_position_embeddings=limit)
-        return Setting(shape, v["context_len"], v["num_seqs"], v["device_gib"], v["reserved_gib"])
+        windowed = None if self._architecture_edited() else replace(preset, dtype_bytes=v["dtype_bytes"])
+        return Setting(shape, v["context_len"], v["num_seqs"], v["device_gib"], v["reserved_gib"],
+                       v["gpu_memory_utilization"], windowed)
 
     def _architecture_edited(self) -> bool:
         p = capacity.PRESETS[self.preset.value]

@@ -1,0 +1,386 @@
+"""What vLLM will print at start-up: its KV-cache arithmetic, redone in a few functions (chapter 06).
+
+When vLLM starts, it loads the weights, runs one profiling step, and gives every byte
+left inside its memory budget to the KV cache. Then it logs three figures::
+
+    Available KV cache memory: 7.0 GiB
+    GPU KV cache size: 57,344 tokens, Maximum concurrency for 8,192 tokens per request: 7.00x
+
+or refuses to start because one request of ``max_model_len`` tokens would not fit.
+This module predicts those lines from a model's shape, following vLLM's own code
+rather than the book's formula (:mod:`labkit.capacity` keeps the physics; this
+module keeps vLLM's bookkeeping, which reserves more in places).
+
+Read in **vLLM 0.33.0** (the wheel's sources; paths below are inside the ``vllm``
+package). The chain, with the function that does each step:
+
+1. ``v1/worker/utils.py: request_memory`` and ``v1/worker/gpu_worker.py:
+   Worker.determine_available_memory``: budget = ceil(total × gpu_memory_utilization);
+   available = budget − non-KV memory (weights, activation peak, CUDA graphs).
+2. ``v1/kv_cache_interface.py``: each attention layer's *page* (one block of one
+   layer): ``AttentionSpec.page_size_bytes`` = block_size × KV heads × (head_size +
+   head_size_v) × dtype bytes; ``MLAAttentionSpec`` sets head_size_v = 0 and one head.
+   Per-request budget: ``FullAttentionSpec.max_memory_usage_bytes`` (cdiv(max_model_len,
+   block_size) pages) and ``SlidingWindowSpec.max_admission_blocks_per_request``.
+3. ``v1/core/kv_cache_planning.py``: ``get_kv_cache_groups`` (one group, or the hybrid
+   ``_get_kv_cache_groups_uniform_page_size``), ``get_kv_cache_configs`` (blocks per
+   worker = available // bytes per block, then the minimum over workers),
+   ``_check_enough_kv_cache_memory`` (the start-up error).
+4. ``v1/core/kv_cache_utils.py``: ``get_max_concurrency_for_kv_cache_config`` and
+   ``update_kv_cache_capacity`` (the log line).
+
+The wording moved between versions. vLLM 0.10.2 printed ``Available KV cache memory:
+7.00 GiB`` (``%.2f``) and two separate lines, ``GPU KV cache size: 57,344 tokens`` (num_blocks
+× block_size) and ``Maximum concurrency for 8,192 tokens per request: 7.00x``; 0.33.0 prints
+``7.0`` (``format_gib`` = ``round(bytes / GiB, 2)``) and one merged line whose token count
+is ``int(max_concurrency × max_model_len)``; 0.10.2's error said "models's max seq len" and
+printed GiB with two decimals. 0.10.2 also budgeted a sliding-window layer
+for one batch of ``max_num_batched_tokens``; 0.33.0 budgets every batch in flight.
+"""
+
+from __future__ import annotations
+
+import math
+import numbers
+from collections.abc import Sequence
+from dataclasses import dataclass, replace
+from typing import Any
+
+from .capacity import GiB, PRESET_CONFIGS, PRESETS, ModelShape
+from .checks import check_int, check_number
+
+__all__ = ["VLLM_VERSION", "KV_CACHE_DTYPES", "KVCacheTooSmallError", "KVCacheReport", "available_kv_bytes",
+           "kv_heads_per_rank", "get_pp_indices", "page_size_bytes", "kv_cache_groups", "kv_cache_report",
+           "format_gib"]
+
+VLLM_VERSION = "0.33.0"
+CONSERVING_MEMORY_URL = "https://docs.vllm.ai/en/latest/configuration/conserving_memory/"
+
+# kv_cache_dtype -> (bytes per element, extra bytes per head and token). None: the model's own dtype.
+# "fp8*" keep one scale per tensor (per layer, for K and for V) outside the pages: 0 extra bytes per token.
+# "*_per_token_head" store two float32 scales (K and V) after each head's data in the page
+# (v1/attention/backends/triton_attn.py: TritonAttentionBackend.customize_spec).
+KV_CACHE_DTYPES: dict[str, tuple[int | None, int]] = {
+    "auto": (None, 0), "bfloat16": (2, 0), "float16": (2, 0),
+    "fp8": (1, 0), "fp8_e4m3": (1, 0), "fp8_e5m2": (1, 0),
+    "fp8_per_token_head": (1, 8), "int8_per_token_head": (1, 8),
+    "fp8_ds_mla": (1, 0),  # MLA only: an opaque 656-byte record per token, see page_size_bytes
+}
+FP8_DS_MLA_BYTES_PER_TOKEN = 656  # 512 fp8 NoPE values + 4 float32 scales + 64 bf16 RoPE values
+
+
+def format_gib(num_bytes: float) -> str:
+    """vLLM's ``vllm/utils/mem_utils.py: format_gib``: ``str(round(bytes / GiB, 2))``, so 7 GiB is ``"7.0"``."""
+    return f"{round(num_bytes / GiB, 2)}"
+
+
+class KVCacheTooSmallError(ValueError):
+    """vLLM's refusal to start: one request of ``max_model_len`` tokens does not fit.
+
+    Raised with vLLM 0.33.0's message (``v1/core/kv_cache_planning.py:
+    _check_enough_kv_cache_memory``); the numbers are kept as attributes.
+    """
+
+    def __init__(self, message: str, *, max_model_len: int, needed_bytes: int, available_bytes: int,
+                 estimated_max_model_len: int):
+        super().__init__(message)
+        self.max_model_len = max_model_len
+        self.needed_bytes = needed_bytes
+        self.available_bytes = available_bytes
+        self.estimated_max_model_len = estimated_max_model_len
+
+
+# --------------------------------------------------------------------------- memory
+
+
+def _check_bytes(name: str, value: object) -> float:
+    ok = not isinstance(value, bool) and isinstance(value, numbers.Real) and math.isfinite(value) and value >= 0
+    if not ok:
+        raise ValueError(f"{name} must be a finite number of bytes >= 0, got {value!r}")
+    return value
+
+
+def available_kv_bytes(gpu_total_bytes: float, gpu_memory_utilization: float, non_kv_bytes: float) -> int:
+    """Bytes vLLM's worker gives the KV cache: ``ceil(total × utilization) − non-KV memory``.
+
+    vLLM 0.33.0, ``v1/worker/utils.py: request_memory`` (``math.ceil(total_memory ×
+    gpu_memory_utilization)``) and ``v1/worker/gpu_worker.py: Worker.determine_available_memory``
+    (``requested_memory − non_kv_cache_memory − cudagraph estimate``). ``non_kv_bytes`` is
+    everything the profiling run found besides the cache: weights, the activation peak of
+    the largest step, CUDA graphs. The default utilization is 0.92 in 0.33.0 (0.9 before).
+    The result can be negative: vLLM then refuses to start (see :func:`kv_cache_report`).
+
+    >>> available_kv_bytes(24 * GiB, 1.0, 17 * GiB) == 7 * GiB   # the article's device
+    True
+    """
+    total = _check_bytes("gpu_total_bytes", gpu_total_bytes)
+    if total <= 0:
+        raise ValueError(f"gpu_total_bytes must be > 0, got {gpu_total_bytes!r}")
+    util = check_number("gpu_memory_utilization", gpu_memory_utilization, 0, strict=True)
+    if util > 1:
+        raise ValueError(f"gpu_memory_utilization must be in (0, 1], got {gpu_memory_utilization!r}")
+    return math.ceil(total * util) - math.ceil(_check_bytes("non_kv_bytes", non_kv_bytes))
+
+
+# --------------------------------------------------------------------------- one layer, one worker
+
+
+def kv_heads_per_rank(total_num_kv_heads: int, tensor_parallel_size: int) -> int:
+    """KV heads one GPU stores: ``max(1, total // tp)``, so heads are *replicated* when tp exceeds them.
+
+    vLLM 0.33.0, ``config/model.py: ModelConfig.get_num_kv_heads`` (MLA: always 1).
+    """
+    return max(1, check_int("num_kv_heads", total_num_kv_heads, 1)
+               // check_int("tensor_parallel_size", tensor_parallel_size, 1))
+
+
+def get_pp_indices(num_hidden_layers: int, pp_rank: int, pp_size: int) -> tuple[int, int]:
+    """The layers ``[start, end)`` of pipeline stage ``pp_rank``, as vLLM splits them.
+
+    vLLM 0.33.0, ``distributed/utils.py: get_pp_indices`` (without ``VLLM_PP_LAYER_PARTITION``):
+    every stage gets ``layers // pp_size``; the remainder goes one layer each to the stages
+    *before* the last, counting back from the second-to-last (the last stage holds the final
+    norm and the LM head). 61 layers on 4 stages: 15, 15, 16, 15.
+    """
+    num_hidden_layers = check_int("num_hidden_layers", num_hidden_layers, 1)
+    pp_size = check_int("pipeline_parallel_size", pp_size, 1)
+    if pp_size > num_hidden_layers:
+        raise ValueError(f"pipeline_parallel_size must be in [1, {num_hidden_layers}] (the layers), got {pp_size}")
+    pp_rank = check_int("pp_rank", pp_rank, 0)
+    if pp_rank >= pp_size:
+        raise ValueError(f"pp_rank must be in [0, {pp_size - 1}], got {pp_rank}")
+    partitions = [num_hidden_layers // pp_size] * pp_size
+    for i in range(2, num_hidden_layers % pp_size + 2):
+        partitions[-i] += 1
+    start = sum(partitions[:pp_rank])
+    return start, start + partitions[pp_rank]
+
+
+def page_size_bytes(shape: ModelShape, block_size: int = 16, kv_cache_dtype: str = "auto",
+                    tensor_parallel_size: int = 1) -> int:
+    """Bytes of one block of one layer on one GPU: vLLM's ``page_size_bytes``.
+
+    vLLM 0.33.0, ``v1/kv_cache_interface.py: AttentionSpec.page_size_bytes`` =
+    num_heads × block_size × (head_size + head_size_v) × dtype bytes:
+
+    * full or sliding attention: ``2 × block_size × kv_heads_per_rank × head_dim × bytes``;
+    * MLA (``MLAAttentionSpec``: one head, head_size = kv_lora_rank + qk_rope_head_dim,
+      head_size_v = 0): ``block_size × head_dim × bytes``, replicated on every TP rank;
+    * ``*_per_token_head`` adds two float32 scales per head and token (8 bytes);
+    * ``fp8_ds_mla`` (MLA with FlashMLA's sparse kernels, DeepSeek-V3.2) is a 656-byte record
+      per token (``model_executor/layers/attention/mla_attention.py: get_kv_cache_spec``).
+    """
+    block_size = check_int("block_size", block_size, 1)
+    if kv_cache_dtype not in KV_CACHE_DTYPES:
+        raise ValueError(f"kv_cache_dtype must be one of {sorted(KV_CACHE_DTYPES)}, got {kv_cache_dtype!r}")
+    element, scale_bytes = KV_CACHE_DTYPES[kv_cache_dtype]
+    element = shape.dtype_bytes if element is None else element
+    if shape.latent:
+        if kv_cache_dtype == "fp8_ds_mla":
+            return block_size * FP8_DS_MLA_BYTES_PER_TOKEN
+        return block_size * (shape.head_dim * element + scale_bytes)
+    if kv_cache_dtype == "fp8_ds_mla":
+        raise ValueError(f"kv_cache_dtype 'fp8_ds_mla' is for MLA models only; {shape.name} has K and V heads")
+    heads = kv_heads_per_rank(shape.num_kv_heads, tensor_parallel_size)
+    return block_size * heads * (2 * shape.head_dim * element + scale_bytes)
+
+
+def _blocks_per_request(window: int | None, block_size: int, max_model_len: int, max_in_flight_tokens: int) -> int:
+    """Blocks one request of ``max_model_len`` tokens may hold in one layer group.
+
+    Full attention (``FullAttentionSpec.max_memory_usage_bytes``): cdiv(max_model_len, block_size).
+    Sliding window (``SlidingWindowSpec.max_admission_blocks_per_request``): the last
+    window − 1 tokens plus every token scheduled but not yet processed, at most
+    max_model_len, plus one block because the window need not start on a block boundary.
+    """
+    if window is None:
+        return -(-max_model_len // block_size)
+    tokens = min(window - 1 + max_in_flight_tokens, max_model_len)
+    return -(-tokens // block_size) + 1
+
+
+# --------------------------------------------------------------------------- groups
+
+
+def kv_cache_groups(shape: ModelShape) -> list[tuple[int | None, list[int]]]:
+    """The KV-cache groups vLLM forms: ``(sliding window or None, layer indices)`` per group.
+
+    vLLM 0.33.0, ``v1/core/kv_cache_planning.py: get_kv_cache_groups``. When every layer has
+    the same spec, one group holds them all. A hybrid model (Gemma 2: 21 sliding + 21 full
+    layers, equal pages) goes to ``_get_kv_cache_groups_uniform_page_size``: layers are
+    bucketed by spec, the group size is the smallest bucket (or the largest, when it is under
+    1.5 times the smallest), and bucket ``b`` is dealt into ``cdiv(len(b), size)`` groups as
+    ``b[i::n]``. Every group then gets its own block table; one block id covers one page in
+    each layer of its group, so a block costs ``layers per group × page`` bytes.
+    """
+    windowed = set(shape.sliding_layers) if shape.sliding_window else set()
+    buckets: dict[int | None, list[int]] = {}
+    for layer in range(shape.num_layers):
+        buckets.setdefault(shape.sliding_window if layer in windowed else None, []).append(layer)
+    if len(buckets) == 1:
+        return list(buckets.items())
+    sizes = [len(b) for b in buckets.values()]
+    group_size = max(sizes) if max(sizes) < min(sizes) * 1.5 else min(sizes)
+    groups = []
+    for window, layers in buckets.items():
+        n = -(-len(layers) // group_size)
+        groups += [(window, layers[i::n]) for i in range(n)]
+    return groups
+
+
+# --------------------------------------------------------------------------- the report
+
+
+@dataclass(frozen=True)
+class KVCacheReport:
+    """What vLLM computes for its KV cache at start-up (one engine, all its GPUs)."""
+
+    model: str
+    available_kv_bytes: tuple[int, ...]  # per worker (pipeline stage); TP ranks of a stage are alike
+    block_size: int
+    max_model_len: int
+    page_size_bytes: int                 # one block of one layer on one GPU
+    groups: tuple[tuple[int | None, int], ...]  # (window or None, layers) of each group, whole model
+    bytes_per_block: tuple[int, ...]     # per worker: the fullest group's layers there × page
+    blocks_per_request: int              # summed over groups, for one max_model_len request
+    num_gpu_blocks: int                  # the minimum over workers
+    max_concurrency: float
+
+    @property
+    def gpu_kv_cache_tokens(self) -> int:
+        """``int(max_concurrency × max_model_len)``: vLLM 0.33.0's ``get_kv_cache_capacity``.
+
+        For one full-attention group and max_model_len a multiple of block_size this is
+        num_gpu_blocks × block_size, what vLLM 0.10.2 printed for such models (for hybrid
+        models 0.10.2 printed num_blocks // number of groups × block_size).
+        """
+        return int(self.max_concurrency * self.max_model_len)
+
+    def log_lines(self) -> list[str]:
+        """The lines vLLM 0.33.0 logs, in its words (each GPU logs the first for itself; rank 0's here).
+
+        ``v1/worker/gpu_worker.py: determine_available_memory`` and
+        ``v1/core/kv_cache_utils.py: update_kv_cache_capacity``.
+        """
+        return [f"Available KV cache memory: {format_gib(self.available_kv_bytes[0])} GiB",
+                f"GPU KV cache size: {self.gpu_kv_cache_tokens:,} tokens, Maximum concurrency for "
+                f"{self.max_model_len:,} tokens per request: {self.max_concurrency:.2f}x"]
+
+
+def _resolve_model(model: str | ModelShape | dict[str, Any]) -> tuple[ModelShape, int | None]:
+    """The shape and the number of attention (query) heads, when known."""
+    if isinstance(model, ModelShape):
+        return model, model.num_attention_heads
+    if isinstance(model, dict):
+        shape = ModelShape.from_config(model)
+        if shape.dtype_bytes == 4:  # config/model.py: _resolve_auto_dtype serves float32 checkpoints in 16 bits
+            shape = replace(shape, dtype_bytes=2)
+        return shape, model.get("num_attention_heads")
+    if isinstance(model, str) and model in PRESETS:
+        return PRESETS[model], PRESET_CONFIGS.get(model, {}).get("num_attention_heads",
+                                                                 PRESETS[model].num_attention_heads)
+    raise ValueError(f"model must be one of {sorted(PRESETS)}, a ModelShape or a config.json dict, got {model!r}")
+
+
+def kv_cache_report(model: str | ModelShape | dict[str, Any], available_kv_bytes: float | Sequence[float], *,
+                    block_size: int = 16, max_model_len: int, max_num_batched_tokens: int = 2048,
+                    tensor_parallel_size: int = 1, pipeline_parallel_size: int = 1, kv_cache_dtype: str = "auto",
+                    batches_in_flight: int | None = None) -> KVCacheReport:
+    """Predict vLLM's KV-cache figures, or its refusal to start, for one engine.
+
+    ``available_kv_bytes`` is what :func:`available_kv_bytes` gives one GPU (one number for
+    all, or one per pipeline stage). Steps, as vLLM 0.33.0's ``get_kv_cache_configs``
+    (``v1/core/kv_cache_planning.py``) takes them:
+
+    1. Each stage holds the layers of :func:`get_pp_indices`; each group of
+       :func:`kv_cache_groups` contributes its layers on that stage.
+    2. A block costs ``max(layers of a group on the stage) × page`` bytes; the stage gets
+       ``available // that`` blocks, and every worker takes the *smallest* count (one
+       scheduler hands out the same block ids everywhere).
+    3. One block is held back as the null block, so the start-up check
+       (``_check_enough_kv_cache_memory``) asks whether ``available − one block`` covers a
+       request of ``max_model_len``; if not, :class:`KVCacheTooSmallError` carries vLLM's
+       message and its estimate of the longest max_model_len that fits (a binary search).
+    4. ``max_concurrency = num_blocks / blocks per request`` summed over groups
+       (``v1/core/kv_cache_utils.py: get_max_concurrency_for_kv_cache_config``).
+
+    ``batches_in_flight`` sets ``VllmConfig.max_in_flight_tokens = batches ×
+    max_num_batched_tokens`` for sliding-window budgets (``config/vllm.py:
+    max_concurrent_batches``). The default is what 0.33.0 picks on a GPU (async scheduling
+    with model runner V2): pipeline_parallel_size + 1. Without async scheduling it is
+    pipeline_parallel_size; vLLM 0.10.2 always used one batch.
+
+    ``block_size`` must be a multiple of 16: vLLM's FlashAttention and Triton backends
+    advertise kernel block sizes ``MultipleOf(16)`` (``v1/attention/backends/flash_attn.py:
+    get_supported_kernel_block_sizes``). (FlashMLA wants 64, CUTLASS MLA 128.)
+    """
+    shape, attention_heads = _resolve_model(model)
+    block_size = check_int("block_size", block_size, 1)
+    if block_size % 16:
+        raise ValueError(f"block_size must be a multiple of 16 (the kernel block sizes of vLLM's FlashAttention "
+                         f"and Triton backends), got {block_size}")
+    max_model_len = check_int("max_model_len", max_model_len, 1)
+    max_num_batched_tokens = check_int("max_num_batched_tokens", max_num_batched_tokens, 1)
+    tp = check_int("tensor_parallel_size", tensor_parallel_size, 1)
+    pp = check_int("pipeline_parallel_size", pipeline_parallel_size, 1)
+    if attention_heads is not None and attention_heads % tp:  # config/model.py: verify_with_parallel_config
+        raise ValueError(f"tensor_parallel_size must divide the number of attention heads ({attention_heads}), "
+                         f"got {tp}")
+    if pp > shape.num_layers:
+        raise ValueError(f"pipeline_parallel_size must be in [1, {shape.num_layers}] (the layers), got {pp}")
+    batches = pp + 1 if batches_in_flight is None else check_int("batches_in_flight", batches_in_flight, 1)
+    if isinstance(available_kv_bytes, Sequence):
+        if len(available_kv_bytes) != pp:
+            raise ValueError(f"available_kv_bytes must be one number or {pp} (one per pipeline stage), "
+                             f"got {len(available_kv_bytes)}")
+        per_worker = [int(_check_bytes("available_kv_bytes", a)) for a in available_kv_bytes]
+    else:
+        per_worker = [int(_check_bytes("available_kv_bytes", available_kv_bytes))] * pp
+    page = page_size_bytes(shape, block_size, kv_cache_dtype, tp)
+
+    groups = kv_cache_groups(shape)
+    in_flight = batches * max_num_batched_tokens
+
+    def blocks_per_request(model_len: int) -> int:
+        return sum(_blocks_per_request(w, block_size, model_len, in_flight) for w, _ in groups)
+
+    bytes_per_block, num_blocks = [], []
+    for rank, available in enumerate(per_worker):
+        start, end = get_pp_indices(shape.num_layers, rank, pp)
+        block_bytes = max(sum(start <= i < end for i in layers) for _, layers in groups) * page
+        _check_enough_memory(available - block_bytes, block_bytes, max_model_len, blocks_per_request)
+        bytes_per_block.append(block_bytes)
+        num_blocks.append(available // block_bytes)
+    num_gpu_blocks = min(num_blocks)
+    return KVCacheReport(
+        model=shape.name, available_kv_bytes=tuple(per_worker), block_size=block_size, max_model_len=max_model_len,
+        page_size_bytes=page, groups=tuple((w, len(layers)) for w, layers in groups),
+        bytes_per_block=tuple(bytes_per_block), blocks_per_request=blocks_per_request(max_model_len),
+        num_gpu_blocks=num_gpu_blocks, max_concurrency=num_gpu_blocks / blocks_per_request(max_model_len))
+
+
+def _check_enough_memory(check_bytes: int, block_bytes: int, max_model_len: int, blocks_per_request) -> None:
+    """vLLM 0.33.0, ``v1/core/kv_cache_planning.py: _check_enough_kv_cache_memory`` (with the
+    ``_estimate_max_model_len_from_groups`` binary search), on ``available − one block``."""
+    if check_bytes <= 0:
+        raise ValueError("No available memory for the cache blocks. Try increasing `gpu_memory_utilization` when "
+                         "initializing the engine (this flag also controls CPU memory reservation on the CPU "
+                         f"backend, despite its name). See {CONSERVING_MEMORY_URL} for more details.")
+    needed = block_bytes * blocks_per_request(max_model_len)
+    if needed <= check_bytes:
+        return
+    lo, hi, best = 1, max_model_len, 0
+    while lo <= hi:
+        mid = (lo + hi) // 2
+        if block_bytes * blocks_per_request(mid) <= check_bytes:
+            best, lo = mid, mid + 1
+        else:
+            hi = mid - 1
+    estimate = (f"Based on the available memory, the estimated maximum model length is {best}. " if best else "")
+    raise KVCacheTooSmallError(
+        f"To serve at least one request with the model's max seq len ({max_model_len}), "
+        f"({format_gib(needed)} GiB KV cache is needed, which is larger than the available KV cache memory "
+        f"({format_gib(check_bytes)} GiB). {estimate}Try increasing `gpu_memory_utilization` (which also "
+        f"controls CPU memory on the CPU backend) or decreasing `max_model_len` when initializing the engine. "
+        f"See {CONSERVING_MEMORY_URL} for more details.",
+        max_model_len=max_model_len, needed_bytes=needed, available_bytes=check_bytes, estimated_max_model_len=best)
