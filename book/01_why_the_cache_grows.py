@@ -10,10 +10,12 @@
 # - why the keys and values of earlier tokens can be kept instead of recomputed (causality);
 # - that a cached model produces exactly the tokens of a model that recomputes everything;
 # - how the cache grows, one K and one V per layer for every token processed;
-# - why the cache saves computation but not reading: each decode step still reads the whole history.
+# - why the cache saves computation but not reading: each decode step still reads the whole history;
+# - how a real model (SmolLM2-135M-Instruct) loads into the same decoder, and what its cache costs per token.
 
 # %%
 import time
+from pathlib import Path
 
 import matplotlib.pyplot as plt
 import torch
@@ -31,8 +33,8 @@ print(labkit.describe())
 # `labkit.model.Decoder` has every part of a Llama-family model: token embeddings, and per layer an
 # RMSNorm, attention with rotary positions (RoPE), another RMSNorm and a SwiGLU MLP. Its config uses
 # the field names of a Llama `config.json`, and its weights the key names of a Llama checkpoint,
-# so real Llama-family weights with plain RoPE (Llama 2 and 3, for instance) load into it; a test
-# checks it against the Hugging Face implementation. Here it is small and randomly initialised with a fixed seed:
+# so real Llama-family weights load into it (the last section does it); tests check it against the
+# Hugging Face implementation. Here it is small and randomly initialised with a fixed seed:
 # its words are nonsense, but its arithmetic is the real thing, and it runs in seconds on a CPU.
 #
 # Note `num_key_value_heads`: 8 query heads share 2 key/value heads. That is *grouped-query
@@ -230,6 +232,106 @@ fig.tight_layout()
 plt.show()
 
 # %% [markdown]
+# ## With a real model
+#
+# Everything above ran on random weights. The same `Decoder` loads a real checkpoint:
+# `Decoder.from_pretrained` reads a Hugging Face model folder, its `config.json` and its
+# `*.safetensors` weights (`labkit.pretrained`), and `load_tokenizer` reads its tokenizer with its
+# *chat template*, the exact text a conversation must become for the model to answer. The book's real
+# model is **SmolLM2-135M-Instruct** (`HuggingFaceTB/SmolLM2-135M-Instruct` on the Hugging Face Hub):
+# a Llama-architecture chat model of 135 million parameters, small enough for a laptop CPU.
+#
+# Its cache per token follows from its config alone. The cell below transcribes the shape fields of
+# the model's `config.json` (huggingface.co/HuggingFaceTB/SmolLM2-135M-Instruct, file `config.json`):
+# 30 layers; 9 query heads share 3 KV heads; hidden size 576, so `head_dim` = 576 / 9 = 64. Its
+# weights are stored in bfloat16, 2 bytes a number, so K and V take
+# 2 × 30 × 3 × 64 × 2 = 23,040 bytes per token. Counting its parameters on PyTorch's `meta` device
+# (shapes without memory) checks the transcription against the "135M" of its name.
+
+# %%
+# NBVAL_CHECK_OUTPUT
+from labkit.pretrained import chat_token_ids, load_tokenizer, real_model_source, save_random_checkpoint
+
+REAL_MODEL = "HuggingFaceTB/SmolLM2-135M-Instruct"
+# Transcribed from config.json of HuggingFaceTB/SmolLM2-135M-Instruct on the Hugging Face Hub (shape fields).
+smollm2_config = {"architectures": ["LlamaForCausalLM"], "model_type": "llama", "hidden_size": 576,
+                  "intermediate_size": 1536, "num_hidden_layers": 30, "num_attention_heads": 9,
+                  "num_key_value_heads": 3, "vocab_size": 49152, "max_position_embeddings": 8192,
+                  "rope_theta": 100000, "rms_norm_eps": 1e-05, "tie_word_embeddings": True,
+                  "torch_dtype": "bfloat16", "bos_token_id": 1, "eos_token_id": 2}
+smol = DecoderConfig.from_dict(smollm2_config)
+bf16_bytes = torch.tensor([], dtype=torch.bfloat16).element_size()
+smol_per_token = 2 * smol.num_hidden_layers * smol.num_key_value_heads * smol.head_dim * bf16_bytes
+with torch.device("meta"):  # shapes only: nothing is allocated or initialised
+    smol_params = sum(p.numel() for p in Decoder(smol).parameters())
+assert (smol.num_hidden_layers, smol.num_key_value_heads, smol.head_dim) == (30, 3, 64)
+assert smol_per_token == 2 * 30 * 3 * 64 * 2 == 23_040
+context = smol.max_position_embeddings
+print(f"{REAL_MODEL}: {smol_params:,} parameters = {labkit.format_bytes(smol_params * bf16_bytes)} in bfloat16")
+print(f"KV cache per token: 2 × {smol.num_hidden_layers} layers × {smol.num_key_value_heads} KV heads × "
+      f"{smol.head_dim} × {bf16_bytes} bytes = {smol_per_token:,} bytes")
+ratio = context * smol_per_token / (smol_params * bf16_bytes)
+assert 0.69 < ratio < 0.71  # the "about 70%" below
+print(f"one full {context:,}-token context: {labkit.format_bytes(context * smol_per_token)} of cache, "
+      f"{ratio:.0%} of the weights")
+
+# %% [markdown]
+# So a single conversation at the model's full context holds a cache about 70% the size of the model
+# itself; a server with many conversations holds many such caches, which is the rest of this book.
+#
+# Now the weights. Where the Hugging Face Hub is reachable (Colab, a laptop online) the next cells
+# download SmolLM2-135M-Instruct (about 270 MB, once) and let it answer a question through chapter 01's
+# `generate` and `KVCache`. Offline, in CI and under the tests they cannot, and they say so; they then
+# run the check that makes the online run trustworthy: transformers builds a small model of the same
+# family with random weights and saves it exactly as a Hub folder is laid out; `from_pretrained` loads
+# that folder, and its logits must equal transformers' own. (With a model folder already downloaded,
+# set `LABKIT_MODEL_DIR` to its path: no network is needed then.)
+
+# %%
+source = real_model_source(REAL_MODEL)
+if source:
+    print(f"real weights reachable: loading {source}")
+else:
+    print(f"The weights of {REAL_MODEL} are not reachable from here (offline, CI or tests): "
+          f"showing the offline check instead.")
+
+# %%
+if source:
+    dtype = torch.bfloat16 if labkit.DEVICE.type == "cuda" else torch.float32
+    real = Decoder.from_pretrained(source, dtype=dtype, device=labkit.DEVICE)
+    tokenizer = load_tokenizer(source)
+    cfg = real.config
+    assert 2 * cfg.num_hidden_layers * cfg.num_key_value_heads * cfg.head_dim * bf16_bytes == smol_per_token
+    question = [{"role": "user", "content": "What is the capital of France? Answer in one sentence."}]
+    ids = chat_token_ids(tokenizer, question)
+    reply = generate(real, ids, max_new_tokens=40)  # chapter 01's greedy decoding and KV cache
+    stop = cfg.eos_token_id if isinstance(cfg.eos_token_id, list) else [cfg.eos_token_id]
+    tokens = reply.tokens[:next((i for i, t in enumerate(reply.tokens) if t in stop), len(reply.tokens))]
+    print(f"prompt: {len(ids)} tokens after the chat template; reply: {len(tokens)} tokens")
+    print("reply:", tokenizer.decode(tokens))
+    print(f"cache at the end: {reply.cache_tokens} tokens × {smol_per_token:,} bytes in bfloat16 = "
+          f"{labkit.format_bytes(reply.cache_tokens * smol_per_token)}")
+else:
+    import tempfile
+
+    # SmolLM2's recipe (9 query heads, 3 KV heads, tied embeddings, its RoPE base), a smaller shape.
+    stand_in = {**smollm2_config, "hidden_size": 72, "intermediate_size": 96, "num_hidden_layers": 2,
+                "vocab_size": 512}
+    folder = tempfile.mkdtemp()
+    hf_model = save_random_checkpoint(stand_in, folder, seed=2)
+    loaded = Decoder.from_pretrained(folder, dtype=torch.float32)
+    ids = torch.randint(0, 512, (1, 300), generator=torch.Generator().manual_seed(0))
+    with torch.no_grad():
+        parity = (loaded(ids) - hf_model(ids).logits).abs().max().item()
+    ours_tokens = generate(loaded, ids[0, :20].tolist(), max_new_tokens=10).tokens
+    hf_tokens = hf_model.generate(ids[:, :20], attention_mask=torch.ones_like(ids[:, :20]), max_new_tokens=10,
+                                  do_sample=False, eos_token_id=None, pad_token_id=0)[0, 20:].tolist()
+    assert parity <= 1e-4 and ours_tokens == hf_tokens
+    print(f"saved by transformers: {sorted(p.name for p in Path(folder).iterdir())}")
+    print(f"from_pretrained vs transformers, 300 tokens, float32: max |logit difference| = {parity:.1e}")
+    print(f"greedy tokens, labkit.cache.generate vs transformers' generate: equal ({ours_tokens})")
+
+# %% [markdown]
 # ## Summary
 #
 # - **Prefill** processes the prompt in one pass, stores every layer's keys and values, and yields
@@ -241,6 +343,9 @@ plt.show()
 #   generation limit.
 # - The cache saves recomputation, not reading: every decode step reads all of the history, so longer
 #   contexts mean more memory *and* more memory traffic per token.
+# - A real model loads into the same decoder (`Decoder.from_pretrained`): SmolLM2-135M-Instruct keeps
+#   23,040 bytes per token in bfloat16, from its config alone; offline, the loader's logits equal
+#   transformers' own on a saved checkpoint.
 #
 # Next, chapter 02 turns "bytes per token" into a formula for real models.
 #

@@ -28,6 +28,7 @@
 #   blocks that finished requests leave behind;
 # - that a decoder prefilling only the uncached suffix produces the same tokens and logits;
 # - what reuse saves (prefill work and memory) and what it does not (decode steps).
+# - why a real chat model's shared system prompt hits the cache, and why one extra space in it does not.
 
 # %%
 import zlib
@@ -400,17 +401,128 @@ for i in (2, 4, 6, 7, 9):
 assert snaps[4].copies and snaps[7].evicted and sum(snaps[6].ref_counts) == 0 and sum(snaps[6].cached) >= 2
 
 # %% [markdown]
+# ## With a real model: one system prompt, two conversations
+#
+# Chat requests rarely share a report, but they very often share a *system prompt*: every
+# conversation with an assistant begins with the same instructions, wrapped by the model's chat
+# template in the same special tokens. Here the real thing: SmolLM2-135M-Instruct
+# (`HuggingFaceTB/SmolLM2-135M-Instruct`, chapter 01) with its own tokenizer and chat template,
+# served by chapter 05's engine with the prefix cache of this chapter. Two questions with the same
+# system prompt share their first tokens, and the second finds those blocks cached. Then the same
+# system prompt with **one more space** in it: to a reader the same text, to the tokenizer other
+# tokens, and from the first changed token on, other blocks. Similar-looking text is not the same
+# prefix.
+#
+# Where the weights cannot be downloaded (offline, CI, the tests) the cells say so and use a
+# stand-in: a byte-level BPE tokenizer (the kind SmolLM2 uses) trained here on a few sentences with
+# the `tokenizers` library, with a ChatML chat template like SmolLM2's, and this chapter's random
+# model. The token ids and the cache hits are then just as real; the replies are noise.
+
+# %%
+from labkit.engine import Engine
+from labkit.pretrained import chat_token_ids, load_tokenizer, real_model_source
+
+REAL_MODEL = "HuggingFaceTB/SmolLM2-135M-Instruct"
+SYSTEM = "You are a helpful assistant. Answer in one short sentence."
+QUESTIONS = ["What is the capital of France?", "Which planet is the largest?"]
+
+
+def toy_chat_tokenizer():
+    """A byte-level BPE tokenizer trained on a few sentences, with a ChatML chat template."""
+    from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
+    from transformers import PreTrainedTokenizerFast
+
+    tok = Tokenizer(models.BPE())
+    tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+    tok.decoder = decoders.ByteLevel()
+    tok.train_from_iterator([SYSTEM, *QUESTIONS, "Paris is the capital of France."] * 20, trainers.BpeTrainer(show_progress=False,
+        vocab_size=400, special_tokens=["<|endoftext|>", "<|im_start|>", "<|im_end|>"],
+        initial_alphabet=pre_tokenizers.ByteLevel.alphabet()))
+    template = ("{% for m in messages %}<|im_start|>{{ m['role'] }}\n{{ m['content'] }}<|im_end|>\n{% endfor %}"
+                "{% if add_generation_prompt %}<|im_start|>assistant\n{% endif %}")
+    return PreTrainedTokenizerFast(tokenizer_object=tok, eos_token="<|im_end|>", chat_template=template)
+
+
+source = real_model_source(REAL_MODEL)
+if source:
+    chat_model = Decoder.from_pretrained(source, dtype=torch.bfloat16 if labkit.DEVICE.type == "cuda"
+                                         else torch.float32, device=labkit.DEVICE)
+    tokenizer = load_tokenizer(source)
+    print(f"real weights and tokenizer: {source}")
+else:
+    tokenizer = toy_chat_tokenizer()
+    chat_model = Decoder.random(DecoderConfig(**{**tiny.to_dict(), "vocab_size": len(tokenizer)}), seed=0)
+    print(f"The weights of {REAL_MODEL} are not reachable from here (offline, CI or tests): using a BPE "
+          f"tokenizer of {len(tokenizer)} tokens trained here, with a chat template, and a random model.")
+
+# %% [markdown]
+# The prompts, as token ids. `chat_token_ids` applies the chat template and tokenises the result;
+# the third prompt has the same system prompt with one extra space after "You". In the tokens of a
+# byte-level BPE tokenizer, `Ġ` stands for a space and `Ċ` for a newline.
+
+# %%
+def chat(system: str, question: str) -> list[int]:
+    return chat_token_ids(tokenizer, [{"role": "system", "content": system}, {"role": "user", "content": question}])
+
+
+spaced = SYSTEM.replace("You ", "You  ", 1)  # one more space
+prompts = {"first question": chat(SYSTEM, QUESTIONS[0]), "second question": chat(SYSTEM, QUESTIONS[1]),
+           "second, one more space": chat(spaced, QUESTIONS[1])}
+first = prompts["first question"]
+for name, ids in prompts.items():
+    print(f"{name:<23}: {len(ids):>3} tokens, {common_prefix_len(first, ids):>3} in common with the first")
+edit_at = common_prefix_len(first, prompts["second, one more space"])
+print("around the extra space:", tokenizer.convert_ids_to_tokens(first[edit_at - 2:edit_at + 2]), "->",
+      tokenizer.convert_ids_to_tokens(prompts["second, one more space"][edit_at - 2:edit_at + 2]))
+assert prompts["second, one more space"] != prompts["second question"]
+assert edit_at < common_prefix_len(first, prompts["second question"])
+
+# %% [markdown]
+# Now the engine serves them one after the other, in one pool with blocks of 4 tokens (small, so
+# that a short system prompt fills several). Each request reports how many of its prompt tokens
+# came from the prefix cache; a reply ends at the model's end-of-sequence token or after 24 tokens.
+
+# %%
+cpu_and_real = bool(source) and labkit.RUNTIME.triton_mode != "compiled"
+# A 30-layer model through Triton's interpreter is slow: on a CPU the real model uses the kernels'
+# PyTorch references, which chapter 03 proves equal to the kernels.
+chat_engine = Engine(chat_model, num_blocks=128, block_size=4, max_num_batched_tokens=64,
+                     use_triton=not cpu_and_real)
+served = {}
+for name, ids in prompts.items():
+    request = chat_engine.add_request(ids, 24)
+    while chat_engine.has_unfinished():
+        chat_engine.step()
+    served[name] = request
+    reply = tokenizer.decode(request.output_token_ids, skip_special_tokens=True) if source else "(random model)"
+    print(f"{name:<23}: {request.num_cached_tokens:>3} of {len(ids)} prompt tokens from the prefix cache; "
+          f"reply of {len(request.output_token_ids)} tokens: {reply!r}")
+for name, request in served.items():  # a hit is every full block before the first token that differs
+    common = max((common_prefix_len(prompts[name], prompts[n]) for n in prompts if n != name
+                  and list(prompts).index(n) < list(prompts).index(name)), default=0)
+    assert request.num_cached_tokens == min(common, len(prompts[name]) - 1) // 4 * 4
+assert served["second question"].num_cached_tokens > served["second, one more space"].num_cached_tokens
+
+# %% [markdown]
+# The second question reuses the blocks of the system prompt that the first one computed. The
+# third prompt reads the same to a person, yet its hit stops at the last full block before the
+# extra space, because the tokenizer turned "You  are" into different tokens and every block name
+# after them is different (the hash chain). An engine can only reuse what is identical in token ids,
+# from the first token on: templates and system prompts that vary by a space, a date or a user
+# name defeat the cache.
+
+# %% [markdown]
 # ## Two designs: a hash chain (vLLM) and a radix tree (SGLang)
 #
 # Both find the longest cached prefix; they organise it differently.
 #
 # | | hash chain per block (vLLM) | radix tree of tokens (SGLang RadixAttention) |
 # |---|---|---|
-# | unit of sharing | full blocks only | any token boundary (a node holds a run of tokens) |
+# | unit of sharing | full blocks only | any token boundary with `page_size=1` (a node holds a run of tokens); with larger pages, page-aligned prefixes only |
 # | lookup | hash each full block, look names up one by one | walk the tree from the root, matching tokens |
 # | state | a flat dict name -> block, plus the free queue | a tree whose edges are token runs; nodes point at K/V slots |
 # | eviction | LRU over free cached blocks | LRU over leaves no running request locks |
-# | easy | names are stateless and portable (compute them anywhere, share across workers or a disk tier); O(1) per block | partial-block prefixes, seeing the structure of all cached prefixes at once, scheduling by longest shared prefix |
+# | easy | names are stateless and portable (compute them anywhere, share across workers or a disk tier); O(1) per block | partial-block prefixes (with `page_size=1`), seeing the structure of all cached prefixes at once, scheduling by longest shared prefix |
 # | harder | sharing below one block; knowing what else shares a prefix | bookkeeping of splits and merges; distributing the tree |
 #
 # The book's `PrefixCache` is the hash-chain design; its entry check (parent entry + tokens) is a
@@ -430,6 +542,8 @@ assert snaps[4].copies and snaps[7].evicted and sum(snaps[6].ref_counts) == 0 an
 #   cached blocks that are evicted least recently used first.
 # - Reuse must not cross a different earlier prefix, adapter, cache dtype or layout, and a prefix
 #   shorter than one block cannot be reused at all.
+# - With a real tokenizer and chat template, two conversations with one system prompt share its
+#   blocks; one extra space in the system prompt changes the token ids and ends the hit there.
 #
 # Next, chapter 05 puts these blocks into the scheduler's decisions.
 #

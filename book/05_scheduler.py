@@ -617,6 +617,74 @@ assert sum(s.preemptions for s in stats_small) > 0
 # of it changed an output token. That is the contract of every mechanism in this book: it changes
 # *where* K/V live and *when* they are computed, never what attention computes.
 #
+# ## The engine with a real model
+#
+# The engine never looks inside the model: it needs a `Decoder`, and `Decoder.from_pretrained`
+# (chapter 01) makes one from a real checkpoint. So the same `Engine` serves
+# SmolLM2-135M-Instruct (`HuggingFaceTB/SmolLM2-135M-Instruct`): four chat requests at once, with
+# its tokenizer and chat template, each reply ending at the model's end-of-sequence token
+# (`eos_token_id` in its config, `<|im_end|>` for SmolLM2; a config may list several, as Llama 3's
+# chat models do, and the engine stops on any of them).
+#
+# Offline, in CI and under the tests the weights are not reachable, and the cell says so. It then
+# checks what makes the online run trustworthy: transformers builds a small model of SmolLM2's
+# family with random weights and saves it as a Hub folder; the engine serves the checkpoint
+# `from_pretrained` loads, on the Triton kernels, and its greedy tokens must equal transformers' own
+# `generate`, first without a stop token and then with a list of two.
+
+# %%
+import tempfile
+
+from labkit.pretrained import chat_token_ids, load_tokenizer, real_model_source, save_random_checkpoint
+
+REAL_MODEL = "HuggingFaceTB/SmolLM2-135M-Instruct"
+source = real_model_source(REAL_MODEL)
+if source:
+    real = Decoder.from_pretrained(source, dtype=torch.bfloat16 if labkit.DEVICE.type == "cuda" else torch.float32,
+                                   device=labkit.DEVICE)
+    tokenizer = load_tokenizer(source)
+    system = {"role": "system", "content": "You are a helpful assistant. Answer briefly."}
+    asks = ["What is the capital of France?", "Name the three primary colours.",
+            "What does a CPU do?", "How do you say hello in Spanish?"]
+    chat_prompts = [chat_token_ids(tokenizer, [system, {"role": "user", "content": q}]) for q in asks]
+    # A 30-layer model through Triton's interpreter is slow: on a CPU, the kernels' PyTorch references.
+    real_engine = Engine(real, num_blocks=256, block_size=16, max_num_batched_tokens=256, use_triton=not cpu)
+    replies = real_engine.generate(chat_prompts, 48)  # stops at config.eos_token_id
+    for q, r in zip(asks, replies):
+        print(f"{q}\n  -> {tokenizer.decode(r, skip_special_tokens=True)!r} ({len(r)} tokens)")
+    stopped = sum(r[-1] in (real.config.eos_token_id if isinstance(real.config.eos_token_id, list)
+                            else [real.config.eos_token_id]) for r in replies)
+    print(f"{len(real_engine.stats)} steps; {stopped} of {len(replies)} replies ended at end-of-sequence")
+else:
+    print(f"The weights of {REAL_MODEL} are not reachable from here (offline, CI or tests): "
+          f"showing the offline check instead.")
+    stand_in = {"model_type": "llama", "hidden_size": 72, "intermediate_size": 96, "num_hidden_layers": 2,
+                "num_attention_heads": 9, "num_key_value_heads": 3, "vocab_size": cfg.vocab_size,
+                "rope_theta": 100000.0, "tie_word_embeddings": True}  # SmolLM2's recipe, smaller
+    folder = tempfile.mkdtemp()
+    hf_model = save_random_checkpoint(stand_in, folder, seed=1)
+    loaded = Decoder.from_pretrained(folder, dtype=torch.float32).to(labkit.DEVICE)
+
+    def hf_generate(p: list[int], stop: list[int] | None) -> list[int]:
+        ids = torch.tensor([p])
+        out = hf_model.generate(ids, attention_mask=torch.ones_like(ids), max_new_tokens=8, do_sample=False,
+                                eos_token_id=stop, pad_token_id=0)
+        return out[0, len(p):].tolist()
+
+    free_run = Engine(loaded, num_blocks=POOL, block_size=4, max_num_batched_tokens=16).generate(
+        prompts, 8, eos_token_id=())
+    assert free_run == [hf_generate(p, None) for p in prompts]
+    stop = [next(t for t in range(cfg.vocab_size) if all(t not in r for r in free_run)), free_run[1][3]]
+    stop_run = Engine(loaded, num_blocks=POOL, block_size=4, max_num_batched_tokens=16, use_triton=not cpu).generate(
+        prompts, 8, eos_token_id=stop)
+    assert stop_run == [hf_generate(p, stop) for p in prompts]
+    assert any(len(r) < 8 for r in stop_run)
+    for p, a, b in zip(prompts, free_run, stop_run):
+        print(f"prompt of {len(p)} tokens: no stop {a}   stop on {stop}: {b}")
+    print("engine (Triton kernels, prefix cache) == transformers' generate, token for token: True")
+
+
+# %% [markdown]
 # ## Summary
 #
 # - A step has two budgets: tokens (compute) and free blocks (memory). `plan_iteration` gives each
@@ -635,6 +703,8 @@ assert sum(s.preemptions for s in stats_small) > 0
 #   CPU memory is the alternative, trading transfers for compute.
 # - The engine built from chapters 01 to 05 gives exactly the tokens of generating each prompt
 #   alone, with batching, chunking, prefix reuse and preemption all at work.
+# - The same engine serves a real checkpoint (`Decoder.from_pretrained`) unchanged, and stops each
+#   reply at the model's end-of-sequence token(s); offline, its greedy tokens equal transformers'.
 #
 # Chapter 06 drives this same `Scheduler` with synthetic requests and a cost model to ask the next
 # question: fitting in memory is one thing; serving fast enough is another.

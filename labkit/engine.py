@@ -1,20 +1,23 @@
 """A small serving engine: the book's pieces in one loop (chapter 05).
 
-Each ``Engine.step()`` does what a real engine (vLLM, nano-vllm) does each iteration:
+Each ``Engine.step()`` does what vLLM v1 does each iteration (``vllm/v1/engine/core.py``,
+``EngineCore.step``: schedule, execute the model, update from the output):
 
 1. ``Scheduler.schedule()`` (chapter 05) picks requests and token counts within the
    token budget and the free blocks, admits waiting requests with their prefix-cache
    hits (chapter 04), preempts when blocks run out, and assigns every new token a slot.
 2. Copy-on-write pairs are applied to the K/V pools (block ``src`` -> ``dst``, all layers).
 3. The step's tokens from *all* requests are flattened into one batch ``[1, total_tokens]``
-   with explicit positions: prompt chunks and single decode tokens side by side.
+   with explicit positions: prompt chunks and single decode tokens side by side, as vLLM v1
+   batches them. (nano-vllm does not mix them: each of its steps is prefill only or decode only.)
 4. The decoder (chapter 01) runs once. Its attention goes through
    ``KVPool.attend`` (chapter 03): ``write_kv`` scatters the new K/V into their slots,
    then the Triton paged-attention kernels (chapter 03) attend over each request's
    blocks, request ``i`` owning query rows ``cu_seqlens_q[i]:cu_seqlens_q[i+1]``.
 5. The logits at the last token of each chunk that reaches the end of its known tokens
    are turned into the next token (greedy), and ``Scheduler.postprocess`` appends them,
-   finishes requests and releases their blocks.
+   finishes requests and releases their blocks. A request also finishes on an end-of-sequence
+   token: a real model's ``config.eos_token_id`` (a chat model may list several).
 
 Nothing here decides *who* runs: that is all in ``labkit.scheduler``, the same code that
 chapter 06's simulator drives without a model.
@@ -29,7 +32,7 @@ import torch
 from .model import Decoder
 from .paging import AttentionMetadata, KVPool
 from .prefix import CacheKey
-from .scheduler import Request, Scheduler, Step, StepStats
+from .scheduler import Request, RequestStatus, Scheduler, Step, StepStats
 
 __all__ = ["Engine"]
 
@@ -42,6 +45,10 @@ class Engine:
     ``enable_prefix_caching``, ``priority``: passed to the ``Scheduler``. ``dtype``: of the
     K/V pool (default: the model's). ``use_triton``: the Triton kernels (default) or their
     PyTorch references. Greedy decoding; ``stats`` holds one ``StepStats`` per step.
+
+    End of sequence: a request stops after ``max_new_tokens`` or after emitting one of its
+    ``eos_token_id`` (default: the model's ``config.eos_token_id``, one id or a list; pass
+    ``()`` to ignore it). The EOS token is part of the output, as in transformers' ``generate``.
     """
 
     def __init__(self, model: Decoder, num_blocks: int, block_size: int = 16, max_num_batched_tokens: int = 256,
@@ -59,22 +66,47 @@ class Engine:
                                    enable_prefix_caching=enable_prefix_caching, priority=priority, cache_key=key)
         self.backend = KVPool(cfg, num_blocks, block_size, self.dtype, weight.device, use_triton)
         self.stats: list[StepStats] = []
+        self._stop_ids: dict[Request, frozenset[int]] = {}  # requests with more than one EOS id
 
     def add_request(self, prompt_token_ids: Sequence[int], max_new_tokens: int,
-                    eos_token_id: int | None = None) -> Request:
-        """Queue a prompt; it runs in the coming steps. Returns its ``Request``."""
-        return self.scheduler.add_request(self._make_request(prompt_token_ids, max_new_tokens, eos_token_id))
+                    eos_token_id: int | Sequence[int] | None = None) -> Request:
+        """Queue a prompt; it runs in the coming steps. Returns its ``Request``.
+
+        ``eos_token_id``: the id(s) that end it early; None means the model's ``config.eos_token_id``.
+        """
+        return self._queue(*self._make_request(prompt_token_ids, max_new_tokens, eos_token_id))
+
+    def _eos_ids(self, eos_token_id: int | Sequence[int] | None) -> list[int]:
+        """The stop ids as a checked list (empty: never stop early)."""
+        if eos_token_id is None:
+            eos_token_id = self.model.config.eos_token_id
+        ids = [] if eos_token_id is None else [eos_token_id] if isinstance(eos_token_id, int) else list(eos_token_id)
+        vocab = self.model.config.vocab_size
+        if not all(isinstance(t, int) and not isinstance(t, bool) and 0 <= t < vocab for t in ids):
+            raise ValueError(f"eos_token_id must be None, a token id in [0, {vocab - 1}] or a list of them, "
+                             f"got {eos_token_id!r}")
+        return ids
 
     def _make_request(self, prompt_token_ids: Sequence[int], max_new_tokens: int,
-                      eos_token_id: int | None = None) -> Request:
-        """A checked ``Request`` (not queued yet)."""
+                      eos_token_id: int | Sequence[int] | None = None) -> tuple[Request, list[int]]:
+        """A checked ``Request`` (not queued yet) and its EOS ids.
+
+        The scheduler's ``Request`` stops on one EOS id; when there are more, the engine
+        keeps the whole set and finishes the request itself (see ``step``).
+        """
         ids = list(prompt_token_ids) if isinstance(prompt_token_ids, (list, tuple, range)) else prompt_token_ids
-        request = Request(ids, max_new_tokens, eos_token_id)
+        eos = self._eos_ids(eos_token_id)
+        request = Request(ids, max_new_tokens, eos[0] if eos else None)
         vocab = self.model.config.vocab_size
         if max(request.prompt_token_ids) >= vocab:
             raise ValueError(f"prompt_token_ids must lie in [0, {vocab - 1}] (vocab_size)")
         self.scheduler.check_fits(request)
-        return request
+        return request, eos
+
+    def _queue(self, request: Request, eos: list[int]) -> Request:
+        if len(eos) > 1:
+            self._stop_ids[request] = frozenset(eos)
+        return self.scheduler.add_request(request)
 
     def has_unfinished(self) -> bool:
         return self.scheduler.has_unfinished()
@@ -102,16 +134,28 @@ class Engine:
         elif self.scheduler.has_unfinished():
             raise RuntimeError("the scheduler planned nothing although requests are unfinished")
         self.scheduler.postprocess(step, sampled)
+        for chunk, token in zip(step.sampling_chunks, sampled):  # a second, third ... EOS id
+            request = chunk.request
+            if request.status is RequestStatus.RUNNING and token in self._stop_ids.get(request, ()):
+                self.scheduler.finish(request)
+                step.stats.finished += 1
+        for request in [r for r in self._stop_ids if r.status is RequestStatus.FINISHED]:
+            del self._stop_ids[request]
         self.stats.append(step.stats)
         return step
 
-    def generate(self, prompts: Sequence[Sequence[int]], max_new_tokens: int) -> list[list[int]]:
-        """Serve every prompt to completion; the generated token ids of each, in prompt order."""
+    def generate(self, prompts: Sequence[Sequence[int]], max_new_tokens: int,
+                 eos_token_id: int | Sequence[int] | None = None) -> list[list[int]]:
+        """Serve every prompt to completion; the generated token ids of each, in prompt order.
+
+        Each stops after ``max_new_tokens`` or at an ``eos_token_id`` (None: the model's).
+        """
         if not prompts:
             raise ValueError("prompts must hold at least one prompt")
-        requests = [self._make_request(p, max_new_tokens) for p in prompts]  # all checked before any is queued
-        for request in requests:
-            self.scheduler.add_request(request)
+        # all checked before any is queued
+        requests = [self._make_request(p, max_new_tokens, eos_token_id) for p in prompts]
+        for request, eos in requests:
+            self._queue(request, eos)
         while self.has_unfinished():
             self.step()
-        return [list(r.output_token_ids) for r in requests]
+        return [list(r.output_token_ids) for r, _ in requests]

@@ -1,6 +1,6 @@
 """A small Llama-architecture decoder (chapter 01).
 
-Everything a Llama-family model does per token, in about 200 lines:
+Everything a Llama-family model does per token:
 
 * ``RMSNorm`` before attention and before the MLP,
 * rotary position embeddings (RoPE) applied to queries and keys,
@@ -9,10 +9,14 @@ Everything a Llama-family model does per token, in about 200 lines:
 * a SwiGLU MLP.
 
 Config field names and ``state_dict`` keys follow a Hugging Face Llama
-checkpoint (``model.layers.0.self_attn.q_proj.weight`` ...), so real
-Llama-family weights in Hugging Face format load with
-``Decoder(DecoderConfig.from_dict(config_json)).load_state_dict(state_dict)``
-(plain RoPE only: Llama 3.1's scaled RoPE is refused, not silently mis-computed).
+checkpoint (``model.layers.0.self_attn.q_proj.weight`` ...), so real weights
+load as they are: ``Decoder.from_pretrained("HuggingFaceTB/SmolLM2-135M-Instruct")``
+(see ``labkit.pretrained``). Two relatives need one small addition each, and
+both are here: Llama 3.1/3.2's *scaled* RoPE (``rope_scaling`` of type
+``llama3``, in ``rope_inv_freq``) and Qwen2's bias on the q, k and v projections
+(``qkv_bias``). Anything else a config asks for is refused by
+``DecoderConfig.from_dict`` with a ``ValueError`` naming the field, never
+silently mis-computed.
 
 Attention is where the KV cache lives. ``Decoder.forward`` takes an optional
 ``cache`` object with one method, ``cache.attend(layer_idx, q, k, v)``: it stores
@@ -48,7 +52,10 @@ class DecoderConfig:
     rope_theta: float = 10000.0
     rms_norm_eps: float = 1e-5
     max_position_embeddings: int = 2048
-    tie_word_embeddings: bool = False
+    tie_word_embeddings: bool = False  # lm_head reuses embed_tokens' matrix (SmolLM2, Llama 3.2 1B)
+    rope_scaling: dict[str, Any] | None = None  # Llama 3.1/3.2: {"rope_type": "llama3", "factor": 32.0, ...}
+    qkv_bias: bool = False  # Qwen2: the q, k and v projections add a bias
+    eos_token_id: int | list[int] | None = None  # the token(s) that end a reply; a config may list several
 
     def __post_init__(self) -> None:
         for name in ("vocab_size", "hidden_size", "intermediate_size", "num_hidden_layers",
@@ -69,6 +76,11 @@ class DecoderConfig:
             raise ValueError(f"rope_theta must be > 0, got {self.rope_theta!r}")
         if not self.rms_norm_eps > 0:
             raise ValueError(f"rms_norm_eps must be > 0, got {self.rms_norm_eps!r}")
+        if self.rope_scaling is not None:
+            _check_llama3_scaling(self.rope_scaling)
+        ids = self.eos_token_id if isinstance(self.eos_token_id, list) else [self.eos_token_id]
+        if self.eos_token_id is not None and not all(isinstance(t, int) and t >= 0 for t in ids):
+            raise ValueError(f"eos_token_id must be a token id >= 0 or a list of them, got {self.eos_token_id!r}")
 
     @property
     def group_size(self) -> int:
@@ -77,31 +89,81 @@ class DecoderConfig:
 
     @classmethod
     def from_dict(cls, config: dict[str, Any]) -> "DecoderConfig":
-        """Build from a Llama-style ``config.json`` dict; unknown keys are ignored.
+        """Build from a Hugging Face ``config.json`` dict (Llama or Qwen2); unknown keys are ignored.
 
-        Features this small decoder does not implement are refused rather than
-        silently ignored, since they would change the outputs: scaled RoPE (Llama 3.1's
-        ``rope_scaling``), projection biases, and activations other than SiLU. Newer
-        configs keep the RoPE base in ``rope_parameters``; both spellings are read.
+        Supported: ``model_type`` "llama" (``LlamaForCausalLM``: plain RoPE, Llama 3.1's
+        "llama3" RoPE scaling, tied embeddings) and "qwen2" (``Qwen2ForCausalLM``: the same
+        plus a bias on q, k and v). What this decoder does not compute is refused with a
+        ``ValueError`` naming the config field, since ignoring it would change the outputs:
+        another RoPE type, sliding-window layers, mixture-of-experts, other projection
+        biases, activations other than SiLU. The RoPE fields come in two spellings: older
+        configs have ``rope_theta`` and ``rope_scaling`` at the top, transformers 5 writes
+        one ``rope_parameters`` dict; both are read.
         """
-        rope = dict(config.get("rope_parameters") or {})
-        scaling = config.get("rope_scaling") or (rope if rope.get("rope_type", "default") != "default" else None)
-        if scaling:
-            raise ValueError(f"rope_scaling={scaling!r} is not supported: only plain RoPE (rope_type 'default')")
+        for name in _MOE_FIELDS:
+            if config.get(name):
+                raise ValueError(f"{name}={config[name]!r}: mixture-of-experts layers are not supported")
+        model_type = config.get("model_type", "llama")
+        if model_type not in ("llama", "qwen2"):
+            raise ValueError(f"model_type={model_type!r} is not supported: only 'llama' (LlamaForCausalLM) "
+                             f"and 'qwen2' (Qwen2ForCausalLM)")
+        if config.get("use_sliding_window"):
+            raise ValueError("use_sliding_window=True is not supported: every layer must attend to the whole "
+                             "sequence (sliding-window layers keep only the last `sliding_window` tokens)")
+        if any(t != "full_attention" for t in config.get("layer_types") or []):
+            raise ValueError(f"layer_types={config['layer_types']!r}: only 'full_attention' layers are supported")
         if config.get("attention_bias") or config.get("mlp_bias"):
-            raise ValueError("attention_bias / mlp_bias must be false: this decoder has no projection biases")
+            raise ValueError("attention_bias / mlp_bias must be false: Llama's attention_bias also adds a bias "
+                             "to o_proj, which this decoder does not have (Qwen2's q/k/v bias is supported)")
         if config.get("hidden_act", "silu") != "silu":
             raise ValueError(f"hidden_act must be 'silu' (SwiGLU), got {config['hidden_act']!r}")
+        if config.get("partial_rotary_factor", 1.0) != 1.0:
+            raise ValueError(f"partial_rotary_factor={config['partial_rotary_factor']!r}: RoPE must rotate the "
+                             f"whole head (1.0)")
         known = {f.name for f in fields(cls)}
         kwargs = {k: v for k, v in config.items() if k in known}
-        if "rope_theta" in rope:
-            kwargs["rope_theta"] = rope["rope_theta"]
+        kwargs["rope_theta"], kwargs["rope_scaling"] = _rope_fields(config)
+        kwargs["qkv_bias"] = model_type == "qwen2" or bool(config.get("qkv_bias"))  # to_dict's own spelling
         if kwargs.get("num_key_value_heads") is None and "num_attention_heads" in kwargs:
             kwargs["num_key_value_heads"] = kwargs["num_attention_heads"]  # no GQA
         return cls(**kwargs)
 
     def to_dict(self) -> dict[str, Any]:
         return asdict(self)
+
+
+_MOE_FIELDS = ("num_experts", "num_local_experts", "n_routed_experts", "moe_intermediate_size")
+_LLAMA3_KEYS = ("factor", "low_freq_factor", "high_freq_factor", "original_max_position_embeddings")
+
+
+def _rope_fields(config: dict[str, Any]) -> tuple[float, dict[str, Any] | None]:
+    """(rope_theta, rope_scaling) from either spelling of a config's RoPE fields."""
+    rope = dict(config.get("rope_parameters") or {})
+    scaling = dict(config.get("rope_scaling") or {})
+    theta = rope.get("rope_theta", config.get("rope_theta", DecoderConfig.rope_theta))
+    # older configs say "type", newer "rope_type"; a rope_scaling dict, when given, decides
+    rope_type = next((d[k] for d in (scaling, rope) for k in ("rope_type", "type") if d.get(k)), "default")
+    params = {k: v for k, v in {**rope, **scaling}.items() if k not in ("rope_theta", "rope_type", "type")}
+    if rope_type == "default":
+        return theta, None
+    if rope_type != "llama3":
+        raise ValueError(f"rope_scaling: rope_type {rope_type!r} is not supported, only 'default' (plain RoPE) "
+                         f"and 'llama3' (Llama 3.1/3.2)")
+    params.setdefault("original_max_position_embeddings", config.get("max_position_embeddings"))
+    return theta, {"rope_type": "llama3", **{k: params.get(k) for k in _LLAMA3_KEYS}}
+
+
+def _check_llama3_scaling(scaling: Any) -> None:
+    """ValueError unless ``scaling`` is a complete, sensible "llama3" rope_scaling dict."""
+    if not isinstance(scaling, dict) or scaling.get("rope_type") != "llama3":
+        raise ValueError(f"rope_scaling must be None or a dict with rope_type 'llama3', got {scaling!r}")
+    for key in _LLAMA3_KEYS:
+        value = scaling.get(key)
+        if isinstance(value, bool) or not isinstance(value, (int, float)) or not value > 0:
+            raise ValueError(f"rope_scaling[{key!r}] must be a number > 0, got {value!r}")
+    if not scaling["high_freq_factor"] > scaling["low_freq_factor"]:
+        raise ValueError(f"rope_scaling: high_freq_factor ({scaling['high_freq_factor']}) must exceed "
+                         f"low_freq_factor ({scaling['low_freq_factor']})")
 
 
 class AttentionCache(Protocol):
@@ -149,9 +211,34 @@ class RMSNorm(nn.Module):
         return self.weight * x32.to(x.dtype)
 
 
-def rope_cos_sin(positions: torch.Tensor, head_dim: int, theta: float) -> tuple[torch.Tensor, torch.Tensor]:
+def rope_inv_freq(cfg: DecoderConfig, device: torch.device | str | None = None) -> torch.Tensor:
+    """How fast each of the head_dim / 2 rotated pairs turns: ``rope_theta ** (-2i / head_dim)`` radians per position.
+
+    Llama 3.1 stretches RoPE to a longer context ("llama3" ``rope_scaling``, computed as
+    transformers' ``_compute_llama3_parameters`` does). A pair's *wavelength* is
+    ``2 pi / inv_freq`` positions. Pairs that turn fast (wavelength under
+    ``original_max_position_embeddings / high_freq_factor``) encode local order and are
+    kept; pairs that turn slowly (wavelength over ``original / low_freq_factor``) turn
+    ``factor`` times slower still, so positions beyond the original context look like ones
+    seen in training; pairs in between blend the two smoothly.
+    """
+    d = cfg.head_dim
+    inv_freq = 1.0 / cfg.rope_theta ** (torch.arange(0, d, 2, device=device).float() / d)
+    if cfg.rope_scaling is None:
+        return inv_freq
+    s = cfg.rope_scaling
+    factor, low, high = s["factor"], s["low_freq_factor"], s["high_freq_factor"]
+    original = s["original_max_position_embeddings"]
+    wavelength = 2 * math.pi / inv_freq
+    slowed = torch.where(wavelength > original / low, inv_freq / factor, inv_freq)
+    smooth = (original / wavelength - low) / (high - low)  # 0 at the slow end, 1 at the fast end
+    blended = (1 - smooth) * slowed / factor + smooth * slowed
+    in_between = (wavelength >= original / high) & (wavelength <= original / low)
+    return torch.where(in_between, blended, slowed)
+
+
+def rope_cos_sin(positions: torch.Tensor, inv_freq: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     """cos and sin tables [..., head_dim] for integer ``positions`` (Llama's half-split layout)."""
-    inv_freq = 1.0 / theta ** (torch.arange(0, head_dim, 2, device=positions.device).float() / head_dim)
     angles = positions.float()[..., None] * inv_freq  # [..., head_dim / 2]
     angles = torch.cat([angles, angles], dim=-1)
     return angles.cos(), angles.sin()
@@ -170,9 +257,9 @@ class Attention(nn.Module):
         super().__init__()
         self.cfg, self.layer_idx = cfg, layer_idx
         d, hq, hkv = cfg.head_dim, cfg.num_attention_heads, cfg.num_key_value_heads
-        self.q_proj = nn.Linear(cfg.hidden_size, hq * d, bias=False)
-        self.k_proj = nn.Linear(cfg.hidden_size, hkv * d, bias=False)
-        self.v_proj = nn.Linear(cfg.hidden_size, hkv * d, bias=False)
+        self.q_proj = nn.Linear(cfg.hidden_size, hq * d, bias=cfg.qkv_bias)
+        self.k_proj = nn.Linear(cfg.hidden_size, hkv * d, bias=cfg.qkv_bias)
+        self.v_proj = nn.Linear(cfg.hidden_size, hkv * d, bias=cfg.qkv_bias)
         self.o_proj = nn.Linear(hq * d, cfg.hidden_size, bias=False)
 
     def forward(self, x, cos, sin, cache: AttentionCache | None) -> torch.Tensor:
@@ -244,6 +331,18 @@ class Decoder(nn.Module):
                     p.copy_(torch.randn(p.shape, generator=gen) / math.sqrt(p.shape[-1]))
         return model.eval()
 
+    @classmethod
+    def from_pretrained(cls, path_or_repo_id: str, *, dtype: torch.dtype | None = None,
+                        device: torch.device | str | None = None) -> "Decoder":
+        """Real weights: a Hugging Face Llama or Qwen2 checkpoint, from a folder or a Hub id.
+
+        ``dtype``: None keeps the dtype stored in the checkpoint (bfloat16 for most);
+        ``device``: None is the CPU. See ``labkit.pretrained`` for what is read and refused.
+        """
+        from .pretrained import load_decoder  # there: files, shards and the Hub
+
+        return load_decoder(path_or_repo_id, dtype=dtype, device=device)
+
     def forward(self, input_ids: torch.Tensor, positions: torch.Tensor | None = None,
                 cache: AttentionCache | None = None) -> torch.Tensor:
         """Logits for every input position.
@@ -268,7 +367,7 @@ class Decoder(nn.Module):
             raise ValueError(f"positions must have the shape of input_ids {tuple(input_ids.shape)}, "
                              f"got {tuple(positions.shape)}")
         cfg = self.config
-        cos, sin = rope_cos_sin(positions, cfg.head_dim, cfg.rope_theta)
+        cos, sin = rope_cos_sin(positions, rope_inv_freq(cfg, input_ids.device))
         x = self.model.embed_tokens(input_ids)
         for layer in self.model.layers:
             x = layer(x, cos, sin, cache)

@@ -157,3 +157,22 @@ def test_engine_bad_input(model):
         Engine(model, num_blocks=4, block_size=4, max_num_batched_tokens=-1)
     with pytest.raises(ValueError, match="model"):
         Engine("not a model", num_blocks=4)
+
+
+def test_eos_ids_stop_requests_even_under_preemption(model):
+    """Several stop ids (as Llama 3 chat models have): each request ends at the first one it emits."""
+    prompts = random_prompts(8, 4, shared=4, lo=3, hi=9)
+    free = alone(model, prompts, 8)
+    stop = [free[0][3], free[1][2], free[2][5]]  # the first id is the scheduler's, the others the engine's
+    expected = []
+    for out in free:
+        ends = [i for i, t in enumerate(out) if t in stop]
+        expected.append(out[:ends[0] + 1] if ends else out)
+    assert any(len(e) < 8 for e in expected[1:])  # a request stopped on an id other than the first
+    engine = poisoned_engine(model, num_blocks=6, block_size=4, max_num_batched_tokens=32, use_triton=False)
+    assert engine.generate(prompts, 8, eos_token_id=stop) == expected
+    assert sum(s.preemptions for s in engine.stats) > 0
+    assert sum(s.finished for s in engine.stats) == len(prompts)
+    assert engine.scheduler.allocator.num_free == 6
+    with pytest.raises(ValueError, match="eos_token_id"):
+        engine.add_request([1, 2], 3, eos_token_id=[1, CONFIG.vocab_size])

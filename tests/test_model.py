@@ -3,7 +3,7 @@
 import pytest
 import torch
 
-from labkit.model import Decoder, DecoderConfig, causal_attention
+from labkit.model import Decoder, DecoderConfig, causal_attention, rope_inv_freq
 
 TINY = DecoderConfig(vocab_size=97, hidden_size=64, intermediate_size=96, num_hidden_layers=2,
                      num_attention_heads=4, num_key_value_heads=2)
@@ -36,7 +36,8 @@ def test_state_dict_keys_are_llama_checkpoint_keys():
 def test_matches_hugging_face_llama():
     transformers = pytest.importorskip("transformers")
     # A RoPE base other than the default, as Llama 3 has, so a lost rope_theta would show.
-    hf_config = transformers.LlamaConfig(**{**TINY.to_dict(), "rope_theta": 500000.0}, attn_implementation="eager")
+    hf_config = transformers.LlamaConfig(**{**TINY.to_dict(), "rope_theta": 500000.0, "rope_scaling": None},
+                                         attn_implementation="eager")
     hf = transformers.LlamaForCausalLM(hf_config).eval()
     with torch.no_grad():
         for p in hf.parameters():
@@ -88,17 +89,63 @@ def test_bad_config_names_the_parameter(kwargs, name):
 
 
 def test_from_dict_refuses_what_it_cannot_compute():
-    with pytest.raises(ValueError, match="rope_scaling"):
+    with pytest.raises(ValueError, match="rope_scaling"):  # llama3 scaling needs all four of its numbers
         DecoderConfig.from_dict({**TINY.to_dict(), "rope_scaling": {"rope_type": "llama3", "factor": 8.0}})
-    with pytest.raises(ValueError, match="rope_scaling"):  # the newer spelling of the same thing
-        DecoderConfig.from_dict({**TINY.to_dict(), "rope_parameters": {"rope_type": "llama3", "rope_theta": 5e5}})
+    with pytest.raises(ValueError, match="rope_scaling"):  # another RoPE type, in the newer spelling
+        DecoderConfig.from_dict({**TINY.to_dict(), "rope_parameters": {"rope_type": "yarn", "rope_theta": 5e5}})
     with pytest.raises(ValueError, match="hidden_act"):
         DecoderConfig.from_dict({**TINY.to_dict(), "hidden_act": "gelu"})
+    with pytest.raises(ValueError, match="partial_rotary_factor"):
+        DecoderConfig.from_dict({**TINY.to_dict(), "partial_rotary_factor": 0.5})
     assert DecoderConfig.from_dict({**TINY.to_dict(), "rope_parameters": {"rope_type": "default",
                                                                           "rope_theta": 5e5}}).rope_theta == 5e5
     cfg = DecoderConfig.from_dict({"hidden_size": 64, "num_attention_heads": 4, "vocab_size": 10,
                                    "intermediate_size": 8, "num_hidden_layers": 1, "model_type": "llama"})
-    assert cfg.num_key_value_heads == 4 and cfg.head_dim == 16
+    assert cfg.num_key_value_heads == 4 and cfg.head_dim == 16 and not cfg.qkv_bias
+    qwen = DecoderConfig.from_dict({**TINY.to_dict(), "model_type": "qwen2", "eos_token_id": [5, 6]})
+    assert qwen.qkv_bias and qwen.eos_token_id == [5, 6]
+    assert DecoderConfig.from_dict(qwen.to_dict()) == qwen  # labkit's own dict round-trips
+
+
+LLAMA3 = {"rope_type": "llama3", "factor": 32.0, "low_freq_factor": 1.0, "high_freq_factor": 4.0,
+          "original_max_position_embeddings": 8192}  # Llama 3.2's values
+
+
+@pytest.mark.parametrize("head_dim, theta", [(64, 500000.0), (128, 500000.0), (32, 10000.0)])
+def test_llama3_inv_freq_is_transformers(head_dim, theta):
+    """Scaled RoPE: the same frequencies as transformers' _compute_llama3_parameters, pair by pair."""
+    transformers = pytest.importorskip("transformers")
+    from transformers.modeling_rope_utils import ROPE_INIT_FUNCTIONS
+
+    hf_config = transformers.LlamaConfig(hidden_size=4 * head_dim, num_attention_heads=4, head_dim=head_dim,
+                                         rope_theta=theta, rope_scaling=dict(LLAMA3))
+    expected, _ = ROPE_INIT_FUNCTIONS["llama3"](hf_config, "cpu")
+    ours = DecoderConfig.from_dict(hf_config.to_dict())
+    assert ours.rope_scaling == LLAMA3
+    got = rope_inv_freq(ours)
+    torch.testing.assert_close(got, expected, rtol=0, atol=0)
+    plain = rope_inv_freq(DecoderConfig(**{**ours.to_dict(), "rope_scaling": None}))
+    assert torch.equal(got[0], plain[0])                           # the fastest pair: kept
+    torch.testing.assert_close(got[-1], plain[-1] / 32.0)           # the slowest: 32 times slower
+    assert ((got < plain) & (got > plain / 32.0)).any()            # some pairs blended in between
+
+
+def test_qkv_bias_matches_hugging_face_qwen2():
+    transformers = pytest.importorskip("transformers")
+    hf_config = transformers.Qwen2Config(**{k: v for k, v in TINY.to_dict().items()
+                                           if k not in ("rope_scaling", "qkv_bias")}, attn_implementation="eager")
+    hf = transformers.Qwen2ForCausalLM(hf_config).eval()
+    with torch.no_grad():
+        for p in hf.parameters():
+            p.normal_(0, 0.2)
+    ours = Decoder(DecoderConfig.from_dict(hf_config.to_dict()))
+    ours.load_state_dict(hf.state_dict())
+    ids = torch.randint(0, TINY.vocab_size, (2, 13))
+    with torch.no_grad():
+        torch.testing.assert_close(ours(ids), hf(ids).logits, atol=1e-5, rtol=1e-5)
+        for layer in ours.model.layers:  # without the biases the logits move: the test can fail
+            layer.self_attn.q_proj.bias.zero_()
+        assert not torch.allclose(ours(ids), hf(ids).logits, atol=1e-3)
 
 
 @pytest.mark.parametrize("bad, name", [

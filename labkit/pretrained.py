@@ -1,0 +1,236 @@
+"""Real weights: a Hugging Face checkpoint in the book's decoder (chapter 01).
+
+A model on the Hugging Face Hub is a folder of a few files:
+
+* ``config.json``: the shape (layers, heads, ``head_dim`` ...) and the variant (RoPE
+  scaling, biases, tied embeddings). ``DecoderConfig.from_dict`` reads it and refuses,
+  naming the field, whatever ``labkit.model.Decoder`` does not compute.
+* ``model.safetensors``: every weight by name, ``model.layers.0.self_attn.q_proj.weight``
+  and so on, which are the Decoder's own ``state_dict`` keys. A big model splits them over
+  shards (``model-00001-of-00004.safetensors`` ...) and ``model.safetensors.index.json`` says
+  which shard holds which tensor.
+* the tokenizer (``tokenizer.json``, ``tokenizer_config.json``), with its *chat template*:
+  the text a conversation must become, special tokens included, for the model to answer
+  as it was trained to.
+
+``Decoder.from_pretrained`` (``load_decoder`` here) and ``load_tokenizer`` take a local
+folder or a Hub id such as ``"HuggingFaceTB/SmolLM2-135M-Instruct"``. A Hub id is
+downloaded once by ``huggingface_hub`` into its cache (``~/.cache/huggingface``). Without a
+network, or with ``HF_HUB_OFFLINE=1``, a Hub id that is not cached fails at once with a
+``ConnectionError`` that says so and names the alternative: download the folder where
+there is a network, then pass its path.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import re
+import socket
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from .model import Decoder, DecoderConfig
+
+__all__ = ["load_decoder", "load_tokenizer", "read_config", "read_safetensors", "hub_reachable", "real_model_source",
+           "chat_token_ids", "save_random_checkpoint"]
+
+WEIGHT_FILES = ["config.json", "generation_config.json", "*.safetensors", "model.safetensors.index.json"]
+TOKENIZER_FILES = ["tokenizer.json", "tokenizer_config.json", "special_tokens_map.json", "chat_template.jinja",
+                   "tokenizer.model", "vocab.json", "merges.txt"]
+_HUB_ID = re.compile(r"[A-Za-z0-9][\w.-]*/[\w.-]+")
+
+
+def _offline_by_setting() -> bool:
+    """True when the environment asks for no Hub traffic (``HF_HUB_OFFLINE`` or ``TRANSFORMERS_OFFLINE``)."""
+    value = os.environ.get("HF_HUB_OFFLINE") or os.environ.get("TRANSFORMERS_OFFLINE") or ""
+    return value.strip().upper() in ("1", "ON", "YES", "TRUE")
+
+
+def hub_reachable(timeout: float = 1.5) -> bool:
+    """Whether the chapters should download real weights now: a quick, bounded check.
+
+    False when ``HF_HUB_OFFLINE`` is set, in CI (``CI`` set) and under pytest: tests never
+    download, and a checked notebook output must not depend on the network. Otherwise a
+    TCP connection to huggingface.co:443 decides, within ``timeout`` seconds.
+    """
+    if _offline_by_setting() or os.environ.get("CI") or os.environ.get("PYTEST_CURRENT_TEST"):
+        return False
+    try:
+        with socket.create_connection(("huggingface.co", 443), timeout=timeout):
+            return True
+    except OSError:
+        return False
+
+
+def real_model_source(repo_id: str) -> str | None:
+    """Where a chapter gets real weights now, or None when it cannot (then it shows its offline check).
+
+    ``LABKIT_MODEL_DIR``, when set, names a folder already downloaded (no network needed);
+    else ``repo_id`` when ``hub_reachable()``; else None.
+    """
+    folder = os.environ.get("LABKIT_MODEL_DIR")
+    if folder:
+        return folder
+    return repo_id if hub_reachable() else None
+
+
+def model_folder(path_or_repo_id: str | os.PathLike, allow_patterns: list[str]) -> Path:
+    """The local folder of a model: ``path_or_repo_id`` itself if it is a folder, else a Hub download."""
+    if not isinstance(path_or_repo_id, (str, os.PathLike)):
+        raise ValueError(f"path_or_repo_id must be a folder path or a Hub id 'owner/name', got {path_or_repo_id!r}")
+    path = Path(path_or_repo_id).expanduser()
+    if path.is_dir():
+        return path
+    repo_id = str(path_or_repo_id)
+    if path.exists() or not _HUB_ID.fullmatch(repo_id):
+        raise ValueError(f"path_or_repo_id must be a model folder or a Hub id 'owner/name', got {repo_id!r}")
+    from huggingface_hub import snapshot_download
+    from huggingface_hub.utils import LocalEntryNotFoundError
+
+    try:  # offline: only what is already in the cache
+        return Path(snapshot_download(repo_id, allow_patterns=allow_patterns, etag_timeout=5,
+                                      local_files_only=_offline_by_setting()))
+    except LocalEntryNotFoundError as err:
+        why = "HF_HUB_OFFLINE is set" if _offline_by_setting() else "the Hugging Face Hub cannot be reached"
+        raise ConnectionError(
+            f"{repo_id!r} is not in the local Hugging Face cache and {why}, so it cannot be downloaded. "
+            f"Download the model folder where there is a network (`hf download {repo_id} --local-dir DIR`, "
+            f"or git clone https://huggingface.co/{repo_id}), then pass the local path instead: "
+            f"Decoder.from_pretrained('DIR'), load_tokenizer('DIR').") from err
+
+
+def read_config(folder: str | os.PathLike) -> dict[str, Any]:
+    """``config.json`` as a dict, with the stop tokens of ``generation_config.json`` when it has them.
+
+    Chat models often end a reply with a token other than the base model's ``eos_token_id``
+    (Llama 3's ``<|eot_id|>``); ``generation_config.json`` lists the ones ``generate`` stops on.
+    """
+    folder = Path(folder)
+    if not (folder / "config.json").is_file():
+        raise ValueError(f"path_or_repo_id: {str(folder)!r} holds no config.json")
+    config = json.loads((folder / "config.json").read_text())
+    generation = folder / "generation_config.json"
+    if generation.is_file():
+        eos = json.loads(generation.read_text()).get("eos_token_id")
+        if eos is not None:
+            config["eos_token_id"] = eos
+    return config
+
+
+def read_safetensors(folder: str | os.PathLike) -> dict[str, torch.Tensor]:
+    """Every tensor of the checkpoint by name, from one file or from the shards an index lists."""
+    from safetensors.torch import load_file
+
+    folder = Path(folder)
+    index = folder / "model.safetensors.index.json"
+    if index.is_file():
+        weight_map: dict[str, str] = json.loads(index.read_text())["weight_map"]
+        files = sorted(set(weight_map.values()))
+    elif (folder / "model.safetensors").is_file():
+        files = ["model.safetensors"]
+    else:
+        raise ValueError(f"path_or_repo_id: {str(folder)!r} holds neither model.safetensors nor "
+                         f"model.safetensors.index.json (only safetensors checkpoints are read)")
+    tensors: dict[str, torch.Tensor] = {}
+    for name in files:
+        tensors.update(load_file(folder / name))
+    return tensors
+
+
+def _match_state_dict(model: Decoder, tensors: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+    """The checkpoint's tensors under the model's keys; ValueError naming a missing or unknown tensor.
+
+    Tied embeddings: the checkpoint stores the matrix once, as ``model.embed_tokens.weight``,
+    and ``lm_head.weight`` is the same tensor. Old checkpoints also hold RoPE's
+    ``rotary_emb.inv_freq``, which is computed, not learned: it is skipped.
+    """
+    tensors = {k: v for k, v in tensors.items() if not k.endswith("rotary_emb.inv_freq")}
+    if model.config.tie_word_embeddings:
+        tensors.setdefault("lm_head.weight", tensors.get("model.embed_tokens.weight"))
+    expected = model.state_dict()
+    missing = [k for k in expected if tensors.get(k) is None]
+    if missing:
+        raise ValueError(f"the checkpoint lacks tensor {missing[0]!r} ({len(missing)} missing in all): "
+                         f"it does not match its config.json")
+    unknown = sorted(set(tensors) - set(expected))
+    if unknown:
+        raise ValueError(f"the checkpoint holds tensor {unknown[0]!r} ({len(unknown)} unknown in all), "
+                         f"which this decoder does not compute")
+    for key, value in expected.items():
+        if tuple(tensors[key].shape) != tuple(value.shape):
+            raise ValueError(f"tensor {key!r} has shape {tuple(tensors[key].shape)}, config.json implies "
+                             f"{tuple(value.shape)}")
+    return tensors
+
+
+def load_decoder(path_or_repo_id: str | os.PathLike, *, dtype: torch.dtype | None = None,
+                 device: torch.device | str | None = None) -> Decoder:
+    """``Decoder.from_pretrained``: config, then weights, checked name by name and shape by shape.
+
+    The module is first built on PyTorch's ``meta`` device (shapes, no memory, no random
+    initialisation), then takes the checkpoint's tensors as its parameters.
+    """
+    if dtype is not None and not (isinstance(dtype, torch.dtype) and dtype.is_floating_point):
+        raise ValueError(f"dtype must be a floating-point torch.dtype or None, got {dtype!r}")
+    device = torch.device(device if device is not None else "cpu")
+    folder = model_folder(path_or_repo_id, WEIGHT_FILES)
+    config = DecoderConfig.from_dict(read_config(folder))  # refuses what the decoder cannot compute
+    with torch.device("meta"):
+        model = Decoder(config)
+    tensors = _match_state_dict(model, read_safetensors(folder))
+    tensors = {k: v.to(device=device, dtype=dtype or v.dtype) for k, v in tensors.items()}
+    model.load_state_dict(tensors, assign=True)
+    if config.tie_word_embeddings:  # assign=True gave lm_head a Parameter of its own: share it again
+        model.lm_head.weight = model.model.embed_tokens.weight
+    return model.eval()
+
+
+def load_tokenizer(path_or_repo_id: str | os.PathLike):
+    """The model's tokenizer (transformers' ``AutoTokenizer``), with its chat template.
+
+    ``tokenizer.apply_chat_template(messages, add_generation_prompt=True)`` turns a
+    conversation into the token ids the model expects; ``tokenizer.decode(ids)`` turns
+    ids back into text. ``chat_template`` is None for a tokenizer that has none.
+    """
+    from transformers import AutoTokenizer
+
+    return AutoTokenizer.from_pretrained(model_folder(path_or_repo_id, TOKENIZER_FILES))
+
+
+def chat_token_ids(tokenizer, messages: list[dict[str, str]]) -> list[int]:
+    """The prompt token ids of a conversation: its chat template, then the tokenizer.
+
+    ``messages``: ``[{"role": "system" | "user" | "assistant", "content": text}, ...]``. The
+    template adds the special tokens and the opening of the assistant's turn, so the template's
+    text is tokenised without adding special tokens a second time.
+    """
+    text = tokenizer.apply_chat_template(messages, tokenize=False, add_generation_prompt=True)
+    return list(tokenizer(text, add_special_tokens=False)["input_ids"])
+
+
+def save_random_checkpoint(config: dict[str, Any], folder: str | os.PathLike, seed: int = 0, std: float = 0.2):
+    """The offline stand-in for a download: transformers builds the model ``config`` describes,
+    with seeded random weights (normal, ``std``), and saves it as a Hub folder is laid out.
+
+    Returns the transformers model, float32 and in eval mode, to compare with.
+    """
+    import transformers
+
+    hf_config = transformers.AutoConfig.for_model(**config)
+    torch.manual_seed(seed)
+    model = transformers.AutoModelForCausalLM.from_config(hf_config, attn_implementation="eager",
+                                                          dtype=torch.float32).eval()
+    with torch.no_grad():  # larger than transformers' init: logits far apart, so a mismatch shows
+        for p in model.parameters():
+            p.normal_(0, std)
+    was_on = transformers.utils.logging.is_progress_bar_enabled()
+    transformers.utils.logging.disable_progress_bar()  # no "Writing model shards" bar in a notebook
+    try:
+        model.save_pretrained(folder)
+    finally:
+        if was_on:
+            transformers.utils.logging.enable_progress_bar()
+    return model
