@@ -16,6 +16,8 @@
 # - what paging does **not** do: it neither compresses elements nor makes attention sparse;
 # - how a paged-attention kernel in Triton walks a block table, step by step, proven against
 #   a plain PyTorch reference (interpreted on a CPU, compiled on a GPU);
+# - what the compiler makes of it for a T4 and an H100, without either GPU: registers, shared
+#   memory, occupancy, and why decode is bound by memory bandwidth;
 # - that chapter 01's decoder produces the same tokens on the paged cache.
 
 # %%
@@ -391,8 +393,9 @@ assert torch.allclose(by_hand.double(), reference[0, 2:4], atol=1e-5)
 # differ: Triton works with whole tiles (the GQA group padded to a power of two, head dimensions
 # like 80 padded to 128 with a mask), and it uses `exp2` with the scale folded into `log2(e)`,
 # the cheaper instruction on a GPU. Loads are upcast to float32 in the interpreter (its bfloat16
-# arithmetic is not exact); compiled, fp16 and bf16 tiles go to the tensor cores with float32
-# accumulation.
+# arithmetic is not exact) and on a T4 (no tensor cores for Triton there, see "What the compiler
+# made of the kernel" below); from compute capability 8.0 on, fp16 and bf16 tiles go to the
+# tensor cores with float32 accumulation.
 
 # %%
 source = inspect.getsource(kernels._paged_decode_kernel.fn)
@@ -527,6 +530,160 @@ else:
     print(f"interpreted on the CPU in {time.perf_counter() - t0:.2f} s: correct, but no measure of GPU speed")
 
 # %% [markdown]
+# ### What the compiler made of the kernel
+#
+# The kernels above never met a GPU on the machine this book was written on, yet we can say
+# what a T4 or an H100 would run. Triton compiles ahead of time for any target without the GPU
+# being there (`triton.compile(..., target=GPUTarget("cuda", 75, 32))`, with NVIDIA's `ptxas`
+# from the triton wheel). `benchmarks/kernels_static.py` records the launches labkit's public
+# functions make (grid, arguments, tile sizes, warps and pipeline stages, exactly as a GPU would
+# get them), compiles each one for five GPU generations and reads what the compiler reports:
+# registers per thread, shared memory per program, bytes spilled from registers to memory, and
+# the width of the loads in the PTX. `tests/test_kernels_static.py` compiles a subset on every
+# test run and fails on a compile error, on shared memory over a GPU's limit, or on any spill.
+#
+# This is **static analysis, not timing**: it says whether a launch compiles, fits and spills,
+# and how many programs can share a multiprocessor; it says nothing about how fast they run.
+# Here is the table for decode and prefill at head dimension 128 (GQA group 4, 16-token blocks),
+# on a T4 (sm75) against an H100 (sm90):
+
+# %%
+# NBVAL_CHECK_OUTPUT
+import json
+from pathlib import Path
+
+STATIC = next((p / "benchmarks" / "results" / "kernels_static.json" for p in (Path.cwd(), *Path.cwd().parents)
+               if (p / "benchmarks" / "results" / "kernels_static.json").exists()), None)
+if STATIC is None:  # a pip install (Colab) has labkit but not the repository's benchmarks/
+    print("benchmarks/results/kernels_static.json ships with the repository: clone it to see this table.")
+else:
+    static = json.loads(STATIC.read_text())
+    gpus = static["meta"]["gpus"]
+    # The file lists each compiled binary once, and every launch with the name of its binary.
+    everything = [{**launch, **static["binaries"][launch["binary"]]} for launch in static["launches"]]
+    chosen = {}
+    for r in everything:
+        kind, dtype, d, g, bs = r["case"].split()
+        if (r["gpu"] in ("sm75", "sm90") and kind in ("decode", "prefill_long") and r["kernel"] in ("decode", "prefill")
+                and (d, g, bs) == ("d128", "g4", "bs16")):
+            chosen[(r["kernel"], dtype, r["gpu"])] = r
+    print(f"{'kernel':8s} {'dtype':5s} {'GPU':5s} {'tiles (rows x keys)':>19s} {'warps':>5s} {'stages':>6s} "
+          f"{'regs':>4s} {'shared':>9s} {'spills':>6s} {'warps/SM':>9s} {'tensor-core ops':>15s}")
+    for (kernel, dtype, gpu), r in sorted(chosen.items()):
+        tile = f"{r['tiles'].get('BLOCK_M', r['tiles'].get('BLOCK_G'))} x {r['tiles']['BLOCK_N']}"
+        print(f"{kernel:8s} {dtype:5s} {gpu:5s} {tile:>19s} "
+              f"{r['num_warps']:5d} {r['num_stages']:6d} {r['registers']:4d} "
+              f"{r['shared_bytes'] / 1024:5.1f} KiB {r['spill_bytes']:6d} "
+              f"{r['warps_per_sm']:3d} of {gpus[gpu]['max_warps_per_sm']:2d} {r['tensor_core_ops']:15d}")
+    print(f"\nthe whole grid: {len(everything)} launches ({static['meta']['binaries']} distinct binaries) on "
+          f"{len(gpus)} GPU generations; spills in {sum(r.get('spill_bytes', 0) > 0 for r in everything)}, "
+          f"shared memory over the limit in "
+          f"{sum(r.get('shared_bytes', 0) > gpus[r['gpu']]['shared_per_block'] for r in everything)}, "
+          f"compile errors in {sum('error' in r for r in everything)}")
+    assert not any(r["problems"] for r in everything)  # no compile error, overflow or spill anywhere
+    # A T4 has no tensor-core instruction in any of them: every product is a float32 FMA.
+    assert all(r["tensor_core_ops"] == 0 and r["fp32_fma"] > 0 for k, r in chosen.items() if k[2] == "sm75")
+    assert all(r["tensor_core_ops"] > 0 for k, r in chosen.items() if k[2] == "sm90" and k[1] != "fp32")
+
+# %% [markdown]
+# Three things to read in it.
+#
+# **Tensor cores, or not.** On the H100, float16 and bfloat16 tiles go to the tensor cores
+# (the `mma`/`wgmma` instructions counted in the last column) with float32 accumulation. On the
+# T4 that column is zero for every dtype: Triton 3.9 turns each `tl.dot` there into float32
+# FMAs, float16 included. So labkit runs bfloat16 on a T4 too: it loads bfloat16 (two bytes an
+# element, like float16), converts to float32 (a shift, exact) and computes on the FP32 units,
+# the same instructions float16 gets there. `labkit.describe()` says which case a machine is in.
+#
+# **Occupancy.** A multiprocessor holds several programs at once and switches between their
+# warps while loads are in flight. How many fit is limited by its registers (65,536 32-bit
+# registers, shared by all resident threads), its shared memory, and a cap on warps. The column
+# "warps/SM" is that count for each launch: registers per thread times 32 threads per warp times
+# warps per program must fit in the register file, and the program's shared memory (plus 1 KiB
+# the driver reserves per block from sm80 on) must fit in the multiprocessor's. Occupancy is a
+# ceiling on latency hiding, not a speed: a memory-bound kernel needs enough bytes in flight,
+# which it gets from resident warps *or* from deep pipelines (`num_stages`) in fewer warps.
+#
+# Here is that arithmetic for the float16 decode launch of the table, on each GPU:
+
+# %%
+# NBVAL_CHECK_OUTPUT
+if STATIC is not None:
+    for gpu in ("sm75", "sm90"):
+        r, g = chosen[("decode", "fp16", gpu)], gpus[gpu]
+        regs_per_warp = -(-r["registers"] * 32 // g["register_unit"]) * g["register_unit"]  # allocated per warp
+        programs = {
+            "registers": g["registers_per_sm"] // (regs_per_warp * r["num_warps"]),
+            "shared memory": g["shared_per_sm"] // (r["shared_bytes"] + g["reserved_shared_per_block"]),
+            "warp cap": g["max_warps_per_sm"] // r["num_warps"],
+            "block cap": g["max_blocks_per_sm"],
+        }
+        fits = min(programs.values())
+        print(f"{gpu}: programs per multiprocessor allowed by " + ", ".join(f"{k} {v}" for k, v in programs.items())
+              + f" -> {fits} x {r['num_warps']} warps = {fits * r['num_warps']} of {g['max_warps_per_sm']} warps")
+        assert fits * r["num_warps"] == r["warps_per_sm"]
+        assert min(programs, key=programs.get) == {"sm75": "shared memory", "sm90": "registers"}[gpu]
+
+# %% [markdown]
+# On the T4 shared memory is the limit: one program fits on a multiprocessor, a quarter of its
+# warps. On the H100 registers are: three programs. Neither figure says the kernel is slow; a
+# decode program keeps several K/V steps in flight (the pipeline stages), and what counts for a
+# memory-bound kernel is the bytes in flight per multiprocessor.
+#
+# **Why decode is bound by memory.** For each cached token, decode reads one K row and one V row
+# per KV head (2 x head_dim elements) and does, for each of the `g` query heads sharing them,
+# one dot product for the score and one multiply-add row for the output: 4 x g x head_dim
+# floating-point operations. Its arithmetic intensity is therefore `2g / bytes_per_element`
+# FLOP per byte, whatever the context length. A GPU is memory-bound below its *ridge point*,
+# peak FLOP/s divided by memory bandwidth:
+
+# %%
+# NBVAL_CHECK_OUTPUT
+from labkit.costmodel import DEVICES, Device
+
+h100 = DEVICES["H100 SXM"]
+t4 = Device("T4", 16 * 2**30, 320e9, 8.1e12,  # Triton runs a T4's products on the FP32 units
+            source="NVIDIA T4 datasheet: 16 GB GDDR6, 320 GB/s, FP32 8.1 TFLOPS")
+
+
+def intensity(queries_per_kv_row: int, head_dim: int = 128, bytes_per_element: int = 2) -> float:
+    """FLOPs per byte of K and V read: each K/V row pair serves this many queries."""
+    return 4 * queries_per_kv_row * head_dim / (2 * head_dim * bytes_per_element)
+
+
+for g in (1, 4, 8):
+    print(f"decode, GQA group {g}: {intensity(g):3.0f} FLOP/byte")
+for device, capability, units in ((t4, (7, 5), "FP32 FMAs"), (h100, (9, 0), "bf16 tensor cores")):
+    rows = kernels.launch_settings("prefill", torch.float16, 128, capability).block_m
+    print(f"{device.name:8s} ridge point {device.ridge_point:4.0f} FLOP/byte ({units}); its prefill tile of "
+          f"{rows} queries: {intensity(rows):3.0f} FLOP/byte")
+    assert intensity(8) < intensity(rows) < device.ridge_point
+
+# %% [markdown]
+# Even with a group of 8 query heads per KV head, decode does fewer operations per byte than
+# either GPU's ridge point, even the T4's without tensor cores: its time is the time to read the
+# cache. That is why labkit can give a T4 float32 arithmetic for free in decode, and why the
+# padding of a GQA group to 16 rows for `tl.dot` (wasted multiplications) costs nothing there.
+# Prefill reuses each K/V row it reads once per query of its tile: more work per byte, but with
+# these tiles still below both ridge points, counted as if every tile read its K/V from memory.
+# On a GPU, other query tiles and query heads of the same sequence read the same blocks, and
+# many of those re-reads hit the L2 cache, which a static count cannot see: whether prefill
+# ends up waiting on arithmetic (likelier on a T4, without tensor cores) is for a timing on a
+# GPU to say.
+#
+# **What the tiles trade.** `labkit.kernels.launch_settings` picks them (read it: one short
+# function). A longer key tile (`BLOCK_N`) means fewer steps and more bytes in flight per step,
+# but more registers for K, V and the scores, and more shared memory; each extra pipeline stage
+# keeps one more step of K/V loads in flight in shared memory; more query rows per tile
+# (`BLOCK_M`) raise prefill's reuse of each K/V byte, at the price of a larger accumulator. On the tensor-core path the
+# operands live in shared memory and registers stay moderate; on the FMA path (float32, and every
+# dtype on a T4) every operand and product sits in registers, so labkit halves the key tile and
+# spreads the work over more warps. An earlier version of these kernels used the tensor-core tiles
+# everywhere: compiled for a T4 they overflowed its 64 KiB of shared memory or spilled
+# registers to memory, and on those GPUs labkit would have quietly run its PyTorch reference
+# instead of Triton. The table above is how we know the current tiles do not.
+
+# %% [markdown]
 # ## 7. The decoder on the paged cache
 #
 # `labkit.paging.PagedKVCache` implements chapter 01's cache protocol, `attend(layer_idx, q, k,
@@ -564,6 +721,10 @@ for prompt, run in zip(prompts, paged_runs):
 #   (sequence, KV head), and splits long contexts into chunks merged by log-sum-exp; the prefill
 #   kernel does the same for many causal queries. Both match their PyTorch references, and the
 #   decoder produces the same tokens on the paged cache.
+# - Compiled ahead of time for sm75 to sm90, every launch fits in shared memory without spills
+#   (static analysis, not timing). Decode does a few FLOPs per byte read, far below any GPU's
+#   ridge point: it is bound by memory bandwidth. A T4 computes every dtype, bf16 included, on
+#   its FP32 units.
 #
 # ## Exercises
 

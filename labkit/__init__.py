@@ -1,8 +1,10 @@
 """labkit: the code behind KV Cache Labs.
 
-Importing labkit first decides where kernels run (``labkit.device``): on a CUDA
-GPU Triton compiles them; without one it switches on Triton's interpreter
-*before* any kernel is defined. So ``import labkit`` is all a notebook needs.
+Importing labkit decides where kernels run (``labkit.device``): on a CUDA GPU
+Triton compiles them; without one it switches on Triton's interpreter *before*
+any kernel is defined, and makes Triton's own helpers interpretable if another
+library imported Triton first. So ``import labkit``, in any order with other
+imports, is all a notebook needs.
 """
 
 from . import device  # noqa: F401  (first: sets TRITON_INTERPRET when there is no GPU)

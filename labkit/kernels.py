@@ -40,6 +40,7 @@ from __future__ import annotations
 
 import math
 import warnings
+from dataclasses import dataclass
 from typing import Callable, TypeVar
 
 import torch
@@ -439,20 +440,29 @@ if triton is not None:
 
         Split k holds o_k = (sum_j p_j v_j) / l_k and lse_k = log2(l_k) + m_k. The exact
         full softmax output is sum_k w_k o_k with w_k = 2^(lse_k - lse_max) / sum 2^(...).
+        The splits are read ``BLOCK_K`` at a time with a running maximum, the online softmax
+        once more, so any number of splits fits in a fixed tile. Split 0 always saw keys, so
+        the running maximum is finite after the first chunk.
         """
         seq = tl.program_id(0)
         head = tl.program_id(1)
-        k = tl.arange(0, BLOCK_K)
         d = tl.arange(0, BLOCK_D)
-        k_mask = k < num_splits
-        base = seq * stride_ps + head * stride_ph + k * stride_pk
-        lse = tl.load(part_lse_ptr + seq * stride_ls + head * stride_lh + k, mask=k_mask, other=float("-inf"))
-        w = tl.exp2(lse - tl.max(lse, axis=0))
-        w = w / tl.sum(w, axis=0)
-        o = tl.load(part_out_ptr + base[:, None] + d[None, :], mask=k_mask[:, None] & (d[None, :] < head_dim),
-                    other=0.0)
-        merged = tl.sum(w[:, None] * o, axis=0)
-        tl.store(out_ptr + seq * stride_os + head * stride_oh + d, merged.to(out_ptr.dtype.element_ty),
+        m_i = tl.full([], float("-inf"), dtype=tl.float32)
+        l_i = tl.full([], 0.0, dtype=tl.float32)
+        acc = tl.zeros([BLOCK_D], dtype=tl.float32)
+        for first in range(0, num_splits, BLOCK_K):
+            k = first + tl.arange(0, BLOCK_K)
+            k_mask = k < num_splits
+            lse = tl.load(part_lse_ptr + seq * stride_ls + head * stride_lh + k, mask=k_mask, other=float("-inf"))
+            o = tl.load(part_out_ptr + seq * stride_ps + head * stride_ph + k[:, None] * stride_pk + d[None, :],
+                        mask=k_mask[:, None] & (d[None, :] < head_dim), other=0.0)
+            m_new = tl.maximum(m_i, tl.max(lse, axis=0))
+            alpha = tl.exp2(m_i - m_new)
+            w = tl.exp2(lse - m_new)
+            l_i = l_i * alpha + tl.sum(w, axis=0)
+            acc = acc * alpha + tl.sum(w[:, None] * o, axis=0)
+            m_i = m_new
+        tl.store(out_ptr + seq * stride_os + head * stride_oh + d, (acc / l_i).to(out_ptr.dtype.element_ty),
                  mask=d < head_dim)
 
     @triton.jit
@@ -530,6 +540,7 @@ if triton is not None:
 # ----------------------------------------------------------------------------------------------
 
 MIN_TOKENS_PER_SPLIT = 256  # a split shorter than this costs more to merge than it saves
+MERGE_BLOCK_K = 16  # the merge kernel reads this many splits per step
 
 
 def _next_pow2(n: int) -> int:
@@ -564,19 +575,82 @@ def choose_num_splits(num_seqs: int, num_kv_heads: int, max_seq_len: int, device
     return -(-max_seq_len // tokens_per_split), tokens_per_split
 
 
-def _tile_settings(dtype: torch.dtype, head_dim: int, max_len: int) -> dict:
-    """Tile sizes. Compiled: tiles the tensor cores like (>= 16 a side). Interpreted: as few steps as possible."""
-    upcast = _interpreted() or dtype == torch.float32  # the interpreter's bf16 arithmetic is wrong
-    if _interpreted():
-        block_n = min(128, max(16, _next_pow2(max_len)))
-    else:
-        block_n = 64 if head_dim <= 128 else 32
-    # Upcast tiles are float32: "ieee" keeps float32 products exact (a GPU would otherwise use TF32).
-    return dict(BLOCK_D=max(16, _next_pow2(head_dim)), BLOCK_N=block_n, UPCAST=upcast,
-                DOT_PRECISION="ieee" if upcast else "tf32")
+@dataclass(frozen=True)
+class LaunchSettings:
+    """How one attention launch is cut up: tile sizes, warps per program and pipeline depth.
+
+    ``block_m`` query rows per program (prefill; decode's rows are the GQA group padded to
+    ``block_g``), ``block_n`` keys per step of the walk over the block table, ``block_d``
+    head_dim padded to a power of two (80 and 96 become 128, the padding masked off).
+    ``num_warps`` warps of 32 threads run one program; ``num_stages`` is how many steps of K/V
+    loads are in flight at once (software pipelining through shared memory). ``upcast``
+    converts loads to float32 before any arithmetic, and ``dot_precision`` is what ``tl.dot``
+    may use for float32 products ("ieee": exact float32, never TF32).
+    """
+
+    block_m: int
+    block_n: int
+    block_d: int
+    num_warps: int
+    num_stages: int
+    upcast: bool
+    dot_precision: str = "ieee"
+
+    def constexprs(self) -> dict:
+        """The settings the kernels take as ``tl.constexpr`` plus the launch options."""
+        return dict(BLOCK_D=self.block_d, BLOCK_N=self.block_n, UPCAST=self.upcast,
+                    DOT_PRECISION=self.dot_precision, num_warps=self.num_warps, num_stages=self.num_stages)
+
+
+def launch_settings(kernel: str, dtype: torch.dtype, head_dim: int,
+                    capability: tuple[int, int] | None, max_len: int = 128) -> LaunchSettings:
+    """Tiles, warps and stages for ``kernel`` ("decode" or "prefill") on a GPU of ``capability``.
+
+    Compiled, one rule decides everything: do the products run on **tensor cores**? They do
+    for float16 and bfloat16 from compute capability 8.0 (A100, A10, L4, RTX 30/40, H100).
+    They do not for float32 (labkit asks for exact float32 products), and not at all on a
+    7.5 GPU (T4): Triton 3.9 turns every ``tl.dot`` there into float32 FMAs, whatever the
+    input type, so labkit upcasts every load and computes in float32 on the FP32 units.
+
+    * Tensor cores: a step reads 64 keys (32 when head_dim > 128), prefill tiles 64 queries
+      on 8 warps, decode's padded group of 16 rows on 4, with 3 stages of loads in flight
+      (asynchronous copies, compute capability 8.0 and up).
+    * FMAs: every product and operand sits in registers, so the tiles shrink and the work is
+      spread over more threads: 32 keys on 8 warps (16 keys on 4 warps when head_dim > 128:
+      with 8, ptxas spilled there on sm86/sm89), 16 query rows, 2 stages; 1 stage on compute
+      capability 7.5, which has no asynchronous copy to overlap with.
+
+    With these tiles every launch compiles for sm75, sm80, sm86, sm89 and sm90 without a
+    register spill and within each GPU's shared memory per block (64 KiB on a T4, 99 KiB on
+    sm86/sm89). Larger ones were tried and failed: 64-key tiles overflow a T4's shared memory
+    on the FMA path, and 4 warps spill registers there; 64-query prefill tiles on 4 warps
+    spill on sm80/sm86. ``benchmarks/kernels_static.py`` compiles every combination ahead of
+    time and tests/test_kernels_static.py a subset, so a change here that spills or overflows
+    fails a test, GPU or not. Which tiles run *fastest* only a GPU can tell.
+
+    Interpreted there are no registers or warps, only Python steps: one step as wide as the
+    sequence (up to 128 keys), float32 throughout (the interpreter's bfloat16 is inexact).
+    """
+    block_d = max(16, _next_pow2(head_dim))
+    if capability is None:  # Triton's interpreter on the CPU
+        return LaunchSettings(block_m=64, block_n=min(128, max(16, _next_pow2(max_len))), block_d=block_d,
+                              num_warps=1, num_stages=1, upcast=True)
+    wide = block_d > 128
+    if dtype != torch.float32 and capability >= (8, 0):  # tensor cores, float32 accumulation
+        return LaunchSettings(block_m=64, block_n=32 if wide else 64, block_d=block_d,
+                              num_warps=8 if kernel == "prefill" else 4, num_stages=3, upcast=False,
+                              dot_precision="tf32")  # only float32 inputs look at it; these are 16-bit
+    return LaunchSettings(block_m=16, block_n=16 if wide else 32, block_d=block_d, num_warps=4 if wide else 8,
+                          num_stages=2 if capability >= (8, 0) else 1, upcast=True)
+
+
+def _launch_capability() -> tuple[int, int] | None:
+    """The compute capability the kernels are compiled for; None in the interpreter."""
+    return None if _interpreted() else (RUNTIME.capability or (8, 0))
 
 
 def _group_tile(group_size: int) -> int:
+    """Decode's query rows per program: the GQA group, padded to 16 when compiled (tl.dot's minimum)."""
     return _next_pow2(group_size) if _interpreted() else max(16, _next_pow2(group_size))
 
 
@@ -588,12 +662,15 @@ def _write_kv_triton(k, v, k_cache, v_cache, slot_mapping) -> None:
     num_tokens, num_kv_heads, head_dim = k.shape
     if num_tokens == 0:
         return
+    block_h, block_d = _next_pow2(num_kv_heads), _next_pow2(head_dim)
+    # A copy: give each thread 16 bytes (one 128-bit load and store), with 1 to 8 warps.
+    num_warps = min(8, max(1, block_h * block_d * k.element_size() // (32 * 16)))
     _write_kv_kernel[(num_tokens,)](
         k, v, k_cache, v_cache, slot_mapping,
         k.stride(0), k.stride(1), v.stride(0), v.stride(1),
         k_cache.stride(0), k_cache.stride(1), k_cache.stride(2),
         num_kv_heads, head_dim, k_cache.shape[1],
-        BLOCK_H=_next_pow2(num_kv_heads), BLOCK_D=_next_pow2(head_dim),
+        BLOCK_H=block_h, BLOCK_D=block_d, num_warps=num_warps,
     )
 
 
@@ -603,7 +680,7 @@ def _decode_triton(q, k_cache, v_cache, block_tables, seq_lens, scale, num_split
     num_kv_heads = k_cache.shape[2]
     group = num_heads // num_kv_heads
     out = torch.empty_like(q) if out is None else out
-    tiles = _tile_settings(q.dtype, head_dim, min(max_len, tokens_per_split))
+    settings = launch_settings("decode", q.dtype, head_dim, _launch_capability(), min(max_len, tokens_per_split))
     if num_splits > 1:
         part_out = torch.empty(num_seqs, num_heads, num_splits, head_dim, dtype=torch.float32, device=q.device)
         part_lse = torch.empty(num_seqs, num_heads, num_splits, dtype=torch.float32, device=q.device)
@@ -619,7 +696,7 @@ def _decode_triton(q, k_cache, v_cache, block_tables, seq_lens, scale, num_split
         part_lse.stride(0), part_lse.stride(1),
         scale * LOG2E,
         group, head_dim, k_cache.shape[1], tokens_per_split,
-        BLOCK_G=_group_tile(group), SPLIT=num_splits > 1, **tiles,
+        BLOCK_G=_group_tile(group), SPLIT=num_splits > 1, **settings.constexprs(),
     )
     if num_splits > 1:
         _merge_splits_kernel[(num_seqs, num_heads)](
@@ -627,7 +704,7 @@ def _decode_triton(q, k_cache, v_cache, block_tables, seq_lens, scale, num_split
             part_out.stride(0), part_out.stride(1), part_out.stride(2), part_lse.stride(0), part_lse.stride(1),
             out.stride(0), out.stride(1),
             num_splits, head_dim,
-            BLOCK_K=_next_pow2(num_splits), BLOCK_D=tiles["BLOCK_D"],
+            BLOCK_K=min(MERGE_BLOCK_K, _next_pow2(num_splits)), BLOCK_D=settings.block_d, num_warps=4,
         )
     return out
 
@@ -640,8 +717,8 @@ def _prefill_triton(q, k_cache, v_cache, block_tables, seq_lens, cu_seqlens_q, s
     out = torch.empty_like(q) if out is None else out
     if total == 0:
         return out
-    block_m = min(64, max(16, _next_pow2(max_q_len)))
-    tiles = _tile_settings(q.dtype, head_dim, max_len)
+    settings = launch_settings("prefill", q.dtype, head_dim, _launch_capability(), max_len)
+    block_m = min(settings.block_m, max(16, _next_pow2(max_q_len)))  # short queries: a smaller tile
     _paged_prefill_kernel[(num_seqs, -(-max_q_len // block_m), num_heads)](
         q, k_cache, v_cache, block_tables, seq_lens, cu_seqlens_q, out,
         q.stride(0), q.stride(1),
@@ -650,7 +727,7 @@ def _prefill_triton(q, k_cache, v_cache, block_tables, seq_lens, cu_seqlens_q, s
         out.stride(0), out.stride(1),
         scale * LOG2E,
         group, head_dim, k_cache.shape[1],
-        BLOCK_M=block_m, **tiles,
+        BLOCK_M=block_m, **settings.constexprs(),
     )
     return out
 
@@ -735,10 +812,9 @@ def paged_decode_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torc
     if _use_reference(q.dtype, q.device):
         return reference()
     max_len = int(seq_lens.max())
-    tiles = _tile_settings(q.dtype, q.shape[-1], max_len)
+    block_n = launch_settings("decode", q.dtype, q.shape[-1], _launch_capability(), max_len).block_n
     if num_splits is None:
-        num_splits, per_split = choose_num_splits(q.shape[0], k_cache.shape[2], max_len, q.device,
-                                                  tiles["BLOCK_N"])
+        num_splits, per_split = choose_num_splits(q.shape[0], k_cache.shape[2], max_len, q.device, block_n)
     else:
         per_split = -(-max_len // num_splits)
         num_splits = -(-max_len // per_split)  # never an empty split at the end

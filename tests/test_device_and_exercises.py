@@ -35,7 +35,9 @@ def test_import_labkit_alone_switches_the_interpreter_on():
 
 def test_old_gpus_get_a_fallback_not_a_crash():
     t4 = Runtime(torch.device("cuda"), "compiled", "T4", (7, 5))
-    assert t4.kernels_can_run(torch.float16) and not t4.kernels_can_run(torch.bfloat16)
+    # A T4 runs bf16 kernels on its FP32 units (tests/test_kernels_static.py checks the compiled code).
+    assert t4.kernels_can_run(torch.float16) and t4.kernels_can_run(torch.bfloat16)
+    assert not t4.bf16_tensor_cores
     p100 = Runtime(torch.device("cuda"), "unavailable", "P100", (6, 0))
     assert not p100.kernels_can_run(torch.float16)
     h100 = Runtime(torch.device("cuda"), "compiled", "H100", (9, 0))
@@ -73,7 +75,7 @@ def test_strict_checker_raises():
 
 
 @pytest.mark.parametrize("capability, mode, bf16", [((9, 0), "compiled", True), ((8, 0), "compiled", True),
-                                                    ((7, 5), "compiled", False), ((6, 1), "unavailable", False)])
+                                                    ((7, 5), "compiled", True), ((6, 1), "unavailable", False)])
 def test_gpu_decisions(monkeypatch, capability, mode, bf16):
     """What labkit decides on GPUs it has never seen here: each branch of _decide, with CUDA faked."""
     from labkit import device
@@ -85,6 +87,7 @@ def test_gpu_decisions(monkeypatch, capability, mode, bf16):
     runtime = device._decide()
     assert runtime.device.type == "cuda" and runtime.triton_mode == mode
     assert runtime.bf16_supported is bf16
+    assert runtime.bf16_tensor_cores is (capability >= (8, 0))
     assert runtime.kernels_can_run(torch.float16) is (mode == "compiled")
     assert "Fake GPU" in runtime.reason
     monkeypatch.setenv("LABKIT_DEVICE", "cpu")

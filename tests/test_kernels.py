@@ -219,22 +219,30 @@ def test_prefill_of_one_query_equals_decode():
 # -- the compiled path's arithmetic (no upcast, tensor-core tiles), checked in the interpreter -----
 
 @needs_kernels
-def test_gpu_tiling_path_in_float16(monkeypatch):
-    real = kernels._tile_settings
+@pytest.mark.parametrize("capability,dtype", [((8, 0), torch.float16), ((7, 5), torch.bfloat16)])
+def test_compiled_launch_settings_in_the_interpreter(monkeypatch, capability, dtype):
+    """The tiles a GPU gets (tensor-core path on sm80, FMA path on a T4), run by the interpreter.
 
-    def gpu_like(dtype, head_dim, max_len):
-        tiles = real(dtype, head_dim, max_len)
-        upcast = dtype == torch.float32
-        return {**tiles, "UPCAST": upcast, "DOT_PRECISION": "ieee" if upcast else "tf32",
-                "BLOCK_N": 64 if head_dim <= 128 else 32}
-
-    monkeypatch.setattr(kernels, "_tile_settings", gpu_like)
+    sm80 float16 keeps 16-bit tiles for tl.dot; a T4 upcasts bfloat16 loads to float32 with
+    small tiles. Both must match the reference, with and without split-K, and in prefill.
+    """
+    monkeypatch.setattr(kernels, "_launch_capability", lambda: capability)
     monkeypatch.setattr(kernels, "_group_tile", lambda g: max(16, kernels._next_pow2(g)))
+    settings = kernels.launch_settings("decode", dtype, 80, capability)
+    assert settings.upcast is (capability < (8, 0)) and settings.block_d == 128
     for splits in (1, 3):
-        out, ref, _ = decode_case([1, 17, 150], 10, 2, 80, 16, torch.float16, seed=splits, num_splits=splits)
-        assert_close_to(out, ref, torch.float16)
-    out, ref = prefill_case([9, 40], [9, 20], 8, 2, 64, 16, torch.float16, seed=4)
-    assert_close_to(out, ref, torch.float16)
+        out, ref, _ = decode_case([1, 17, 150], 10, 2, 80, 16, dtype, seed=splits, num_splits=splits)
+        assert_close_to(out, ref, dtype)
+    out, ref = prefill_case([9, 40], [9, 20], 8, 2, 64, 16, dtype, seed=4)
+    assert_close_to(out, ref, dtype)
+
+
+@needs_kernels
+def test_merge_reads_many_splits_in_chunks():
+    """More splits than the merge kernel's tile (MERGE_BLOCK_K): the running maximum carries across chunks."""
+    splits = 2 * kernels.MERGE_BLOCK_K + 3
+    out, ref, _ = decode_case([1, splits * 4, 97], 4, 2, 64, 8, torch.float32, seed=12, num_splits=splits)
+    assert_close_to(out, ref, torch.float32)
 
 
 # -- write_kv -----------------------------------------------------------------------------------

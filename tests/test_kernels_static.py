@@ -1,0 +1,102 @@
+"""Every kernel launch compiled ahead of time for five GPU generations, on a machine without a GPU.
+
+``benchmarks/kernels_static.py --subset`` records the launches labkit's public functions make
+(CPU tensors, the launch intercepted: grid, arguments, constexprs, warps and stages as a GPU
+would get them), compiles each with ``triton.compile`` for sm75, sm80, sm86, sm89 and sm90,
+and reads registers and spills (ptxas), shared memory (kernel metadata) and the PTX. It runs
+once per test session, in a subprocess: an interpreted kernel cannot be compiled, and this
+process interprets them. Static analysis only: nothing here says how fast a kernel runs.
+"""
+
+from __future__ import annotations
+
+import importlib.util
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+ROOT = Path(__file__).resolve().parent.parent
+SCRIPT = ROOT / "benchmarks" / "kernels_static.py"
+COMMITTED = ROOT / "benchmarks" / "results" / "kernels_static.json"
+GPUS = ["sm75", "sm80", "sm86", "sm89", "sm90"]
+SHARED_PER_BLOCK_KIB = {"sm75": 64, "sm80": 163, "sm86": 99, "sm89": 99, "sm90": 227}
+
+pytestmark = pytest.mark.skipif(importlib.util.find_spec("triton") is None or not sys.platform.startswith("linux"),
+                                reason="ahead-of-time compiles need Triton's Linux wheel (it ships ptxas)")
+
+
+def rows_of(doc: dict) -> list[dict]:
+    """One row per launch: the results file lists each binary once and the launches by binary."""
+    return [{**launch, **doc["binaries"][launch["binary"]]} for launch in doc["launches"]]
+
+
+@pytest.fixture(scope="module")
+def subset(tmp_path_factory) -> dict:
+    out = tmp_path_factory.mktemp("kernels_static") / "subset.json"
+    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
+    proc = subprocess.run([sys.executable, str(SCRIPT), "--subset", "--workers", "2", "--json", str(out)],
+                          capture_output=True, text=True, env=env, timeout=600, cwd=ROOT)
+    assert out.exists(), f"kernels_static.py wrote nothing:\n{proc.stdout[-3000:]}\n{proc.stderr[-3000:]}"
+    doc = json.loads(out.read_text())
+    return {"meta": doc["meta"], "rows": rows_of(doc)}
+
+
+@pytest.mark.parametrize("gpu", GPUS)
+def test_every_launch_compiles_fits_in_shared_memory_and_does_not_spill(subset, gpu):
+    rows = [r for r in subset["rows"] if r["gpu"] == gpu]
+    assert rows, f"no launch compiled for {gpu}"
+    for r in rows:
+        where = f"{gpu} {r['kernel']} [{r['case']}]"
+        assert "error" not in r, f"{where}: {r.get('error')}"
+        assert r["shared_bytes"] <= SHARED_PER_BLOCK_KIB[gpu] * 1024, f"{where}: {r['shared_bytes']} B of shared memory"
+        assert r["spill_bytes"] == 0, f"{where}: {r['spill_bytes']} bytes of register spills ({r['registers']} registers)"
+        assert r["registers"] <= 255 and r["problems"] == []
+
+
+def test_the_subset_reaches_every_kernel_and_both_launch_rules(subset):
+    rows = subset["rows"]
+    assert {r["kernel"] for r in rows} == {"decode", "merge", "prefill", "write_kv"}
+    for gpu in GPUS:
+        decode = [r for r in rows if r["gpu"] == gpu and r["kernel"] in ("decode", "prefill")]
+        assert {r["upcast"] for r in decode} == ({True} if gpu == "sm75" else {True, False}), gpu
+    # The launches were recorded from the public functions, not written down here: their tiles
+    # are what labkit.kernels.launch_settings chose for each target.
+    from labkit.kernels import launch_settings  # noqa: PLC0415
+    import torch  # noqa: PLC0415
+
+    for r in rows:
+        if r["kernel"] == "decode":
+            kind, dtype, d, *_ = r["case"].split()
+            want = launch_settings("decode", {"fp16": torch.float16, "bf16": torch.bfloat16, "fp32": torch.float32}[dtype],
+                                   int(d[1:]), tuple(subset["meta"]["gpus"][r["gpu"]]["capability"]))
+            assert (r["tiles"]["BLOCK_N"], r["num_warps"], r["num_stages"]) == \
+                (want.block_n, want.num_warps, want.num_stages), r["case"]
+
+
+def test_bf16_on_a_t4_runs_on_fp32_units_and_on_tensor_cores_from_sm80(subset):
+    """The compiled code behind labkit's bf16 decision: no tensor-core instruction on sm75, only float32 FMAs."""
+    for r in subset["rows"]:
+        if r["kernel"] in ("decode", "prefill") and " bf16 " in f" {r['case']} ":
+            if r["gpu"] == "sm75":
+                assert r["tensor_core_ops"] == 0 and r["fp32_fma"] > 0 and r["upcast"], r["case"]
+            else:
+                assert r["tensor_core_ops"] > 0 and not r["upcast"], (r["gpu"], r["case"])
+
+
+def test_committed_table_matches_a_fresh_compile(subset):
+    """benchmarks/results/kernels_static.json (read by chapter 03) says what the compiler says today."""
+    committed = json.loads(COMMITTED.read_text())
+    if committed["meta"]["triton"] != subset["meta"]["triton"]:  # e.g. a CUDA torch's own triton pin
+        pytest.skip(f"{COMMITTED.name} was compiled with Triton {committed['meta']['triton']}, "
+                    f"this is {subset['meta']['triton']}: the registers may differ")
+    index = {(r["gpu"], r["kernel"], r["case"]): r for r in rows_of(committed)}
+    fields = ("registers", "spill_bytes", "shared_bytes", "num_warps", "num_stages", "tiles", "occupancy")
+    for r in subset["rows"]:
+        key = (r["gpu"], r["kernel"], r["case"])
+        assert key in index, f"{key} is missing from {COMMITTED.name}: run benchmarks/kernels_static.py"
+        assert {f: index[key][f] for f in fields} == {f: r[f] for f in fields}, \
+            f"{key} changed: run benchmarks/kernels_static.py and commit its results"
