@@ -5,6 +5,8 @@ VENV   ?= .venv
 PY     := $(VENV)/bin/python
 PIP    := $(PY) -m pip
 STAMP  := $(VENV)/.installed
+# The repository's JupyterLab defaults (no "Jupyter news" question), in the venv's JupyterLab.
+LAB_SETTINGS := $(VENV)/share/jupyter/lab/settings/overrides.d/kv-cache-labs.json5
 # torch first, alone: pinned exactly, it takes the CPU build on this machine's disk.
 # A CUDA torch brings and pins its own triton; only a CPU torch on Linux gets ours.
 TORCH  ?= torch==2.13.0
@@ -13,7 +15,7 @@ PYTEST_ARGS ?=
 
 .PHONY: setup lab test test-fast notebooks check-notebooks clean
 
-setup: $(STAMP)
+setup: $(STAMP) $(LAB_SETTINGS)
 
 $(STAMP): pyproject.toml requirements/lock.txt
 	python3 -m venv $(VENV)
@@ -25,6 +27,10 @@ $(STAMP): pyproject.toml requirements/lock.txt
 	grep -vE '^(torch|triton)==' requirements/lock.txt > $(VENV)/constraints.txt
 	$(PIP) install -q -c $(VENV)/constraints.txt -e ".[lab,test]"
 	touch $(STAMP)
+
+$(LAB_SETTINGS): jupyterlab-settings/kv-cache-labs.json5 | $(STAMP)
+	mkdir -p $(dir $@)
+	cp $< $@
 
 lab: setup
 	$(VENV)/bin/jupyter lab $$( [ "$$(id -u)" = 0 ] && echo --allow-root ) chapters/

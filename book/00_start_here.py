@@ -66,16 +66,33 @@ elif labkit.RUNTIME.triton_mode == "compiled":
 print(f"kernels: {labkit.RUNTIME.triton_mode}; tensors live on: {labkit.DEVICE}")
 
 # %% [markdown]
-# A first taste of the book's arithmetic. The chapters measure memory in binary units
-# (1 KiB = 1,024 bytes, 1 GiB = 1,024 MiB), printed by `labkit.format_bytes`:
+# A first taste of the book's arithmetic: five sizes you will meet again, each computed from the
+# article's *teaching model* (32 layers, 8 KV heads of dimension 128, 2-byte elements; chapter 02).
+# The chapters measure memory in binary units (1 KiB = 1,024 bytes, 1 MiB = 1,024 KiB,
+# 1 GiB = 1,024 MiB), printed by `labkit.format_bytes`:
 
 # %%
 # NBVAL_CHECK_OUTPUT
-for n in (131_072, 2 * 2**20, 11 * 131_072, 2**30, 1.75 * 2**30):
-    print(f"{int(n):>13,} bytes = {labkit.format_bytes(n)}")
+from labkit.capacity import bytes_per_token
+
+per_token = bytes_per_token(num_layers=32, num_kv_heads=8, head_dim=128, dtype_bytes=2)
+block_tokens, request_tokens = 16, 37
+empty_slots = -(-request_tokens // block_tokens) * block_tokens - request_tokens  # 3 blocks hold 48 slots
+sizes = [
+    ("one token's K and V (chapter 02)", per_token),
+    (f"one block of {block_tokens} tokens (chapter 03)", block_tokens * per_token),
+    (f"the {empty_slots} empty slots in the last block of a {request_tokens}-token request (chapter 03)",
+     empty_slots * per_token),
+    ("request A: 8,192 tokens (chapter 02)", 8192 * per_token),
+    ("requests A + B + C: 8,192 + 4,096 + 2,048 tokens (chapter 02)", (8192 + 4096 + 2048) * per_token),
+]
+for what, n in sizes:
+    print(f"{n:>13,} bytes = {labkit.format_bytes(n):>9}  {what}")
 # Half a gibibyte is 512 MiB; the book writes sizes in a common unit when it compares them:
 print(f"{2**29:>13,} bytes = {labkit.format_bytes(2**29)} = {labkit.format_bytes(2**29, unit='GiB')}")
-assert labkit.format_bytes(11 * 131_072) == "1.375 MiB" and labkit.format_bytes(2**29, unit="GiB") == "0.5 GiB"
+assert per_token == 131_072 and empty_slots == 11
+assert [labkit.format_bytes(n) for _, n in sizes] == ["128 KiB", "2 MiB", "1.375 MiB", "1 GiB", "1.75 GiB"]
+assert labkit.format_bytes(2**29, unit="GiB") == "0.5 GiB"
 
 # %% [markdown]
 # ## A widget, and its static twin
@@ -88,16 +105,14 @@ assert labkit.format_bytes(11 * 131_072) == "1.375 MiB" and labkit.format_bytes(
 import ipywidgets as widgets
 from IPython.display import display
 
-from labkit.capacity import bytes_per_token
 
-
-def per_token(kv_heads: int) -> str:
+def per_token_bytes(kv_heads: int) -> str:
     return labkit.format_bytes(bytes_per_token(num_layers=32, num_kv_heads=kv_heads, head_dim=128, dtype_bytes=2))
 
 
 slider = widgets.IntSlider(value=8, min=1, max=32, description="KV heads")
-label = widgets.Label(f"bytes per token: {per_token(8)}")
-slider.observe(lambda change: setattr(label, "value", f"bytes per token: {per_token(change['new'])}"), "value")
+label = widgets.Label(f"bytes per token: {per_token_bytes(8)}")
+slider.observe(lambda change: setattr(label, "value", f"bytes per token: {per_token_bytes(change['new'])}"), "value")
 display(widgets.VBox([slider, label]))
 
 # %%
@@ -108,13 +123,6 @@ fig, ax = plt.subplots(figsize=(7, 3))
 ax.plot(heads, [bytes_per_token(32, h, 128, 2) / 1024 for h in heads], marker=".")
 ax.set(xlabel="KV heads", ylabel="KiB per token", title="Bytes per token grow linearly with KV heads")
 plt.show()
-
-# %% [markdown]
-# ## Summary
-#
-# - The book is six chapters, each a notebook built on `labkit`.
-# - `import labkit` picks the device and, without a GPU, runs Triton kernels in the interpreter.
-# - Exercises have checkers; worked answers live in `solutions/`.
 
 # %% [markdown]
 # ## How an exercise looks
@@ -139,6 +147,31 @@ bytes_per_gib = 1024**3
 bytes_per_gib = None  # replace None with an expression
 # END STUB
 ex.check("Warm-up", bytes_per_gib, expected=2**30, hint="1 GiB = 1,024 MiB, 1 MiB = 1,024 KiB, 1 KiB = 1,024 bytes.")
+
+# %% [markdown]
+# ## Summary
+#
+# - The book is six chapters, each a notebook built on `labkit`.
+# - `import labkit` picks the device and, without a GPU, runs Triton kernels in the interpreter.
+# - Exercises have checkers; worked answers live in `solutions/`.
+
+# %% [markdown]
+# ## References
+#
+# - The source article: *长上下文推理中的 KV Cache：容量、分页与复用边界* ("The KV cache in
+#   long-context inference: capacity, paging and the limits of reuse"), a Chinese essay in six
+#   sections; the copy the book follows gives no author or link. Its figures (the sizes above among
+#   them) carry over into the chapters; its sentences do not.
+# - Woosuk Kwon, Zhuohan Li, et al., *Efficient Memory Management for Large Language Model Serving
+#   with PagedAttention*, SOSP 2023, [arXiv:2309.06180](https://arxiv.org/abs/2309.06180): the
+#   paged KV cache of chapters 03 to 06.
+# - vLLM, the serving engine the book compares itself with: documentation at
+#   [docs.vllm.ai](https://docs.vllm.ai/), code at
+#   [github.com/vllm-project/vllm](https://github.com/vllm-project/vllm). Each chapter names the
+#   files and the vLLM version it read.
+# - Triton's interpreter (`TRITON_INTERPRET=1`), which runs this book's kernels on a CPU:
+#   [triton-lang.org](https://triton-lang.org/) and
+#   [github.com/triton-lang/triton](https://github.com/triton-lang/triton).
 
 # %% [markdown]
 # Next: **01 · why the cache grows**.

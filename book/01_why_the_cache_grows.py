@@ -4,6 +4,13 @@
 # A language model writes one token at a time, and each new token attends to every token before
 # it. This chapter builds a small Llama-style decoder and watches what it keeps between steps.
 #
+# Everything here is about the **standard autoregressive Transformer**, the decoder-only model with
+# causal attention that the article's figure of prefill and decode is drawn for: every layer keeps a
+# key and a value for every token. Other designs keep other state (a sliding-window layer keeps only
+# the last W tokens, a latent-attention layer one compressed vector per token, chapter 02
+# section 7; a recurrent or state-space layer a fixed-size state), and this chapter's growth law
+# does not carry over to them unchanged.
+#
 # **You will learn**
 #
 # - what *prefill* and *decode* do, and which one produces the first output token;
@@ -53,7 +60,9 @@ print(f"parameters: {n_params:,}")
 # A request starts with its prompt. *Prefill* runs all prompt tokens through the model in one
 # pass. In every layer, each token's hidden state is projected to a query, a key and a value. The
 # keys and values are what later tokens will attend to, so the cache stores them: for each layer,
-# a K and a V tensor of shape `[batch, tokens, KV heads, head_dim]`.
+# a K and a V tensor of shape `[batch, tokens, KV heads, head_dim]`. In `labkit.cache.KVCache` a
+# layer first stores the new keys and values, then lets the queries attend over everything stored,
+# with a causal mask: each prompt token sees itself and the tokens before it.
 #
 # The logits at the *last* prompt position predict the next token: prefill ends with the first
 # output token.
@@ -75,9 +84,13 @@ print(f"first output token : {first_token}")
 # %% [markdown]
 # ## Decode: one token in, one K and V per layer appended
 #
-# Each *decode* step feeds only the newest token. Its query attends over everything in the cache,
-# and then its own key and value are appended. The cache grows by exactly one position in every
-# layer per step.
+# Each *decode* step feeds only the newest token. In every layer, `KVCache.attend` first appends
+# the token's own key and value to the cache, then lets its query attend over everything stored,
+# itself included. So after the 12-token prefill, the first decode step attends over 13 positions:
+# the 12 cached ones and its own. The cache grows by exactly one position in every layer per step.
+# (The article describes the same step in the other order, read the cache and then append; the
+# result is identical as long as the new token's own key and value join the attention, as they do
+# in every causal Transformer.)
 
 # %%
 # NBVAL_CHECK_OUTPUT
@@ -90,7 +103,8 @@ with torch.no_grad():
         token = int(logits[0, -1].argmax())
         generated.append(token)
         assert all(k.shape[1] == before + 1 for k in cache.k), "every layer grew by one position"
-        print(f"decode step {step}: fed 1 token, attended over {before + 1} positions, "
+        # appended first, then attended: the query sees the `before` cached positions and itself
+        print(f"decode step {step}: fed 1 token, attended over {cache.seq_len} positions, "
               f"cache {before} -> {cache.seq_len} tokens, next token {token}")
 print("generated:", generated)
 
@@ -144,15 +158,18 @@ print("logits agree within 1e-4:", max_diff < 1e-4)
 
 # %%
 # NBVAL_CHECK_OUTPUT
-sizes = {}
+sizes = {}  # tokens held -> bytes of every stored K and V tensor
+by_pass = [0]  # bytes after each forward pass: 0 before any, then prefill, then one per decode step
 c = KVCache(config)
 with torch.no_grad():
     model(torch.tensor([prompt]), cache=c)
-    sizes[c.seq_len] = c.nbytes
+    sizes[c.seq_len] = sum(t.nbytes for t in c.k + c.v)
+    by_pass.append(sizes[c.seq_len])
     tok = torch.tensor([[1]])
     while c.seq_len < 256:
         model(tok, cache=c)
-        sizes[c.seq_len] = c.nbytes
+        sizes[c.seq_len] = sum(t.nbytes for t in c.k + c.v)
+        by_pass.append(sizes[c.seq_len])
 per_token = 2 * config.num_hidden_layers * config.num_key_value_heads * config.head_dim * 4
 assert per_token == 2 * 4 * 2 * 32 * 4 == 2048  # the numbers in the text above
 assert all(nbytes == n * per_token for n, nbytes in sizes.items())
@@ -160,14 +177,28 @@ print(f"bytes per token: {per_token:,}")
 for n in (12, 13, 64, 256):
     print(f"{n:>4} tokens -> {sizes[n]:>9,} bytes = {labkit.format_bytes(sizes[n])}")
 
+# %% [markdown]
+# Drawn by forward pass rather than by token, the two phases look different: prefill is one big
+# step (12 tokens, 24 KiB, in a single pass), and every decode step after it a small one (one token,
+# 2 KiB).
+
 # %%
+shown = 16  # the prefill pass and the first 15 decode steps
+steps = list(range(shown + 1))
+kib = [b / 1024 for b in by_pass[: shown + 1]]
+prefill_kib, step_kib = kib[1], kib[2] - kib[1]
+assert prefill_kib == len(prompt) * per_token / 1024 == 24 and step_kib == 2  # the numbers in the text above
+assert all(b - a == step_kib for a, b in zip(kib[1:], kib[2:]))  # every decode step adds the same
 fig, ax = plt.subplots(figsize=(7, 3.5))
-ax.plot(list(sizes), [b / 1024 for b in sizes.values()])
-ax.axvline(len(prompt), ls=":", c="gray")
-ax.annotate("end of prefill", (len(prompt), 0), xytext=(30, 60), textcoords="offset points",
+ax.step(steps, kib, where="post", marker="o", markersize=3)
+ax.annotate(f"prefill: {len(prompt)} tokens at once, +{prefill_kib:g} KiB", (1, prefill_kib * 0.75),
+            xytext=(0.3, 0.85 * 1.25 * kib[-1]), arrowprops=dict(arrowstyle="->", color="gray"))
+ax.annotate(f"each decode step: 1 token, +{step_kib:g} KiB", (8, (kib[7] + kib[8]) / 2), xytext=(8.6, 12),
             arrowprops=dict(arrowstyle="->", color="gray"))
-ax.set(xlabel="tokens processed", ylabel="cache size (KiB)",
-       title="The cache grows by the same amount for every token")
+ax.set_xticks(steps, ["start", "prefill"] + [str(i) for i in range(1, shown)], fontsize="small")
+ax.set(xlabel="forward pass (decode step number)", ylabel="cache size (KiB)", ylim=(0, 1.25 * kib[-1]),
+       title=f"Prefill adds {len(prompt)} tokens in one pass; each decode step adds one")
+fig.tight_layout()
 plt.show()
 
 # %% [markdown]
@@ -192,24 +223,32 @@ print(f"({prompt_len:,} + {max_new}) tokens × {per_token:,} bytes = {planned:,}
 # one position through the layers: the projection and MLP work per step is constant.
 #
 # But attention still reads every cached key and value at every step. A decode step at context
-# length *t* reads *t* × 2,048 bytes of cache here, so the bytes read per step grow linearly, and
-# on a real GPU, where decode is limited by memory bandwidth, so does the time. Let's time a step
-# at a few context lengths (timings depend on your machine, so they are not checked).
+# length *t* reads *t* × 2,048 bytes of cache here, so the bytes read per step grow linearly with
+# the history. First, whole-model steps at a few short contexts, with and without the cache
+# (timings depend on your machine, so they are printed but not checked):
 
 # %%
-def time_step(context: int, use_cache: bool, repeats: int = 3) -> float:
-    """Seconds for one decode step at a given context length (median of a few runs)."""
+# One thread while timing: on a shared 2-core machine a two-thread step waits for its slower thread,
+# and the timings jump by a hundred milliseconds whenever another process runs.
+threads = torch.get_num_threads()
+torch.set_num_threads(1)
+
+
+def time_step(context: int, use_cache: bool, repeats: int = 5) -> float:
+    """Seconds for one decode step at a given context length: the fastest of a few runs, the one
+    least disturbed by whatever else the machine is doing."""
     ids = torch.randint(0, config.vocab_size, (1, context))
     times = []
     with torch.no_grad():
         c = KVCache(config)
         if use_cache:
             model(ids[:, :-1], cache=c)  # prefill once; each timed step then appends one token
+        model(ids[:, -1:], cache=c) if use_cache else model(ids)  # one untimed warm-up step
         for _ in range(repeats):
             start = time.perf_counter()
             model(ids[:, -1:], cache=c) if use_cache else model(ids)
             times.append(time.perf_counter() - start)
-    return sorted(times)[len(times) // 2]
+    return min(times)
 
 
 contexts = [64, 256, 512, 1024, 1536]
@@ -219,15 +258,63 @@ for t, a, b in zip(contexts, cached_ms, full_ms):
     print(f"context {t:>5}: with cache {a:7.2f} ms/token   recompute {b:8.2f} ms/token   "
           f"cache read {labkit.format_bytes(t * per_token)}")
 
+# %% [markdown]
+# Recomputing grows steeply with the context; with the cache the step grows far more slowly at
+# these lengths. That hides the reads: at 1,536 tokens this model's whole cache is 3 MiB, which a
+# CPU reads in well under a millisecond, so the fixed work of a step (the projections and MLPs of
+# 4 layers) dominates. The history shows once it is large. Next we time cached decode steps at
+# contexts up to 65,536 tokens, where the cache reaches 128 MiB. Prefilling that many tokens through
+# the model would take minutes here, so the cache is filled directly through `KVCache.attend` with
+# random keys and values: their values do not change how many bytes a step touches.
+
 # %%
-fig, (ax1, ax2) = plt.subplots(1, 2, figsize=(10, 3.5))
+def time_long_decode_step(context: int, repeats: int = 5) -> float:
+    """Seconds for one cached decode step over a cache already holding `context` tokens (fastest of a few)."""
+    gen = torch.Generator().manual_seed(context)
+    kv_shape = (1, context, config.num_key_value_heads, config.head_dim)
+    one_query = torch.zeros(1, 1, config.num_attention_heads, config.head_dim)  # its output is discarded
+    c = KVCache(config)
+    with torch.no_grad():
+        for layer in range(config.num_hidden_layers):
+            c.attend(layer, one_query, torch.randn(kv_shape, generator=gen), torch.randn(kv_shape, generator=gen))
+        assert c.seq_len == context and c.nbytes == context * per_token
+        times = []
+        for _ in range(repeats):  # each timed step appends one token: the context grows by `repeats`, 0.01%
+            start = time.perf_counter()
+            model(torch.tensor([[1]]), cache=c)
+            times.append(time.perf_counter() - start)
+    return min(times)
+
+
+long_contexts = [4096, 16384, 32768, 65536]
+long_ms = [1e3 * time_long_decode_step(t) for t in long_contexts]
+for t, ms in zip(long_contexts, long_ms):
+    print(f"context {t:>6,}: one cached decode step {ms:7.2f} ms, over a cache of {labkit.format_bytes(t * per_token)}")
+print(f"65,536 against 4,096 tokens: {long_ms[-1] / long_ms[0]:.1f}x the time for 16x the history")
+torch.set_num_threads(threads)  # timing done: back to what PyTorch had
+
+# %% [markdown]
+# Now the step time grows with the history: the last line compares 16 times the history with the
+# time it cost (the ratio depends on your machine and on what else runs on it). A step touches
+# every cached byte, and here more than once: this simple `KVCache` appends by concatenation, which copies the
+# whole layer cache every step, and the plain attention repeats each KV head for its 4 query heads.
+# A serving engine writes new keys and values in place (chapter 03) and its kernels read each
+# cached byte once, but it still reads all of them: on a GPU, where decode is limited by memory
+# bandwidth, the step time follows the bytes read.
+
+# %%
+fig, (ax1, ax2) = plt.subplots(1, 2, figsize=(10, 3.8))
 ax1.plot(contexts, full_ms, marker="o", label="recompute everything")
 ax1.plot(contexts, cached_ms, marker="o", label="with the KV cache")
-ax1.set(xlabel="context length (tokens)", ylabel="ms per new token", title="The cache removes recomputation")
+ax1.set(xlabel="context length (tokens)", ylabel="ms per new token (measured)",
+        title="The cache removes recomputation")
 ax1.legend()
-ax2.plot(contexts, [t * per_token / 1024 for t in contexts], marker="o", color="C2")
-ax2.set(xlabel="context length (tokens)", ylabel="KiB read per decode step",
-        title="...but every step still reads all history")
+ax2.plot(long_contexts, long_ms, marker="o", color="C1", label="with the KV cache")
+ax2.set_xticks(long_contexts, [f"{t:,}\n{labkit.format_bytes(t * per_token)}" for t in long_contexts],
+               fontsize="small")
+ax2.set(xlabel="context length (tokens), and the cache it holds", ylabel="ms per decode step (measured)",
+        xlim=(0, 1.05 * long_contexts[-1]), ylim=(0, None), title="...but a step's time grows with the history")
+ax2.legend(loc="upper left")
 fig.tight_layout()
 plt.show()
 
@@ -335,20 +422,24 @@ else:
 # ## Summary
 #
 # - **Prefill** processes the prompt in one pass, stores every layer's keys and values, and yields
-#   the first output token. **Decode** feeds one token per step, reads the whole cache, and appends
-#   one K and one V per layer.
+#   the first output token. **Decode** feeds one token per step; in every layer it appends that
+#   token's K and V, then attends over the whole cache, the new token included.
 # - Causality makes stored keys and values final, so caching changes no output: we checked equal
 #   tokens and logits within 1e-4.
 # - The cache grows linearly with the tokens processed; plan a request at prompt length plus its
 #   generation limit.
 # - The cache saves recomputation, not reading: every decode step reads all of the history, so longer
-#   contexts mean more memory *and* more memory traffic per token.
+#   contexts mean more memory *and* more memory traffic per token; measured at 4,096 to 65,536
+#   tokens, the step time grew with the history.
+# - All of this is the standard autoregressive (decoder-only, causal) Transformer; windowed, latent
+#   or recurrent layers keep other state.
 # - A real model loads into the same decoder (`Decoder.from_pretrained`): SmolLM2-135M-Instruct keeps
 #   23,040 bytes per token in bfloat16, from its config alone; offline, the loader's logits equal
 #   transformers' own on a saved checkpoint.
 #
 # Next, chapter 02 turns "bytes per token" into a formula for real models.
-#
+
+# %% [markdown]
 # ## Exercises
 
 # %%
@@ -401,3 +492,25 @@ shapes = [(2, 1, 16, 10, torch.float32), (3, 2, 32, 7, torch.float16), (1, 4, 8,
 ex.check_function("Exercise 2", kv_cache_bytes,
                   [((L, h, d, t, torch.tensor([], dtype=dt).element_size()), measured_bytes(L, h, d, t, dt))
                    for L, h, d, t, dt in shapes])
+
+# %% [markdown]
+# ## References
+#
+# - The source article: *长上下文推理中的 KV Cache：容量、分页与复用边界* ("The KV cache in
+#   long-context inference: capacity, paging and the limits of reuse"), section 01 and its figure 1
+#   (prefill builds the cache, decode reads it and appends; drawn for the standard autoregressive
+#   Transformer). The copy the book follows gives no author or link.
+# - Ashish Vaswani et al., *Attention Is All You Need*, NeurIPS 2017,
+#   [arXiv:1706.03762](https://arxiv.org/abs/1706.03762): the Transformer and its causal decoder.
+# - Joshua Ainslie et al., *GQA: Training Generalized Multi-Query Transformer Models from Multi-Head
+#   Checkpoints*, 2023, [arXiv:2305.13245](https://arxiv.org/abs/2305.13245): grouped-query
+#   attention, the reason the cache stores 2 KV heads for 8 query heads.
+# - Woosuk Kwon, Zhuohan Li, et al., *Efficient Memory Management for Large Language Model Serving
+#   with PagedAttention*, SOSP 2023, [arXiv:2309.06180](https://arxiv.org/abs/2309.06180): why the
+#   growing cache, not the weights, limits a serving engine (chapters 02 to 06).
+# - Hugging Face transformers, [github.com/huggingface/transformers](https://github.com/huggingface/transformers):
+#   the reference implementation that `labkit.model.Decoder` is tested against, and the library
+#   whose saved checkpoint the offline check loads.
+# - SmolLM2-135M-Instruct on the Hugging Face Hub,
+#   [huggingface.co/HuggingFaceTB/SmolLM2-135M-Instruct](https://huggingface.co/HuggingFaceTB/SmolLM2-135M-Instruct):
+#   the `config.json` transcribed in the section "With a real model".

@@ -19,7 +19,7 @@
 #
 # **What you will learn**
 #
-# - to derive the bytes one token adds to the cache, and to check the formula against real tensors;
+# - to derive the bytes one token adds to the cache, and to check the formula on real caches;
 # - to reproduce the article's table: 128 KiB per token, 1 GiB for an 8,192-token request, and
 #   3 GiB when three requests reserve their maximum length up front;
 # - why the formula takes the number of **KV heads**, not query heads (GQA), and how large the
@@ -72,67 +72,73 @@ for dtype in ["float32", "bfloat16", torch.float16, "fp8"]:
     print(f"{str(dtype):15} {format_bytes(capacity.bytes_per_token(L, H_kv, D, dtype=dtype)):>8} per token")
 
 # %% [markdown]
-# ## 2. Checking the formula against real tensors
+# ## 2. Checking the formula against real caches
 #
-# A formula is only as good as its check. First, chapter 01's small random decoder: prefill a
-# prompt into its `KVCache`, then add up the bytes of every stored tensor. Its weights are float32,
-# so its cache elements take 4 bytes.
+# A formula is only as good as its check, and the check must not be built from the formula. So we
+# run real models, prefill real prompts into chapter 01's `KVCache`, and add up the bytes of the
+# tensors the layers actually stored (`tensor.nbytes`), then compare with the formula.
+#
+# First chapter 01's small random decoder. Its weights are float32, so its cache elements take
+# 4 bytes.
 
 # %%
+def stored_bytes(cache: KVCache) -> int:
+    """Bytes of every K and V tensor the layers stored, read off the tensors themselves."""
+    return sum(t.nbytes for t in cache.k + cache.v if t is not None)
+
+
 model = Decoder.random()
 cfg = model.config
 shape = capacity.ModelShape.from_config(cfg.to_dict(), name="chapter-01 decoder", dtype=torch.float32)
-print(shape)
-
 prompt = torch.randint(0, cfg.vocab_size, (1, 37), generator=torch.Generator().manual_seed(0))
 cache = KVCache(cfg)
 with torch.no_grad():
     logits = model(prompt, cache=cache)
-print(f"layer 0 stores K {tuple(cache.k[0].shape)} and V {tuple(cache.v[0].shape)}, {cache.k[0].dtype}")
-print(f"after a 37-token prefill: cache.nbytes = {cache.nbytes:,}; formula: {shape.cache_bytes(37):,}")
-assert cache.nbytes == shape.cache_bytes(37) == 37 * capacity.bytes_per_token(
-    cfg.num_hidden_layers, cfg.num_key_value_heads, cfg.head_dim, dtype=torch.float32)
+print(f"{shape.num_layers} layers; layer 0 stores K {tuple(cache.k[0].shape)} and V {tuple(cache.v[0].shape)}, "
+      f"{cache.k[0].dtype}")
+print(f"after a 37-token prefill: {stored_bytes(cache):,} bytes stored; formula: {shape.cache_bytes(37):,}")
+assert stored_bytes(cache) == shape.cache_bytes(37)
 
 # %% [markdown]
-# One decode step feeds one token, and the cache grows by exactly one token's worth:
+# One decode step feeds one token, and the stored tensors grow by exactly one token's worth:
 
 # %%
-before = cache.nbytes
+before = stored_bytes(cache)
 with torch.no_grad():
     model(logits[:, -1:].argmax(-1), cache=cache)
-print(f"one decode step added {cache.nbytes - before:,} bytes = bytes_per_token {shape.bytes_per_token():,}")
-assert cache.nbytes - before == shape.bytes_per_token()
+print(f"one decode step added {stored_bytes(cache) - before:,} bytes; bytes_per_token: {shape.bytes_per_token():,}")
+assert stored_bytes(cache) - before == shape.bytes_per_token()
 
 # %% [markdown]
-# The chapter-01 model is tiny. The teaching model itself is too big to run here, but its cache
-# is not: a `KVCache` only needs the shape. We hand it K and V tensors of the teaching model's
-# shape for a few tokens, in bf16, through the same `attend` method the decoder calls.
+# Now the teaching model's own cache shape: 32 layers, 32 query heads sharing 8 KV heads of
+# dimension 128, in bfloat16. A full model of that shape (hidden size 4,096) would not run quickly
+# here, but the formula claims the hidden size does not matter: only the K and V projections'
+# outputs are stored, `KV heads × head_dim` numbers each. So we build two real decoders with the
+# teaching model's attention shape and a small hidden size and MLP (64 and 256), prefill prompts of
+# ragged lengths into each, and compare what they store with the formula for the teaching model.
 
 # %%
-teach_cfg = DecoderConfig(num_hidden_layers=32, num_attention_heads=32, num_key_value_heads=8, hidden_size=4096)
-assert teach_cfg.head_dim == 128
-teach_cache = KVCache(teach_cfg)
-gen = torch.Generator().manual_seed(1)
-tokens = 5
-for layer in range(teach_cfg.num_hidden_layers):
-    q = torch.randn(1, tokens, 32, 128, generator=gen).bfloat16()
-    k = torch.randn(1, tokens, 8, 128, generator=gen).bfloat16()
-    v = torch.randn(1, tokens, 8, 128, generator=gen).bfloat16()
-    teach_cache.attend(layer, q, k, v)
-print(f"teaching-model cache for {tokens} tokens: {teach_cache.nbytes:,} bytes; "
-      f"formula: {TEACHING_MODEL.cache_bytes(tokens):,}")
-assert teach_cache.nbytes == TEACHING_MODEL.cache_bytes(tokens)
+# NBVAL_CHECK_OUTPUT
+def teaching_shaped_decoder(hidden_size: int) -> Decoder:
+    """A random bf16 decoder with the teaching model's cache shape and a small hidden size."""
+    tcfg = DecoderConfig(vocab_size=256, hidden_size=hidden_size, intermediate_size=hidden_size,
+                         num_hidden_layers=32, num_attention_heads=32, num_key_value_heads=8, head_dim=128)
+    return Decoder.random(tcfg, seed=hidden_size).to(torch.bfloat16)
 
-# %% [markdown]
-# And for a few ragged lengths, a bare allocation (`torch.empty` does not even fill the memory):
-# one K and one V tensor `[T, Hkv, D]` per layer.
 
-# %%
+decoders = {hidden: teaching_shaped_decoder(hidden) for hidden in (64, 256)}
+print(f"{'prefill T':>10}{'hidden 64':>14}{'hidden 256':>14}{'formula':>14}   (bytes stored)")
 for length in [1, 3, 16, 37]:
-    tensors = [torch.empty(length, 8, 128, dtype=torch.bfloat16) for _ in range(2 * 32)]
-    allocated = sum(t.nbytes for t in tensors)
-    assert allocated == TEACHING_MODEL.cache_bytes(length)
-    print(f"T = {length:3}: {allocated:>9,} bytes allocated = {format_bytes(allocated)}")
+    stored = []
+    for m in decoders.values():
+        c = KVCache(m.config)
+        ids = torch.randint(0, 256, (1, length), generator=torch.Generator().manual_seed(length))
+        with torch.no_grad():
+            m(ids, cache=c)
+        assert all(k.dtype == torch.bfloat16 and k.shape == (1, length, 8, 128) for k in c.k + c.v)
+        stored.append(stored_bytes(c))
+    print(f"{length:>10}{stored[0]:>14,}{stored[1]:>14,}{TEACHING_MODEL.cache_bytes(length):>14,}")
+    assert stored[0] == stored[1] == TEACHING_MODEL.cache_bytes(length)
 
 # %% [markdown]
 # ## 3. The article's table
@@ -185,17 +191,15 @@ fig.tight_layout()
 plt.show()
 
 # %% [markdown]
-# Bad input is refused before anything is computed, with the parameter and its allowed range:
+# Bad input is refused with a `ValueError` that names the parameter and its allowed range:
 
 # %%
-for bad in [dict(length=3.5), dict(length=-1), dict(num_layers=0), dict(dtype="float12")]:
-    args = dict(length=8, num_layers=32, num_kv_heads=8, head_dim=128, dtype="bfloat16") | bad
-    try:
-        capacity.cache_bytes(**args)
-    except ValueError as err:
-        print(f"{bad}: ValueError: {err}")
-    else:
-        raise AssertionError(f"{bad} was accepted")
+try:
+    capacity.cache_bytes(length=-1, num_layers=32, num_kv_heads=8, head_dim=128, dtype="bfloat16")
+except ValueError as err:
+    print(f"ValueError: {err}")
+else:
+    raise AssertionError("a negative length was accepted")
 
 # %% [markdown]
 # ## 4. The GQA mistake
@@ -237,21 +241,20 @@ assert a_wrong == 4 * a_right and fit_wrong * 4 == fit_right
 # `capacity.PRESETS` holds shapes read from each model's `config.json`. The files cannot be
 # downloaded here, so `capacity.PRESET_CONFIGS` keeps an excerpt of each, transcribed by hand from
 # the public file on the Hugging Face Hub, and every preset is built from its excerpt by
-# `ModelShape.from_config`, the same function that reads any Llama-style config dict. Llama-3-8B's
-# excerpt has no `head_dim`, so `from_config` derives it as `hidden_size // num_attention_heads`:
+# `ModelShape.from_config`, the same function that reads any Llama-style config dict (the files are
+# listed under References). Llama-3-8B's excerpt has no `head_dim`, so `from_config` derives it as
+# `hidden_size // num_attention_heads`:
 
 # %%
 llama3_8b_config = capacity.PRESET_CONFIGS["Llama-3-8B"]
-print(llama3_8b_config)
 from_json = capacity.ModelShape.from_config(llama3_8b_config, name="Llama-3-8B", dtype="bfloat16",
                                             source=PRESETS["Llama-3-8B"].source)
-print(from_json)
+fields = ["hidden_size", "num_hidden_layers", "num_attention_heads", "num_key_value_heads"]
+print(", ".join(f"{k} {llama3_8b_config[k]:,}" for k in fields))
+print(f"-> head_dim {llama3_8b_config['hidden_size']} // {llama3_8b_config['num_attention_heads']} = "
+      f"{from_json.head_dim}; {format_bytes(from_json.bytes_per_token())} per token")
 assert from_json == PRESETS["Llama-3-8B"]
 assert from_json.head_dim == llama3_8b_config["hidden_size"] // llama3_8b_config["num_attention_heads"]
-
-# %%
-for p in PRESETS.values():
-    print(f"{p.name:16} {p.source}")
 
 # %% [markdown]
 # The table uses the article's formula for every model (no sliding windows applied, 2-byte
@@ -286,14 +289,18 @@ for i, p in enumerate(order):
     ax.text(p.bytes_per_token() / KiB, i, " " + format_bytes(p.bytes_per_token()), va="center", fontsize="small")
 ax.set_xlabel("KV cache per token (KiB)")
 ax.set_xlim(0, 400)
-ax.set_title("Per-token cost differs 6x between models; size does not predict it")
+lo, hi = order[0], order[-1]
+ax.set_title(f"Per-token cost differs {hi.bytes_per_token() // lo.bytes_per_token()}x: "
+             f"{format_bytes(lo.bytes_per_token())} ({lo.name}) to {format_bytes(hi.bytes_per_token())} ({hi.name})")
 fig.tight_layout()
 plt.show()
+assert (lo.name, hi.name) == ("Qwen2.5-7B", "Gemma-2-9B")
 assert PRESETS["Gemma-2-9B"].bytes_per_token() == 6 * PRESETS["Qwen2.5-7B"].bytes_per_token()
 
 # %% [markdown]
-# Parameters do not predict the cache: Gemma-2-9B stores 6 times more per token than
-# Qwen2.5-7B, because it keeps 8 KV heads of dimension 256 in 42 layers, against 4 heads of 128 in 28.
+# The size in a model's name does not predict its cache: Gemma-2-9B, a model of 9 billion
+# parameters, stores 6 times more per token than Qwen2.5-7B, a model of 7 billion, because it keeps
+# 8 KV heads of dimension 256 in 42 layers, against 4 heads of 128 in 28.
 
 # %% [markdown]
 # ## 6. Split across devices
@@ -433,22 +440,72 @@ assert fit == 7
 # aside more than the device has.
 
 # %%
-from labkit.widgets.capacity_explorer import CapacityExplorer, static_figure
+from labkit.widgets.capacity_explorer import CapacityExplorer
 
 assert PRESETS["Qwen2.5-7B"].max_position_embeddings == 131_072 == 128 * 1024
 CapacityExplorer()
 
 # %% [markdown]
-# Without a live kernel the sliders do nothing; this static figure shows the same curve for
-# several models in the article's 7 GiB pool, dotted past a model's context limit. At 8,192 tokens
-# the teaching model gives the 7 sequences computed above.
+# Without a live kernel the sliders do nothing. The static figure asks the explorer's question for
+# real models, each on a device that can hold its weights: the 80 GiB device of section 4, with
+# 20 GiB set aside for weights and workspace, which leaves a 60 GiB KV pool. The 20 GiB hold the
+# bfloat16 weights of the models of 7 to 9 billion parameters (checked below with a 10% margin over
+# the count in each name). Llama-3-70B and DeepSeek-V3 are left out: their weights alone outgrow
+# one such device, and section 6 showed how their caches split over several. For each model, the
+# bars count the sequences of 8,192 tokens (within every one of these models' context limits) that
+# fit in the pool: by the article's formula, and with the model's sliding window applied as in
+# section 7.
 
 # %%
-pool = capacity.kv_pool_bytes(24 * GiB, 17 * GiB)
-fig = static_figure(["Gemma-2-9B", "teaching model", "DeepSeek-V3", "Qwen2.5-7B"], pool)
-fig.axes[0].axvline(8192, color="grey", linestyle="--", linewidth=0.8)
+# NBVAL_CHECK_OUTPUT
+device, set_aside, context = 80 * GiB, 20 * GiB, 8192
+pool = capacity.kv_pool_bytes(device, set_aside)
+billions_in_name = {"Qwen2.5-7B": 7, "Mistral-7B-v0.1": 7, "Llama-3-8B": 8, "Gemma-2-9B": 9}
+for name, billions in billions_in_name.items():
+    assert f"-{billions}B" in name  # the count in the model's name
+    assert 1.1 * billions * 1e9 * 2 < set_aside  # bf16 weights, even 10% above the name's count, fit
+    assert not PRESETS[name].beyond_context(context)
+fit_formula = {n: capacity.sequences_that_fit(PRESETS[n].cache_bytes(context, apply_window=False), device, set_aside)
+               for n in billions_in_name}
+fit_window = {n: capacity.sequences_that_fit(PRESETS[n].cache_bytes(context), device, set_aside)
+              for n in billions_in_name}
+print(f"KV pool: {format_bytes(device)} - {format_bytes(set_aside)} = {format_bytes(pool)}; "
+      f"sequences of {context:,} tokens that fit:")
+print(f"{'model':17}{'per sequence':>14}{'fit':>6}{'with window':>13}")
+for n in billions_in_name:
+    print(f"{n:17}{format_bytes(PRESETS[n].cache_bytes(context, apply_window=False)):>14}{fit_formula[n]:>6}"
+          f"{fit_window[n]:>13}")
+assert fit_formula == {"Qwen2.5-7B": 137, "Mistral-7B-v0.1": 60, "Llama-3-8B": 60, "Gemma-2-9B": 22}
+assert fit_window == {"Qwen2.5-7B": 137, "Mistral-7B-v0.1": 120, "Llama-3-8B": 60, "Gemma-2-9B": 30}
+assert fit_window["Mistral-7B-v0.1"] == 2 * fit_formula["Mistral-7B-v0.1"]  # the window halves its 8K cache
+
+# %%
+names = sorted(billions_in_name, key=fit_formula.get)
+rows = range(len(names))
+fig, ax = plt.subplots(figsize=(7, 3.5))
+ax.barh([r + 0.2 for r in rows], [fit_formula[n] for n in names], height=0.4, color="C0",
+        label="article's formula (no window)")
+ax.barh([r - 0.2 for r in rows], [fit_window[n] for n in names], height=0.4, color="C1",
+        label="with the model's sliding window")
+for r, n in zip(rows, names):
+    ax.text(fit_formula[n], r + 0.2, f" {fit_formula[n]}", va="center", fontsize="small")
+    ax.text(fit_window[n], r - 0.2, f" {fit_window[n]}", va="center", fontsize="small")
+ax.set_yticks(list(rows), [f"{n}\n{format_bytes(PRESETS[n].bytes_per_token())}/token" for n in names])
+ax.set_xlabel(f"sequences of {context:,} tokens that fit")
+ax.set_xlim(0, 1.25 * max(fit_window.values()))
+ax.set_title(f"One {format_bytes(pool)} pool ({format_bytes(device)} device): "
+             f"{min(fit_formula.values())} to {max(fit_formula.values())} sequences of {context:,} tokens")
+ax.legend(loc="lower right", fontsize="small")
+fig.tight_layout()
 plt.show()
-assert capacity.sequences_that_fit(TEACHING_MODEL.cache_bytes(8192), 24 * GiB, 17 * GiB) == fit == 7
+
+# %% [markdown]
+# The same pool holds 22 sequences of Gemma-2-9B and 137 of Qwen2.5-7B: the bytes per token, not
+# the size of the model, decide how many conversations a device can keep. Sliding windows change
+# the count only for the models that have them: Mistral-7B's window of 4,096 tokens halves each
+# 8,192-token cache and doubles what fits (60 to 120), and Gemma-2-9B's windowed half of the layers
+# takes it from 22 to 30. (The article's own example, seven 8,192-token sequences of the teaching model in
+# a 7 GiB pool on a 24 GiB device, is the explorer's starting setting.)
 
 # %% [markdown]
 # One number to carry into chapter 03, which allocates the cache in blocks of 16 token slots: the
@@ -465,8 +522,9 @@ assert TEACHING_MODEL.block_bytes(16) == 16 * per_token == 2 * MiB
 #
 # - One token costs `2 × L × Hkv × D × b` bytes; a sequence costs its cached length times that.
 #   For the teaching model: 131,072 bytes = 128 KiB per token, 1 GiB per 8,192 tokens.
-# - Measured on real tensors (chapter 01's cache, and bf16 tensors of the teaching model's shape),
-#   the formula is exact.
+# - Measured on real caches after real prefills (chapter 01's decoder, and bf16 decoders with the
+#   teaching model's attention shape and two hidden sizes), the bytes stored equal the formula
+#   exactly, and the hidden size changes nothing.
 # - Reserving the maximum length up front held 3 GiB for 1.75 GiB of state; 1.25 GiB was
 #   reservation, not data.
 # - Use KV heads, not query heads: the mistake overstates the cache by the GQA group size.
@@ -476,6 +534,8 @@ assert TEACHING_MODEL.block_bytes(16) == 16 * per_token == 2 * MiB
 #   and a latent MLA cache drops the factor 2 and the per-head copies.
 # - A model's `max_position_embeddings` bounds the requests worth sizing: the formula gives bytes
 #   for any length, not the model's ability to serve it.
+# - In one 60 GiB pool, from 22 (Gemma-2-9B) to 137 (Qwen2.5-7B) sequences of 8,192 tokens fit:
+#   bytes per token, not model size, set the count.
 # - Next, chapter 03 replaces whole-sequence reservations with blocks of 16 tokens:
 #   `TEACHING_MODEL.block_bytes(16)` is 2 MiB (printed above).
 
@@ -561,3 +621,38 @@ assert PRESETS["Gemma-2-9B"].num_kv_heads == 8  # as the exercise says
 ex.check("Exercise 4", answer_4,
          expected=capacity.shard(PRESETS["Gemma-2-9B"], tensor_parallel=16).bytes_per_token(),
          hint="each device keeps one whole KV head of every layer")
+
+# %% [markdown]
+# ## References
+#
+# - The source article: *长上下文推理中的 KV Cache：容量、分页与复用边界* ("The KV cache in
+#   long-context inference: capacity, paging and the limits of reuse"), section 02 (the formula, the
+#   teaching model, requests A, B and C, the 3 GiB reservation) and section 06 (the 24 GiB device
+#   with a 7 GiB pool). The copy the book follows gives no author or link.
+# - Woosuk Kwon, Zhuohan Li, et al., *Efficient Memory Management for Large Language Model Serving
+#   with PagedAttention*, SOSP 2023, [arXiv:2309.06180](https://arxiv.org/abs/2309.06180): reserving
+#   the maximum length up front, the waste that chapter 03 removes.
+# - Joshua Ainslie et al., *GQA: Training Generalized Multi-Query Transformer Models from Multi-Head
+#   Checkpoints*, 2023, [arXiv:2305.13245](https://arxiv.org/abs/2305.13245): grouped-query attention
+#   (section 4).
+# - DeepSeek-AI, *DeepSeek-V3 Technical Report*, 2024, [arXiv:2412.19437](https://arxiv.org/abs/2412.19437):
+#   multi-head latent attention (section 7).
+# - The models' `config.json` files on the Hugging Face Hub, transcribed in
+#   `labkit.capacity.PRESET_CONFIGS` (each preset's `source` says which fields):
+#   [meta-llama/Meta-Llama-3-8B](https://huggingface.co/meta-llama/Meta-Llama-3-8B),
+#   [meta-llama/Meta-Llama-3-70B](https://huggingface.co/meta-llama/Meta-Llama-3-70B),
+#   [mistralai/Mistral-7B-v0.1](https://huggingface.co/mistralai/Mistral-7B-v0.1),
+#   [Qwen/Qwen2.5-7B](https://huggingface.co/Qwen/Qwen2.5-7B),
+#   [google/gemma-2-9b](https://huggingface.co/google/gemma-2-9b),
+#   [deepseek-ai/DeepSeek-V3](https://huggingface.co/deepseek-ai/DeepSeek-V3).
+# - vLLM documentation: [Quantized KV Cache](https://docs.vllm.ai/en/latest/features/quantization/quantized_kvcache/)
+#   (`kv_cache_dtype="fp8"`, per-tensor scales; section 7) and
+#   [Conserving Memory](https://docs.vllm.ai/en/latest/configuration/conserving_memory/) (what to
+#   change when the cache does not fit; the explorer's refusal points there).
+# - vLLM code, read in version 0.33.0 ([github.com/vllm-project/vllm](https://github.com/vllm-project/vllm)):
+#   `vllm/distributed/utils.py: get_pp_indices` (pipeline stages, section 6); for the explorer's
+#   "vLLM would print" lines (`labkit.vllm`, chapter 06): `vllm/v1/kv_cache_interface.py`
+#   (`AttentionSpec.page_size_bytes`, `MLAAttentionSpec`, `SlidingWindowSpec`),
+#   `vllm/v1/core/kv_cache_planning.py` (`get_kv_cache_configs`, `_check_enough_kv_cache_memory`),
+#   `vllm/v1/core/kv_cache_utils.py` (`get_max_concurrency_for_kv_cache_config`) and
+#   `vllm/v1/worker/gpu_worker.py` (`Worker.determine_available_memory`).

@@ -4,6 +4,9 @@ The test starts JupyterLab on 127.0.0.1 with a random token and port, opens a co
 of chapters/02_cost_per_token.ipynb, runs all cells, moves the "device memory"
 slider with the keyboard as a reader would, and checks that the displayed number
 of sequences that fit becomes what labkit.capacity computes for the new setting.
+It also checks that JupyterLab did not greet the reader with its "Jupyter news"
+question: the repository's settings (installed by `make setup`) turn it off, and
+the test leaves JupyterLab's own settings alone.
 It saves a screenshot, capacity_explorer.png, in pytest's tmp_path for the test.
 
 Chromium comes from Debian (`apt-get install chromium`), driven by the Python
@@ -61,11 +64,8 @@ def isolated_env(state: Path) -> dict[str, str]:
         path.mkdir(parents=True, exist_ok=True)
         env[var] = str(path)
     env["JUPYTER_PLATFORM_DIRS"] = "1"
-    # The "Jupyter news" announcement would cover the page.
-    labconfig = state / "jupyter_config_dir" / "labconfig"
-    labconfig.mkdir(parents=True, exist_ok=True)
-    (labconfig / "page_config.json").write_text(json.dumps(
-        {"disabledExtensions": {"@jupyterlab/apputils-extension:announcements": True}}))
+    # Nothing here silences the "Jupyter news" question: the repository's own settings must
+    # (jupyterlab-settings/kv-cache-labs.json5, installed by `make setup`), and the test checks it.
     # Start the notebook's kernel without asking (a "Select Kernel" dialog shows up now and then
     # otherwise), and never autosave.
     settings = state / "jupyter_config_dir" / "lab" / "user-settings" / "@jupyterlab"
@@ -162,6 +162,11 @@ def test_capacity_explorer_in_chromium(jupyter_lab, tmp_path):
             page.wait_for_selector(".jp-Notebook-ExecutionIndicator[data-status='idle']")
             errors = page.locator(".jp-OutputArea-output[data-mime-type='application/vnd.jupyter.stderr']")
             assert errors.count() == 0, errors.first.inner_text()
+            # JupyterLab asks its news question as soon as the app is restored, long before the cells
+            # have run, unless the repository's settings (`make setup`) answer it.
+            news = page.get_by_text("Would you like to get notified about official Jupyter news?")
+            assert news.count() == 0, ("JupyterLab asked its 'Jupyter news' question: install the repository's "
+                                       "settings with `make setup` (jupyterlab-settings/kv-cache-labs.json5)")
 
             def expected_fit() -> int:
                 """What labkit.capacity says for the setting the sliders show now."""
