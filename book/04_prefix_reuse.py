@@ -121,7 +121,7 @@ def blocks_held(share: bool) -> tuple[int, int, PrefixCache]:
     cache = PrefixCache(BlockAllocator(1024), block_size=16)
     table_a, _ = cache.allocate(request_a)
     if share:
-        cache.commit(table_a)  # A's full blocks are written: name them
+        cache.cache_full_blocks(table_a)  # name A's full blocks (an engine does it as it allocates them)
     table_b, hit = cache.allocate(request_b)
     return cache.allocator.num_used, hit, cache
 
@@ -325,7 +325,7 @@ bf16_pool = PrefixKVCache(tiny, num_blocks=4, block_size=4, dtype=torch.bfloat16
 print("extra keys of the float32 pool:", base)
 cache = PrefixCache(BlockAllocator(64), block_size=4)
 seen, _ = cache.allocate(report + questions[0], base)
-cache.commit(seen)
+cache.cache_full_blocks(seen)
 probe = report + questions[1]
 cases = {
     "same report, same settings (control)": (probe, base, cache),
@@ -336,7 +336,7 @@ cases = {
 big_blocks = PrefixCache(BlockAllocator(64), block_size=16)
 short_prefix = report[:12]
 seen16, _ = big_blocks.allocate(short_prefix + questions[0], base)
-big_blocks.commit(seen16)
+big_blocks.cache_full_blocks(seen16)
 cases["12 shared tokens, 16-token blocks"] = (short_prefix + questions[1], base, big_blocks)
 hits = {}
 for name, (tokens, k, c) in cases.items():
@@ -357,7 +357,7 @@ assert all(v == 0 for n, v in hits.items() if "control" not in n)
 # %%
 weak = PrefixCache(BlockAllocator(16), block_size=4, hash_fn=lambda parent, tokens, key: "same name")
 t, _ = weak.allocate([1, 2, 3, 4, 9])
-weak.commit(t)
+weak.cache_full_blocks(t)
 assert weak.match([1, 2, 3, 4, 5]).num_cached_tokens == 4   # verified: a real hit
 assert weak.match([5, 6, 7, 8, 9]).num_cached_tokens == 0   # same name, other tokens: refused
 print("a colliding name is refused after comparing the stored tokens")
@@ -371,8 +371,10 @@ print("a colliding name is refused after comparing the stored tokens")
 #
 # Blocks carry reference counts: the number of block tables that hold them. A finished request
 # drops its references, but its full blocks **stay cached**: they sit in the allocator's free queue
-# with their names, and a later request can revive them. Only when the pool needs a block and hands
-# out one of these is its name dropped: an *eviction*, least recently used first. (Engine
+# with their names, and a later request can revive them. As in vLLM (`BlockPool.free_blocks`, vLLM
+# 0.33.0), a freed block without a name goes to the *front* of the queue, to be reused first, and a
+# named one to the *back*. Only when the pool needs a block and hands out a named one is its name
+# dropped: an *eviction*, least recently used first. (Engine
 # dashboards that show KV usage falling to 0% after requests end are counting referenced blocks,
 # not cached ones.)
 #
@@ -522,7 +524,7 @@ assert served["second question"].num_cached_tokens > served["second, one more sp
 # | lookup | hash each full block, look names up one by one | walk the tree from the root, matching tokens |
 # | state | a flat dict name -> block, plus the free queue | a tree whose edges are token runs; nodes point at K/V slots |
 # | eviction | LRU over free cached blocks | LRU over leaves no running request locks |
-# | easy | names are stateless and portable (compute them anywhere, share across workers or a disk tier); O(1) per block | partial-block prefixes (with `page_size=1`), seeing the structure of all cached prefixes at once, scheduling by longest shared prefix |
+# | easy | names come from the tokens alone, so every process can compute them and share blocks across workers or a disk tier, as long as all start the chain from the same seed (vLLM 0.33.0, `kv_cache_utils.py` `init_none_hash`: a fixed seed for its default sha256; for xxhash a random seed per process unless `PYTHONHASHSEED` is set); O(1) per block | partial-block prefixes (with `page_size=1`), seeing the structure of all cached prefixes at once, scheduling by longest shared prefix |
 # | harder | sharing below one block; knowing what else shares a prefix | bookkeeping of splits and merges; distributing the tree |
 #
 # The book's `PrefixCache` is the hash-chain design; its entry check (parent entry + tokens) is a
@@ -607,7 +609,7 @@ D, Q1, Q2 = list(range(3000, 3064)), [1, 2, 3], [4, 5]
 def may_share(x: list[int], later: list[int], later_key: CacheKey) -> bool:
     c = PrefixCache(BlockAllocator(64), block_size=16)
     table, _ = c.allocate(x)
-    c.commit(table)
+    c.cache_full_blocks(table)
     return c.match(later, later_key).num_cached_tokens > 0
 
 
@@ -630,6 +632,6 @@ answer_3 = None  # a number of bytes
 three = PrefixCache(BlockAllocator(2048), block_size=16)
 for r in range(3):
     tbl, _ = three.allocate(report_tokens + [(r + 1) * 100_000 + i for i in range(4096)])
-    three.commit(tbl)
+    three.cache_full_blocks(tbl)
 ex.check("Exercise 3", answer_3, expected=three.allocator.num_used * block_bytes,
          hint="one copy of the shared prefix, one private suffix per request")

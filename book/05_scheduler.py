@@ -68,7 +68,8 @@ print(labkit.describe())
 #
 # The article's §05 puts both budgets into one pass over the candidates. Here it is, as
 # `labkit.scheduler` has it (the `reserve` hook is where the article reserves the blocks; without
-# it the function only plans):
+# it the function only plans; `needed` lets the scheduler count a request's blocks with what it
+# knows about sharing, and `decisions` records every turn for the tables below):
 
 # %%
 print(inspect.getsource(plan_iteration).split('"""')[0] + '"""...docstring..."""' +
@@ -77,8 +78,8 @@ print(inspect.getsource(plan_iteration).split('"""')[0] + '"""...docstring..."""
 # %% [markdown]
 # Three rules follow from the code:
 #
-# 1. each candidate asks for `min(next_chunk, token_budget)` tokens, where `next_chunk` is what it
-#    still has to compute: the rest of its prompt while prefilling, one token while decoding;
+# 1. each candidate asks for `min(num_new_tokens, token_budget)` tokens, where `num_new_tokens` counts
+#    the tokens it still has to compute: the rest of its prompt while prefilling, one while decoding;
 # 2. when the token budget is spent (`tokens == 0`), the pass **stops**;
 # 3. a candidate whose blocks do not fit is **skipped** (`continue`), and a later, smaller
 #    candidate may still get in.
@@ -101,34 +102,30 @@ print(inspect.getsource(plan_iteration).split('"""')[0] + '"""...docstring..."""
 # - **revived blocks.** A prefix hit (chapter 04) may point at cached blocks that no request holds
 #   any more. They sit in the free queue, and taking them back uses free blocks like new ones.
 #
+# `extra_blocks` is a pure function of what it is given: the tokens computed so far, the blocks
+# held, the tokens to compute, the block size, and the two facts the scheduler looks up just
+# before the request's turn (is the tail shared? how many hit blocks sit in the free queue?).
+#
 # The article's figure from chapter 03 is the first row below: a 37-token prompt in 16-token
 # blocks needs 3 blocks; decoding its 38th token needs none, since the tail block has 11 empty
 # slots.
 
 # %%
 # NBVAL_CHECK_OUTPUT
-def toy(num_computed, held, chunk, shared_tail=False, revived=0, name=""):
-    """A request that has computed `num_computed` tokens, holds `held` blocks and has `chunk` to go."""
-    r = Request(list(range(1, num_computed + chunk + 1)), 8, request_id=name)
-    r.num_computed_tokens, r.block_table = num_computed, list(range(held))
-    r.shared_tail, r.revived_blocks = shared_tail, revived
-    return r
-
-
 BS = 16
-cases = [  # (what, request, tokens)
-    ("prefill a 37-token prompt", toy(0, 0, 37), 37),
-    ("decode token 38", toy(37, 3, 1), 1),
-    ("decode token 49 (3 blocks are full)", toy(48, 3, 1), 1),
-    ("decode token 38, tail shared", toy(37, 3, 1, shared_tail=True), 1),
-    ("decode token 49, full tail shared", toy(48, 3, 1, shared_tail=True), 1),
-    ("prefix hit of 2 free cached blocks + 5 tokens", toy(32, 2, 5, revived=2), 5),
+cases = [  # (what, tokens computed, blocks held, tokens to compute, shared tail, revived blocks)
+    ("prefill a 37-token prompt", 0, 0, 37, False, 0),
+    ("decode token 38", 37, 3, 1, False, 0),
+    ("decode token 49 (3 blocks are full)", 48, 3, 1, False, 0),
+    ("decode token 38, tail shared", 37, 3, 1, True, 0),
+    ("decode token 49, full tail shared", 48, 3, 1, True, 0),
+    ("prefix hit of 2 free cached blocks + 5 tokens", 32, 2, 5, False, 2),
 ]
+needed = [extra_blocks(c, h, t, BS, shared_tail=sh, revived_blocks=rv) for _, c, h, t, sh, rv in cases]
 print(f"{'case':<46} {'computed':>8} {'held':>4} {'tokens':>6} {'extra_blocks':>12}")
-for what, r, tokens in cases:
-    print(f"{what:<46} {r.num_computed_tokens:>8} {len(r.block_table):>4} {tokens:>6} "
-          f"{extra_blocks(r, tokens, BS):>12}")
-assert [extra_blocks(r, t, BS) for _, r, t in cases] == [3, 0, 1, 1, 1, 3]
+for (what, computed, held, tokens, _, _), n in zip(cases, needed):
+    print(f"{what:<46} {computed:>8} {held:>4} {tokens:>6} {n:>12}")
+assert needed == [3, 0, 1, 1, 1, 3]
 
 # %% [markdown]
 # A full shared block never needs a copy: nobody writes into it again. Only a *partly filled*
@@ -171,9 +168,9 @@ def named_requests(specs):
 def show_step(step):
     preempted = ", ".join(r.request_id for r in step.preempted) or "-"
     print(f"step {step.index}   (preempted before the pass: {preempted})")
-    print(f"  {'req':<4}{'queue':<9}{'next_chunk':>10}{'tokens':>8}{'needed':>8}{'free':>6}{'budget':>8}  outcome")
+    print(f"  {'req':<4}{'queue':<9}{'num_new_tokens':>15}{'tokens':>8}{'needed':>8}{'free':>6}{'budget':>8}  outcome")
     for d in step.decisions:
-        print(f"  {d.request.request_id:<4}{'waiting' if d.waiting else 'running':<9}{d.next_chunk:>10}"
+        print(f"  {d.request.request_id:<4}{'waiting' if d.waiting else 'running':<9}{d.num_new_tokens:>15}"
               f"{d.tokens:>8}{d.needed:>8}{d.free_blocks:>6}{d.token_budget:>8}  {d.outcome}")
     s = step.stats
     print(f"  -> {s.scheduled_tokens} tokens, {s.used_blocks} blocks in use, {s.free_blocks} free, "
@@ -230,8 +227,8 @@ def planned(plan):
 
 L, S1, S2 = fresh_trio()
 fcfs_plan = plan_iteration([L, S1, S2], free_blocks=4, token_budget=32, block_size=4)
-short_plan = plan_iteration(sorted([L, S1, S2], key=lambda r: r.next_chunk), free_blocks=4, token_budget=32,
-                            block_size=4)
+short_plan = plan_iteration(sorted([L, S1, S2], key=lambda r: r.num_new_tokens), free_blocks=4,
+                            token_budget=32, block_size=4)
 print("first come, first served:", planned(fcfs_plan))
 print("shortest prompt first:   ", planned(short_plan))
 assert planned(fcfs_plan) == [("L", 12), ("S1", 4)]
@@ -567,16 +564,17 @@ hits = sum(s.prefix_hit_tokens for s in engine.stats)
 assert hits == sum(r.num_cached_tokens for r in served) > 0
 
 # %% [markdown]
-# The first request computes the report, 16 tokens per step. A block enters the prefix cache when
-# the step that wrote its K/V is done, so a request admitted while the report is still being
-# computed reuses only the blocks that already exist, and computes the rest itself; a request
-# admitted later reuses all of the report's full blocks:
+# The first request computes the report, 16 tokens per step. A full block gets its name as soon as
+# a step schedules its last token, before the model runs, as in vLLM (`KVCacheManager.allocate_slots`
+# calls `cache_blocks`, vLLM 0.33.0): the forward pass writes every chunk's K/V of a layer before any
+# chunk attends, so a request admitted in that same step already reads them. So even the request
+# admitted while the report is still being computed reuses all of the report's full blocks:
 
 # %%
 report_blocks = len(report) // 4
 print(f"the report fills {report_blocks} blocks ({report_blocks * 4} tokens); prefix hits per request, "
       f"in arrival order: {[r.num_cached_tokens for r in served]} tokens")
-assert max(r.num_cached_tokens for r in served) == report_blocks * 4
+assert [r.num_cached_tokens for r in served][1:] == [report_blocks * 4] * (len(served) - 1)
 
 # %% [markdown]
 #
@@ -688,7 +686,7 @@ else:
 # ## Summary
 #
 # - A step has two budgets: tokens (compute) and free blocks (memory). `plan_iteration` gives each
-#   candidate `min(next_chunk, budget)` tokens, stops when the budget is spent, and skips a
+#   candidate `min(num_new_tokens, budget)` tokens, stops when the budget is spent, and skips a
 #   candidate whose `extra_blocks` do not fit.
 # - Skipping lets small requests overtake a large one, forever under a steady stream. labkit's
 #   `Scheduler`, like vLLM, stops admitting at the first waiting request that does not fit:
@@ -697,7 +695,9 @@ else:
 #   tail (copy-on-write), and cached blocks revived from the free queue by a prefix hit.
 # - Long prompts are split across steps (chunked prefill), and one step mixes prompt chunks with
 #   decode tokens.
-# - Finished requests release their blocks; blocks still shared, or cached, stay.
+# - A full block gets its prefix-cache name when a step schedules it, as in vLLM, so a request
+#   admitted in the same step already shares it; finished requests release their blocks, and
+#   blocks still shared, or cached, stay.
 # - The candidate order decides who gets memory first; paging has no notion of priority.
 # - When running requests cannot grow, the newest is preempted and recomputed later; swapping to
 #   CPU memory is the alternative, trading transfers for compute.
@@ -743,8 +743,7 @@ ex1_cases = [(c, blocks_needed(c, bs), t, bs, sh)
              for bs in (4, 16) for c in (0, bs - 1, bs, bs + 1) for t in (0, 1, bs - 1, bs + 1)
              for sh in (False, True)]
 ex.check_function("Exercise 1", blocks_to_take,
-                  [(args, extra_blocks(toy(args[0], args[1], max(args[2], 1), shared_tail=args[4]), args[2], args[3]))
-                   for args in ex1_cases],
+                  [(args, extra_blocks(*args[:4], shared_tail=args[4])) for args in ex1_cases],
                   hint="new blocks = ceil((num_computed + tokens) / block_size) - held; a copy only for a partly "
                        "filled shared tail.")
 
@@ -752,7 +751,7 @@ ex.check_function("Exercise 1", blocks_to_take,
 # **Exercise 2.** One iteration by hand. Blocks hold 4 tokens; 3 blocks are free; the token budget
 # is 10. The candidates, in order:
 #
-# | request | computed | blocks held | next_chunk | shared tail |
+# | request | computed | blocks held | num_new_tokens | shared tail |
 # |---|---|---|---|---|
 # | P | 7 | 2 | 1 | yes |
 # | Q | 8 | 2 | 1 | no |
@@ -775,9 +774,19 @@ answer_2 = [("P", 1), ("Q", 1), ("S", 4)]
 # BEGIN STUB
 answer_2 = None  # e.g. [("P", 1), ...]
 # END STUB
-ex2 = [toy(7, 2, 1, shared_tail=True, name="P"), toy(8, 2, 1, name="Q"), toy(0, 0, 9, name="R"),
-       toy(0, 0, 4, name="S"), toy(0, 0, 2, name="T")]
-ex.check("Exercise 2", answer_2, expected=planned(plan_iteration(ex2, 3, 10, 4)),
+ex2_rows = {"P": (7, 2, 1, True), "Q": (8, 2, 1, False), "R": (0, 0, 9, False), "S": (0, 0, 4, False),
+            "T": (0, 0, 2, False)}  # name: (computed, blocks held, num_new_tokens, shared tail), as in the table
+ex2 = named_requests([(name, computed + chunk, 8) for name, (computed, _, chunk, _) in ex2_rows.items()])
+for r in ex2:
+    r.num_computed_tokens = ex2_rows[r.request_id][0]
+
+
+def ex2_needed(r, tokens):
+    computed, held, _, shared = ex2_rows[r.request_id]
+    return extra_blocks(computed, held, tokens, 4, shared_tail=shared)
+
+
+ex.check("Exercise 2", answer_2, expected=planned(plan_iteration(ex2, 3, 10, 4, needed=ex2_needed)),
          hint="Work through the candidates in order, keeping the free blocks and the budget left.")
 
 # %% [markdown]
@@ -792,7 +801,7 @@ answer_3 = 3 + 3  # its prompt and every output: the last output's K/V were neve
 # BEGIN STUB
 answer_3 = None  # replace None with your answer
 # END STUB
-ex3 = toy(0, 0, 6)  # a preempted request holds nothing and has computed nothing
-ex3.prompt_token_ids, ex3.output_token_ids = [1, 2, 3], [7, 7, 7]
-ex.check("Exercise 3", answer_3, expected=ex3.next_chunk,
-         hint="After a preemption nothing is computed: next_chunk = prompt + outputs.")
+ex3 = Request([1, 2, 3], 8)  # a preempted request holds nothing and has computed nothing
+ex3.output_token_ids = [7, 7, 7]
+ex.check("Exercise 3", answer_3, expected=ex3.num_new_tokens,
+         hint="After a preemption nothing is computed: num_new_tokens = prompt + outputs.")

@@ -454,7 +454,8 @@ assert abs((1 - shares["reserve max length"]) - 4 / 5) < 0.03  # "four fifths" w
 # stretch at once; the tests check that this gives exactly what stepping through every iteration
 # gives, and that chapter 05's real engine plans the same steps with the same blocks.
 #
-# Here: 400 ShareGPT-like requests at 4 per second, on the teaching model with §06's 7 GiB pool.
+# Here: 400 ShareGPT-like requests at 4 per second, on the teaching model with §06's 7 GiB pool. Like
+# vLLM, the scheduler runs at most `max_num_seqs` requests at once (default 256); the others wait.
 
 # %%
 serve = Simulator(cost, num_blocks=pool.num_blocks, block_size=16, max_num_batched_tokens=2048)
@@ -557,7 +558,8 @@ assert max(itl_p50) < 1.5 * min(itl_p50)  # the median interval hardly moves
 # - **distinct short requests**: prompts and answers of about 48 tokens, sharing nothing.
 #
 # First one setting, the memory the KV pool gets: each workload is served with a 2 GiB pool and
-# with §06's 7 GiB pool, everything else equal (a 1,024-token budget per step).
+# with §06's 7 GiB pool, everything else equal (a 1,024-token budget per step, and at most 256
+# requests running at once, vLLM's default `max_num_seqs`: the `seqs` column).
 
 # %%
 docs = workloads.long_document_questions(100, arrival_rate=3.0, num_documents=4, seed=3)
@@ -571,12 +573,13 @@ for wname, pool_gib, budget in tqdm(runs, desc="settings"):
 
 
 def table(keys):
-    print(f"{'workload':<25} {'pool':>5} {'budget':>6} {'TTFT p50':>9} {'p90':>9} {'p99':>9} {'ITL p50':>8} "
-          f"{'p99':>7} {'occup.':>6} {'reuse':>6} {'reusable':>8} {'preempt':>7}")
+    print(f"{'workload':<25} {'pool':>5} {'budget':>6} {'seqs':>4} {'TTFT p50':>9} {'p90':>9} {'p99':>9} "
+          f"{'ITL p50':>8} {'p99':>7} {'occup.':>6} {'reuse':>6} {'reusable':>8} {'preempt':>7}")
     for key in keys:
         (wname, pool_gib, budget), r = key, grid[key]
         t, i = r.ttft_percentiles(), r.itl_percentiles()
-        print(f"{wname:<25} {pool_gib:>3} GiB {budget:>6} {t['p50'] * 1e3:6.0f} ms {t['p90'] * 1e3:6.0f} ms "
+        print(f"{wname:<25} {pool_gib:>3} GiB {budget:>6} {r.scheduler.max_num_seqs:>4} "
+              f"{t['p50'] * 1e3:6.0f} ms {t['p90'] * 1e3:6.0f} ms "
               f"{t['p99'] * 1e3:6.0f} ms {i['p50'] * 1e3:5.1f} ms {i['p99'] * 1e3:4.0f} ms {r.mean_occupancy:6.1%} "
               f"{r.reuse_ratio:6.1%} {r.reusable_ratio:8.1%} {int(r.preemptions.sum()):7d}")
 
@@ -668,8 +671,9 @@ assert gap_small > missing + 0.05  # evictions cost reuse
 # achieved. Part of the gap is unavoidable: the first question on each document computes it. In the
 # 7 GiB pool that is the whole gap. In the 2 GiB pool documents are evicted between questions and
 # computed again, and the gap grows by the amount printed. (Timing can add to it as well: a block
-# enters the cache only when the step that wrote it is over, so a question admitted while its
-# document is still being computed cannot use the blocks not written yet.) Note also the ITL:
+# gets its name when the step that computes it is scheduled, as in vLLM, so a question admitted in
+# that same step shares it, but one admitted while later parts of its document still wait to be
+# computed cannot use those blocks yet.) Note also the ITL:
 # long-document decodes are slower per step than short ones at the same batch size, because every
 # sequence reads its history of more than 4,096 tokens every step:
 

@@ -41,7 +41,8 @@ class Engine:
     """A continuous-batching engine: decoder + paged K/V + prefix cache + scheduler + Triton kernels.
 
     ``model``: a ``labkit.model.Decoder``. ``num_blocks`` blocks of ``block_size`` tokens
-    form the K/V pool; ``max_num_batched_tokens`` is the token budget of a step.
+    form the K/V pool; ``max_num_batched_tokens`` is the token budget of a step and
+    ``max_num_seqs`` the most requests running at once.
     ``enable_prefix_caching``, ``priority``: passed to the ``Scheduler``. ``dtype``: of the
     K/V pool (default: the model's). ``use_triton``: the Triton kernels (default) or their
     PyTorch references. Greedy decoding; ``stats`` holds one ``StepStats`` per step.
@@ -52,7 +53,8 @@ class Engine:
     """
 
     def __init__(self, model: Decoder, num_blocks: int, block_size: int = 16, max_num_batched_tokens: int = 256,
-                 *, enable_prefix_caching: bool = True, priority: Callable[[Request], Any] | None = None,
+                 *, max_num_seqs: int = 256, enable_prefix_caching: bool = True,
+                 priority: Callable[[Request], Any] | None = None,
                  dtype: torch.dtype | None = None, use_triton: bool = True):
         if not isinstance(model, Decoder):
             raise ValueError(f"model must be a labkit.model.Decoder, got {type(model).__name__}")
@@ -62,7 +64,7 @@ class Engine:
         cfg = model.config
         key = CacheKey(model=f"labkit Decoder {id(model):#x}",  # these weights, in this process
                        cache_dtype=str(self.dtype).removeprefix("torch."), rope_theta=float(cfg.rope_theta))
-        self.scheduler = Scheduler(num_blocks, block_size, max_num_batched_tokens,
+        self.scheduler = Scheduler(num_blocks, block_size, max_num_batched_tokens, max_num_seqs=max_num_seqs,
                                    enable_prefix_caching=enable_prefix_caching, priority=priority, cache_key=key)
         self.backend = KVPool(cfg, num_blocks, block_size, self.dtype, weight.device, use_triton)
         self.stats: list[StepStats] = []

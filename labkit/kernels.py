@@ -269,7 +269,8 @@ def _dense(t: torch.Tensor) -> torch.Tensor:
 
 
 def _check_scale(scale: object) -> None:
-    if scale is not None and not (isinstance(scale, (int, float)) and math.isfinite(scale) and scale > 0):
+    if scale is not None and (isinstance(scale, bool) or
+                              not (isinstance(scale, (int, float)) and math.isfinite(scale) and scale > 0)):
         raise ValueError(f"scale must be None or a finite number > 0, got {scale!r}")
 
 

@@ -9,8 +9,10 @@ token is ``block_id * block_size + i % block_size``: the row it occupies when th
 pool is viewed as one long array of token slots.
 
 Blocks carry reference counts so that several sequences can share one block
-(chapter 04's prefix cache). The free queue is kept in least-recently-freed
-order, which chapter 04 uses for LRU eviction of cached blocks.
+(chapter 04's prefix cache). Freed blocks are reused front first: a block nobody
+can find again goes to the front of the free queue, one that carries a prefix-cache
+name to the back, so cached blocks are evicted least recently used first (vLLM v1's
+``BlockPool.free_blocks``).
 
 ``PagedKVCache`` puts it together for the chapter-01 decoder: per layer one K and one
 V pool shaped ``[num_blocks, block_size, num_kv_heads, head_dim]``, a block table per
@@ -21,9 +23,9 @@ of ``labkit.kernels``: ``write_kv`` stores the new tokens in their slots, then
 
 from __future__ import annotations
 
-from collections import OrderedDict
+from collections import Counter, OrderedDict
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Iterator
+from typing import TYPE_CHECKING, Callable, Iterable, Iterator
 
 import torch
 
@@ -46,17 +48,29 @@ def blocks_needed(num_tokens: int, block_size: int) -> int:
 
 
 class BlockAllocator:
-    """A fixed pool of ``num_blocks`` physical blocks with O(1) allocate and free.
+    """A fixed pool of ``num_blocks`` physical blocks with O(1) allocate and free (vLLM's ``BlockPool``).
 
     Every block has a reference count: 0 when free, else how many block tables hold it.
+    A block may also carry a *name* (``names[block_id]``): chapter 04's prefix cache names
+    a full block so that later requests can find its K/V. A named block keeps its name while
+    it sits free; ``allocate`` hands out the front of the free queue and drops the name of the
+    block it hands out (an *eviction*; ``on_evict(block_id, name)`` is told).
+
+    The free queue's order is vLLM v1's (``vllm/v1/core/block_pool.py``, ``BlockPool.free_blocks``,
+    vLLM 0.33.0): a freed block without a name goes to the *front*, to be reused first (its K/V
+    can never be found again); a named one goes to the *back*, so cached blocks are evicted
+    least recently freed first (LRU).
     """
 
     def __init__(self, num_blocks: int):
         check_int("num_blocks", num_blocks, 1)
         self.num_blocks = num_blocks
         self.ref_counts = [0] * num_blocks
-        # Free blocks, least recently freed first. An OrderedDict gives O(1) pop from
-        # the front, append at the back and removal from the middle (see ``take``).
+        self.names: dict[int, object] = {}  # block id -> its name, for named (cached) blocks
+        self.on_evict: Callable[[int, object], None] | None = None
+        self.num_evictions = 0
+        # The free queue, front first. An OrderedDict gives O(1) pop and push at both ends
+        # and removal from the middle (``revive``).
         self._free: OrderedDict[int, None] = OrderedDict.fromkeys(range(num_blocks))
 
     @property
@@ -68,22 +82,24 @@ class BlockAllocator:
         return self.num_blocks - len(self._free)
 
     def free_block_ids(self) -> Iterator[int]:
-        """The free blocks, lazily, in the order ``allocate`` hands them out (least recently freed first).
+        """The free blocks, lazily, in the order ``allocate`` hands them out.
 
         Read it before allocating or freeing again: the queue must not change during the walk.
         """
         return iter(self._free)
 
     def is_free(self, block_id: int) -> bool:
-        self._check_id(block_id)
-        return block_id in self._free
+        return self._check_id(block_id) in self._free
 
     def allocate(self) -> int:
-        """Take the least recently freed block; its reference count becomes 1."""
+        """Take the block at the front of the free queue, dropping its name; its reference count becomes 1."""
         if not self._free:
             raise OutOfBlocksError(f"all {self.num_blocks} blocks are in use")
         block_id, _ = self._free.popitem(last=False)
         self.ref_counts[block_id] = 1
+        if block_id in self.names:  # its K/V are about to be overwritten: an eviction
+            self.num_evictions += 1
+            self.forget(block_id)
         return block_id
 
     def allocate_many(self, n: int) -> list[int]:
@@ -93,35 +109,57 @@ class BlockAllocator:
             raise OutOfBlocksError(f"need {n} blocks, only {self.num_free} of {self.num_blocks} are free")
         return [self.allocate() for _ in range(n)]
 
-    def take(self, block_id: int) -> None:
-        """Take one specific free block (a prefix-cache hit on a freed, still-cached block)."""
-        self._check_id(block_id)
-        if block_id not in self._free:
+    def revive(self, block_id: int) -> None:
+        """Take one specific free block, keeping its name (a prefix-cache hit on a freed block)."""
+        if self._check_id(block_id) not in self._free:
             raise ValueError(f"block_id {block_id} is not free (reference count {self.ref_counts[block_id]})")
         del self._free[block_id]
         self.ref_counts[block_id] = 1
 
     def incref(self, block_id: int) -> None:
         """One more block table holds ``block_id`` (sharing)."""
-        self._check_id(block_id)
-        if self.ref_counts[block_id] == 0:
-            raise ValueError(f"block_id {block_id} is free: allocate or take it before sharing it")
+        if self.ref_counts[self._check_id(block_id)] == 0:
+            raise ValueError(f"block_id {block_id} is free: allocate or revive it before sharing it")
         self.ref_counts[block_id] += 1
 
     def free(self, block_id: int) -> bool:
         """Drop one reference; the block returns to the pool when none remain. True if it did."""
-        self._check_id(block_id)
-        if self.ref_counts[block_id] == 0:
-            raise ValueError(f"block_id {block_id} is already free (double free)")
-        self.ref_counts[block_id] -= 1
-        if self.ref_counts[block_id] == 0:
-            self._free[block_id] = None  # most recently freed: evicted last
-            return True
-        return False
+        return bool(self.free_blocks([block_id]))
 
-    def _check_id(self, block_id: int) -> None:
-        if not isinstance(block_id, int) or not 0 <= block_id < self.num_blocks:
+    def free_blocks(self, block_ids: Iterable[int]) -> list[int]:
+        """Drop one reference to each block, in order; returns those that became free.
+
+        Pass a table's blocks tail first (as vLLM does): the unnamed ones go to the front of
+        the queue in that order, the named ones to the back in that order, so a prefix's
+        leaves are evicted before its root. All-or-nothing: a double free changes nothing.
+        """
+        block_ids = list(block_ids)
+        drops = Counter(self._check_id(b) for b in block_ids) if len(set(block_ids)) < len(block_ids) else None
+        for b in block_ids:
+            if self.ref_counts[self._check_id(b)] < (drops[b] if drops else 1):
+                raise ValueError(f"block_id {b} is already free (double free)")
+        unnamed, named = [], []
+        for b in block_ids:
+            self.ref_counts[b] -= 1
+            if self.ref_counts[b] == 0:
+                (named if b in self.names else unnamed).append(b)
+        for b in reversed(unnamed):  # to the front, keeping their order
+            self._free[b] = None
+            self._free.move_to_end(b, last=False)
+        for b in named:
+            self._free[b] = None
+        return unnamed + named
+
+    def forget(self, block_id: int) -> None:
+        """Drop ``block_id``'s name (its K/V are being overwritten, or the cache is cleared)."""
+        name = self.names.pop(block_id)
+        if self.on_evict is not None:
+            self.on_evict(block_id, name)
+
+    def _check_id(self, block_id: object) -> int:
+        if type(block_id) is not int or not 0 <= block_id < self.num_blocks:  # not bool, not float
             raise ValueError(f"block_id must be an integer in [0, {self.num_blocks - 1}], got {block_id!r}")
+        return block_id
 
 
 class BlockTable:
@@ -162,9 +200,8 @@ class BlockTable:
         return len(self.block_ids) * self.block_size - self.num_tokens
 
     def release(self, allocator: BlockAllocator) -> None:
-        """Drop this sequence's reference to each of its blocks; the table becomes empty."""
-        for block_id in self.block_ids:
-            allocator.free(block_id)
+        """Drop this sequence's reference to each of its blocks, tail first; the table becomes empty."""
+        allocator.free_blocks(reversed(self.block_ids))
         self.block_ids, self.num_tokens = [], 0
 
 
@@ -196,8 +233,12 @@ class AttentionMetadata:
 
     @property
     def decode_only(self) -> bool:
-        """Every sequence adds exactly one token (a pure decode step)."""
-        return self.slot_mapping.numel() == self.seq_lens.numel()
+        """Every sequence adds exactly one token (a pure decode step): the decode kernel's case.
+
+        Counting tokens is not enough: ``q_lens`` [2, 0] has as many tokens as sequences.
+        """
+        q_lens = self.cu_seqlens_q[1:] - self.cu_seqlens_q[:-1]
+        return bool((q_lens == 1).all())
 
 
 class KVPool:
@@ -243,21 +284,24 @@ class KVPool:
             for cache in self.k_caches + self.v_caches:
                 cache[dst] = cache[src]
 
-    def attend(self, layer_idx: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
-        """q [batch, new, Hq, D], k and v [batch, new, Hkv, D], flattened in the order of ``self.meta``."""
-        from . import kernels
-
-        meta = self.meta
+    def _check_qkv(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, num_tokens: int | None) -> None:
+        """q [batch, new, Hq, D], k and v [batch, new, Hkv, D], batch x new = ``num_tokens`` (None: not planned)."""
         cfg = self.config
         expected = (cfg.num_key_value_heads, cfg.head_dim)
         if k.dim() != 4 or tuple(k.shape[2:]) != expected or k.shape != v.shape:
             raise ValueError(f"k and v must be [batch, new, {expected[0]}, {expected[1]}], "
                              f"got {tuple(k.shape)} and {tuple(v.shape)}")
-        if meta is None or q.dim() != 4 or q.shape[:2] != k.shape[:2] or \
-                q.shape[0] * q.shape[1] != meta.slot_mapping.numel():
-            raise ValueError(f"q must be [batch, new, num_heads, head_dim] with batch x new = the "
-                             f"{0 if meta is None else meta.slot_mapping.numel()} tokens of this pass, "
-                             f"got {tuple(q.shape)}")
+        if num_tokens is None or q.dim() != 4 or q.shape[:2] != k.shape[:2] or q.shape[-1] != cfg.head_dim \
+                or q.shape[2] != cfg.num_attention_heads or q.shape[0] * q.shape[1] != num_tokens:
+            raise ValueError(f"q must be [batch, new, {cfg.num_attention_heads}, {cfg.head_dim}] with batch x new = "
+                             f"the {num_tokens or 0} tokens of this pass, got {tuple(q.shape)}")
+
+    def attend(self, layer_idx: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
+        """q [batch, new, Hq, D], k and v [batch, new, Hkv, D], flattened in the order of ``self.meta``."""
+        from . import kernels
+
+        meta = self.meta
+        self._check_qkv(q, k, v, None if meta is None else meta.slot_mapping.numel())
         write_kv = kernels.write_kv if self.use_triton else kernels.write_kv_ref
         decode = kernels.paged_decode_attention if self.use_triton else kernels.paged_decode_attention_ref
         prefill = kernels.paged_prefill_attention if self.use_triton else kernels.paged_prefill_attention_ref
@@ -375,11 +419,8 @@ class PagedKVCache(KVPool):
         cfg = self.config
         if not isinstance(layer_idx, int) or not 0 <= layer_idx < cfg.num_hidden_layers:
             raise ValueError(f"layer_idx must be an integer in [0, {cfg.num_hidden_layers - 1}], got {layer_idx!r}")
-        if layer_idx == 0:
-            expected = (cfg.num_key_value_heads, cfg.head_dim)
-            if k.dim() != 4 or tuple(k.shape[2:]) != expected or k.shape != v.shape:
-                raise ValueError(f"k and v must be [batch, new, {expected[0]}, {expected[1]}], "
-                                 f"got {tuple(k.shape)} and {tuple(v.shape)}")
+        if layer_idx == 0:  # check q, k and v before the block tables grow
+            self._check_qkv(q, k, v, k.shape[0] * k.shape[1] if k.dim() == 4 else None)
             self.meta = self._plan(*k.shape[:2])
         elif self.meta is None or layer_idx != self._next_layer:
             raise ValueError(f"layer_idx {layer_idx} came out of order: a forward pass calls layers 0, 1, 2, ...")

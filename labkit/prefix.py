@@ -25,13 +25,14 @@ hash collision (try a deliberately weak ``hash_fn``) can only cause a miss,
 never a wrong reuse.
 
 Lifetime of a block. A block's reference count (``BlockAllocator``) says how
-many block tables hold it. When the last sequence holding a cached block ends,
-the block goes back to the allocator's free queue *still cached*: a later
-request can revive it with ``allocator.take``. Only when the pool needs room and
-``allocator.allocate`` hands that block out again is its K/V overwritten; the
-cache then forgets its hash and counts an eviction. The free queue is in
-least-recently-freed order, so eviction is least-recently-used. Sequences free
-their blocks tail first, so the leaves of a prefix are evicted before its root.
+many block tables hold it. A full block gets its name as soon as its tokens are
+scheduled (``cache_full_blocks``; vLLM does it in ``KVCacheManager.allocate_slots``), every
+full block, identical twins included. When the last table holding a named block
+ends, the block goes back to the free queue *still named*, at the back: a later
+request can revive it (``allocator.revive``). Unnamed blocks go to the front and are
+reused first. Only when ``allocator.allocate`` hands a named block out again is its
+name dropped (an eviction), so eviction is least recently used; tables release
+tail first, so the leaves of a prefix are evicted before its root.
 
 Copy-on-write. ``fork`` gives a second sequence the same blocks (parallel
 sampling, beam search). When one of them appends into a partly filled tail
@@ -43,7 +44,7 @@ Typical use, with K/V written by the caller::
     cache = PrefixCache(BlockAllocator(64), block_size=16)
     table, num_cached = cache.allocate(prompt_ids, key)
     # compute K/V for prompt_ids[num_cached:], write them at table.slot(p)
-    cache.commit(table)                      # full blocks become reusable
+    cache.cache_full_blocks(table)           # name the full blocks: reusable from now on
     result = cache.append(table, [next_id])  # decode: one more slot
     cache.release(table)                     # finished: blocks stay cached
 """
@@ -51,10 +52,12 @@ Typical use, with K/V written by the caller::
 from __future__ import annotations
 
 import hashlib
+import itertools
 import json
 import math
+import weakref
 from dataclasses import astuple, dataclass
-from typing import Callable, Iterable, Sequence
+from typing import Callable, Sequence
 
 from .checks import check_int
 from .paging import AttentionMetadata, BlockAllocator, BlockTable, KVPool, OutOfBlocksError, blocks_needed
@@ -67,6 +70,7 @@ __all__ = [
     "AppendResult",
     "PrefixCacheStats",
     "CachedBlock",
+    "tail_is_shared",
     "CachedBlockTable",
     "PrefixCache",
     "OutOfBlocksError",
@@ -182,11 +186,11 @@ class AppendResult:
 
 @dataclass
 class PrefixCacheStats:
-    """Counters since the cache was made (or ``reset_stats``), in tokens and in blocks.
+    """Counters since the cache was made, in tokens and in blocks.
 
     A *hit* is a prompt token whose K/V were found in the cache and not recomputed;
-    a *miss* is a prompt token that had to be computed. An *eviction* is a cached
-    free block handed out again for other data.
+    a *miss* is a prompt token that had to be computed. An *eviction* is a named
+    block whose name was dropped because its K/V are overwritten (or ``evict``).
     """
 
     requests: int = 0
@@ -205,11 +209,12 @@ class PrefixCacheStats:
 
 @dataclass(frozen=True)
 class CachedBlock:
-    """One cache entry: the identity of a full block whose K/V are in the pool.
+    """The name of one full block whose K/V are in the pool (``allocator.names[block_id]``).
 
-    ``entry_id`` is unique for the lifetime of the cache; ``parent_entry`` is the entry of
-    the block before it (``None`` for a first block). Checking ``parent_entry`` on a hit
-    makes the whole prefix verified, block by block, independent of the hash function.
+    ``entry_id`` identifies the block's *content* (its tokens, key and whole prefix):
+    identical blocks share it. ``parent_entry`` is the content id of the block before it
+    (``None`` for a first block); checking it on a hit verifies the whole prefix, block by
+    block, whatever the hash function.
     """
 
     block_id: int
@@ -221,12 +226,22 @@ class CachedBlock:
     parent_entry: int | None
 
 
+def tail_is_shared(table: BlockTable, allocator: BlockAllocator) -> bool:
+    """The copy-on-write test: the table's last block is partly filled and another table holds it too.
+
+    The next token written there would change the other table's history, so the writer
+    first gets a private copy. A full shared block never needs one: nobody writes into it.
+    """
+    return bool(table.num_tokens % table.block_size) and allocator.ref_counts[table.block_ids[-1]] > 1
+
+
 class CachedBlockTable(BlockTable):
     """A ``BlockTable`` that also remembers its tokens and computation key.
 
-    Made by ``PrefixCache.allocate`` or ``PrefixCache.fork``; use it with the cache that made it.
-    ``token_ids[i]`` is the token at position ``i`` (one per reserved slot), ``block_hashes``
-    and ``entry_ids`` name the leading full blocks already registered (committed or hit).
+    Made by ``PrefixCache.allocate`` or ``PrefixCache.fork``; grow it with that cache's
+    ``append`` (``BlockTable.append`` would not record the tokens, so it is refused).
+    ``token_ids[i]`` is the token at position ``i``; ``block_hashes`` and ``entry_ids``
+    name the leading full blocks already named (by this table or found in the cache).
     """
 
     def __init__(self, block_size: int, key: CacheKey, owner: "PrefixCache"):
@@ -238,19 +253,27 @@ class CachedBlockTable(BlockTable):
         self.owner = owner
 
     @property
-    def num_committed_blocks(self) -> int:
+    def num_named_blocks(self) -> int:
         return len(self.block_hashes)
+
+    def append(self, n: int, allocator: BlockAllocator) -> list[int]:
+        raise ValueError("a CachedBlockTable grows with PrefixCache.append(table, token_ids), "
+                         "which records the tokens and copies a shared tail first")
 
 
 class PrefixCache:
-    """Reference-counted, hash-named, LRU-evicted full blocks on top of a ``BlockAllocator``.
+    """Hash-named full blocks, shared by reference count and evicted least recently used.
 
-    ``allocator``: the pool. Allocate from it only through this cache: a block that
-    ``allocator.allocate()`` hands to someone else directly would keep its old name here
-    while its K/V are overwritten.
-    ``block_size``: tokens per block; every table this cache makes uses it.
-    ``hash_fn``: ``block_hash`` by default; tests pass a weak one to show that collisions
-    cannot cause wrong reuse.
+    The names live on the ``allocator`` (``allocator.names``), which drops a block's name
+    whenever it hands the block out again; this class keeps the index from hash to blocks
+    and the tables' token ids. Like vLLM v1, every full block gets its name, identical
+    twins included (``vllm/v1/core/block_pool.py``, ``BlockHashToBlockMap``: one hash may map
+    to several blocks), so a block table only ever grows at its end; a lookup takes the
+    oldest twin.
+
+    ``allocator``: the pool (one prefix cache per allocator). ``block_size``: tokens per
+    block. ``hash_fn``: ``block_hash`` by default; tests pass a weak one to show that
+    collisions cannot cause wrong reuse.
     """
 
     def __init__(self, allocator: BlockAllocator, block_size: int, *, hash_fn: HashFn = block_hash):
@@ -259,33 +282,35 @@ class PrefixCache:
         check_int("block_size", block_size, 1)
         if not callable(hash_fn):
             raise ValueError("hash_fn must be callable (parent_hash, token_ids, key) -> str")
+        if allocator.on_evict is not None or allocator.names:
+            raise ValueError("allocator must not serve another prefix cache already")
         self.allocator = allocator
         self.block_size = block_size
         self.hash_fn = hash_fn
         self.stats = PrefixCacheStats()
-        self._by_hash: dict[str, int] = {}          # block hash -> physical block
-        self._by_block: dict[int, CachedBlock] = {}  # physical block -> its cache entry
+        self._by_hash: dict[str, dict[int, None]] = {}  # block hash -> its named blocks, oldest first
         self._next_entry = 0
+        allocator.on_evict = self._on_evict
 
     # ------------------------------------------------------------------ queries
     @property
     def num_cached_blocks(self) -> int:
-        """Blocks whose K/V are named in the cache (in use or free)."""
-        return len(self._by_block)
+        """Blocks whose K/V carry a name (in use or free)."""
+        return len(self.allocator.names)
 
     def is_cached(self, block_id: int) -> bool:
-        return block_id in self._by_block
+        return block_id in self.allocator.names
 
     def cached_block(self, block_id: int) -> CachedBlock | None:
-        """The cache entry of ``block_id``, or ``None`` when it holds no named block."""
-        return self._by_block.get(block_id)
+        """The name of ``block_id``, or ``None`` when it carries none."""
+        return self.allocator.names.get(block_id)
 
     def cached_block_ids(self) -> list[int]:
-        return sorted(self._by_block)
+        return sorted(self.allocator.names)
 
     def evictable_block_ids(self) -> list[int]:
-        """Cached blocks no sequence holds, least recently freed (first to be evicted) first."""
-        return [b for b in _free_queue(self.allocator) if b in self._by_block]
+        """Named blocks no sequence holds, in the order ``allocate`` would evict them."""
+        return [b for b in self.allocator.free_block_ids() if b in self.allocator.names]
 
     def block_hashes(self, token_ids: Sequence[int], key: CacheKey = CacheKey()) -> list[str]:
         """The hash chain of ``token_ids``' full blocks under this cache's block size and hash."""
@@ -295,77 +320,71 @@ class PrefixCache:
         """The longest run of leading full blocks of ``token_ids`` that the cache holds.
 
         Capped so that at least one token is left to compute: the model must run on
-        the last prompt token to produce the logits of the first output token. A fully
-        cached prompt of exactly ``k`` blocks therefore reuses ``k - 1`` of them.
+        the last prompt token to produce the logits of the first output token (vLLM's
+        ``KVCacheManager.get_computed_blocks``: ``max_cache_hit_length = num_tokens - 1``).
         No side effects: nothing is counted, taken or reordered.
         """
         tokens = _check_token_ids(token_ids, min_len=1)
         _check_key(key)
         hashes = hash_chain(tokens, self.block_size, key, self.hash_fn)
-        max_blocks = (len(tokens) - 1) // self.block_size
+        bs = self.block_size
         block_ids: list[int] = []
         entries: list[int] = []
-        parent_entry: int | None = None
-        for i in range(max_blocks):
-            entry = self._lookup(hashes[i], tokens[i * self.block_size:(i + 1) * self.block_size], key,
-                                 parent_entry)
+        for i in range((len(tokens) - 1) // bs):
+            entry = self._lookup(hashes[i], tokens[i * bs:(i + 1) * bs], key, entries[-1] if entries else None)
             if entry is None:
                 break
             block_ids.append(entry.block_id)
             entries.append(entry.entry_id)
-            parent_entry = entry.entry_id
-        return PrefixMatch(tuple(block_ids), len(block_ids) * self.block_size, tuple(hashes), tuple(entries))
+        return PrefixMatch(tuple(block_ids), len(block_ids) * bs, tuple(hashes), tuple(entries))
 
     def free_blocks_needed(self, token_ids: Sequence[int], key: CacheKey = CacheKey()) -> int:
         """How many blocks of the allocator's free pool ``allocate(token_ids, key)`` would use.
 
         Fresh blocks for the uncached rest, plus cached hits that sit in the free queue
         (reviving them takes them out of it). Hits that another sequence holds cost nothing.
-        This is what a scheduler compares with ``allocator.num_free``.
         """
-        tokens = _check_token_ids(token_ids, min_len=1)
-        m = self.match(tokens, key)
-        fresh = blocks_needed(len(tokens), self.block_size) - m.num_cached_blocks
+        return self._free_blocks_needed(_check_token_ids(token_ids, min_len=1), self.match(token_ids, key))
+
+    def _free_blocks_needed(self, tokens: tuple[int, ...], m: PrefixMatch) -> int:
         revived = sum(1 for b in m.block_ids if self.allocator.ref_counts[b] == 0)
-        return fresh + revived
+        return blocks_needed(len(tokens), self.block_size) - m.num_cached_blocks + revived
 
     def extra_blocks(self, table: CachedBlockTable, num_new_tokens: int) -> int:
-        """Free blocks that ``append``-ing ``num_new_tokens`` tokens to ``table`` would use.
-
-        New blocks for the tokens, plus one when the partly filled tail block is shared
-        and must be copied first (copy-on-write): the ``extra_blocks`` of the article's §05.
-        """
+        """Free blocks that ``append``-ing ``num_new_tokens`` tokens to ``table`` would use:
+        new blocks, plus one for a copy of a shared, partly filled tail (copy-on-write)."""
         self._check_table(table)
         check_int("num_new_tokens", num_new_tokens, 0)
-        return table.new_blocks_for(num_new_tokens) + int(self._needs_copy(table, num_new_tokens))
+        copy = num_new_tokens > 0 and tail_is_shared(table, self.allocator)
+        return table.new_blocks_for(num_new_tokens) + int(copy)
 
     # ----------------------------------------------------------------- changes
-    def allocate(self, token_ids: Sequence[int], key: CacheKey = CacheKey()) -> tuple[CachedBlockTable, int]:
+    def allocate(self, token_ids: Sequence[int], key: CacheKey = CacheKey(), *,
+                 lookup: bool = True) -> tuple[CachedBlockTable, int]:
         """A block table for a new prompt: cached blocks first, fresh blocks for the rest.
 
         Returns ``(table, num_cached_tokens)``: the caller computes K/V only for
-        ``token_ids[num_cached_tokens:]``, writes them at ``table.slot(p)`` and then calls
-        ``commit(table)``. Cached blocks in use get one more reference; cached blocks in
-        the free queue are revived with ``allocator.take``. All-or-nothing: on
-        ``OutOfBlocksError`` the allocator, the cache and its counters are unchanged.
+        ``token_ids[num_cached_tokens:]``, writes them at ``table.slot(p)`` and calls
+        ``cache_full_blocks(table)`` (an engine does it when it allocates, as vLLM does). Cached blocks
+        in use get one more reference; free cached blocks are revived with ``allocator.revive``.
+        ``lookup=False``: no hit (prefix caching off). All-or-nothing: on ``OutOfBlocksError``
+        the allocator, the cache and its counters are unchanged.
         """
         tokens = _check_token_ids(token_ids, min_len=1)
         _check_key(key)
-        m = self.match(tokens, key)
-        total_blocks = blocks_needed(len(tokens), self.block_size)
-        needed = total_blocks - m.num_cached_blocks + sum(1 for b in m.block_ids
-                                                           if self.allocator.ref_counts[b] == 0)
+        m = self.match(tokens, key) if lookup else PrefixMatch((), 0, ())
+        needed = self._free_blocks_needed(tokens, m)
         if needed > self.allocator.num_free:
             raise OutOfBlocksError(f"prompt of {len(tokens)} tokens needs {needed} free blocks, "
                                    f"{self.allocator.num_free} of {self.allocator.num_blocks} are free")
-        table = CachedBlockTable(self.block_size, key, self)
-        for b in m.block_ids:  # revive or share the hits first, so eviction below cannot touch them
+        for b in m.block_ids:  # revive or share the hits first, so the fresh blocks cannot evict them
             if self.allocator.ref_counts[b] == 0:
-                self.allocator.take(b)
+                self.allocator.revive(b)
             else:
                 self.allocator.incref(b)
-        fresh = [self._allocate_fresh() for _ in range(total_blocks - m.num_cached_blocks)]
-        table.block_ids = list(m.block_ids) + fresh
+        num_fresh = blocks_needed(len(tokens), self.block_size) - m.num_cached_blocks
+        table = CachedBlockTable(self.block_size, key, self)
+        table.block_ids = list(m.block_ids) + self.allocator.allocate_many(num_fresh)
         table.num_tokens = len(tokens)
         table.token_ids = list(tokens)
         table.block_hashes = list(m.block_hashes[:m.num_cached_blocks])
@@ -375,74 +394,69 @@ class PrefixCache:
         s.hit_tokens += m.num_cached_tokens
         s.miss_tokens += len(tokens) - m.num_cached_tokens
         s.hit_blocks += m.num_cached_blocks
-        s.miss_blocks += len(fresh)
+        s.miss_blocks += num_fresh
         return table, m.num_cached_tokens
 
     def append(self, table: CachedBlockTable, token_ids: Sequence[int]) -> AppendResult:
         """Reserve slots for ``token_ids`` at the end of ``table``; copy a shared tail first.
 
-        New blocks come from the allocator (evicting the least recently used cached
-        free block when it hands one out). If the tail block is partly filled and another
-        table holds it too, a private block replaces it in this table and ``(src, dst)``
-        is reported in ``copies``. All-or-nothing on ``OutOfBlocksError``.
+        New blocks come from the allocator (evicting the least recently used named free
+        block when it hands one out). If the tail block is partly filled and another table
+        holds it too, a private block replaces it in this table and ``(src, dst)`` is
+        reported in ``copies``. All-or-nothing on ``OutOfBlocksError``.
         """
-        self._check_table(table)
         tokens = _check_token_ids(token_ids)
         n = len(tokens)
-        needed = self.extra_blocks(table, n)
+        needed, new = self.extra_blocks(table, n), table.new_blocks_for(n)
         if needed > self.allocator.num_free:
             raise OutOfBlocksError(f"appending {n} tokens needs {needed} free blocks, "
                                    f"{self.allocator.num_free} of {self.allocator.num_blocks} are free")
         copies: list[tuple[int, int]] = []
-        if self._needs_copy(table, n):
-            src = table.block_ids[-1]
-            dst = self._allocate_fresh()
+        if needed > new:  # the tail is shared: copy it first
+            src, dst = table.block_ids[-1], self.allocator.allocate()
             self.allocator.free(src)  # drop our reference; the other holders keep theirs
             table.block_ids[-1] = dst
             copies.append((src, dst))
-        table.block_ids.extend(self._allocate_fresh() for _ in range(table.new_blocks_for(n)))
+        if new:
+            table.block_ids.extend(self.allocator.allocate_many(new))
         start = table.num_tokens
         table.num_tokens += n
         table.token_ids.extend(tokens)
         return AppendResult([table.slot(p) for p in range(start, start + n)], copies)
 
-    def commit(self, table: CachedBlockTable, num_computed_tokens: int | None = None) -> int:
+    def cache_full_blocks(self, table: CachedBlockTable, num_computed_tokens: int | None = None) -> int:
         """Name the full blocks among the first ``num_computed_tokens`` tokens, so others can reuse them.
 
-        Call it once their K/V are written (default: all of the table's tokens). A block
-        whose identical twin is already cached stays private (the twin keeps the name);
-        returns how many blocks became newly cached.
+        vLLM names a block as soon as its tokens are scheduled (``KVCacheManager.allocate_slots``
+        calls ``cache_blocks``): a request admitted later in the same step may share it, since
+        the pass writes every chunk's K/V before any chunk attends. Default: all of the
+        table's tokens. A block whose identical twin is named already is named too.
+        Returns how many blocks got a name.
         """
         self._check_table(table)
         if num_computed_tokens is None:
             num_computed_tokens = table.num_tokens
-        if not isinstance(num_computed_tokens, int) or isinstance(num_computed_tokens, bool) \
-                or not 0 <= num_computed_tokens <= table.num_tokens:
+        if type(num_computed_tokens) is not int or not 0 <= num_computed_tokens <= table.num_tokens:
             raise ValueError(f"num_computed_tokens must be an integer in [0, {table.num_tokens}], "
                              f"got {num_computed_tokens!r}")
-        bs, added = self.block_size, 0
-        for i in range(table.num_committed_blocks, num_computed_tokens // bs):
+        bs, names = self.block_size, self.allocator.names
+        first = table.num_named_blocks
+        for i in range(first, num_computed_tokens // bs):
             parent_hash = table.block_hashes[-1] if table.block_hashes else None
             parent_entry = table.entry_ids[-1] if table.entry_ids else None
             tokens = tuple(table.token_ids[i * bs:(i + 1) * bs])
             h = self.hash_fn(parent_hash, tokens, table.key)
             twin = self._lookup(h, tokens, table.key, parent_entry)
-            if twin is not None:  # the same block is cached already: point at its entry
+            if twin is not None:
                 entry_id = twin.entry_id
             else:
-                stale = self._by_hash.get(h)
-                if stale is not None:  # a collision or an orphaned entry: the newer block wins
-                    self._forget(stale)
-                block_id = table.block_ids[i]
-                entry_id = self._next_entry
-                self._next_entry += 1
-                self._by_hash[h] = block_id
-                self._by_block[block_id] = CachedBlock(block_id, h, parent_hash, tokens, table.key,
-                                                       entry_id, parent_entry)
-                added += 1
+                entry_id, self._next_entry = self._next_entry, self._next_entry + 1
+            block_id = table.block_ids[i]
+            names[block_id] = CachedBlock(block_id, h, parent_hash, tokens, table.key, entry_id, parent_entry)
+            self._by_hash.setdefault(h, {})[block_id] = None
             table.block_hashes.append(h)
             table.entry_ids.append(entry_id)
-        return added
+        return max(0, num_computed_tokens // bs - first)
 
     def fork(self, table: CachedBlockTable) -> CachedBlockTable:
         """A second table holding the same blocks (one more reference each): parallel sampling."""
@@ -450,23 +464,19 @@ class PrefixCache:
         child = CachedBlockTable(self.block_size, table.key, self)
         for b in table.block_ids:
             self.allocator.incref(b)
-        child.block_ids = list(table.block_ids)
-        child.num_tokens = table.num_tokens
-        child.token_ids = list(table.token_ids)
-        child.block_hashes = list(table.block_hashes)
+        child.block_ids, child.num_tokens = list(table.block_ids), table.num_tokens
+        child.token_ids, child.block_hashes = list(table.token_ids), list(table.block_hashes)
         child.entry_ids = list(table.entry_ids)
         return child
 
     def release(self, table: CachedBlockTable) -> None:
-        """The sequence ended: drop its references, tail first. Cached blocks stay cached."""
+        """The sequence ended: drop its references, tail first. Named blocks stay cached."""
         self._check_table(table)
-        for b in reversed(table.block_ids):  # tail first: leaves are evicted before their prefix
-            self.allocator.free(b)
-        table.block_ids, table.num_tokens = [], 0
+        table.release(self.allocator)
         table.token_ids, table.block_hashes, table.entry_ids = [], [], []
 
     def evict(self, num_blocks: int = 1) -> list[int]:
-        """Forget the ``num_blocks`` least recently used cached free blocks now; returns them.
+        """Drop the names of the ``num_blocks`` least recently used named free blocks now; returns them.
 
         Engines evict lazily (when ``allocate`` hands a block out); this is the same
         decision made eagerly, e.g. to show it. The blocks stay free.
@@ -474,49 +484,36 @@ class PrefixCache:
         check_int("num_blocks", num_blocks, 0)
         victims = self.evictable_block_ids()[:num_blocks]
         for b in victims:
-            self._forget(b)
-            self.stats.evicted_blocks += 1
+            self.allocator.forget(b)
         return victims
 
     def clear(self) -> int:
-        """Forget every cached block that no sequence holds (e.g. after a weight update).
+        """Forget every named block that no sequence holds (e.g. after a weight update).
 
-        Blocks that running sequences hold stay cached. Returns how many were dropped.
+        Blocks that running sequences hold keep their names. Returns how many were dropped.
         """
-        victims = [b for b, e in self._by_block.items() if self.allocator.ref_counts[b] == 0]
+        victims = [b for b in self.allocator.names if self.allocator.ref_counts[b] == 0]
         for b in victims:
-            self._forget(b)
+            self.allocator.forget(b)
+        self.stats.evicted_blocks -= len(victims)  # a clear is not an eviction
         return len(victims)
-
-    def reset_stats(self) -> None:
-        self.stats = PrefixCacheStats()
 
     # ----------------------------------------------------------------- helpers
     def _lookup(self, h: str, tokens: Sequence[int], key: CacheKey, parent_entry: int | None) -> CachedBlock | None:
-        """The entry named ``h`` if it really is this block after this parent, else ``None``."""
-        block_id = self._by_hash.get(h)
-        if block_id is None:
-            return None
-        entry = self._by_block[block_id]
-        if entry.token_ids != tuple(tokens) or entry.key != key or entry.parent_entry != parent_entry:
-            return None  # a hash collision or a stale child: verified, so never a wrong reuse
-        return entry
+        """The oldest block named ``h`` that really is this block after this parent, else ``None``."""
+        for block_id in self._by_hash.get(h, ()):
+            entry = self.allocator.names[block_id]
+            if entry.parent_entry == parent_entry and entry.token_ids == tuple(tokens) and entry.key == key:
+                return entry
+        return None  # a miss, a hash collision or a stale child: verified, so never a wrong reuse
 
-    def _allocate_fresh(self) -> int:
-        """``allocator.allocate``, forgetting (evicting) whatever cached block it hands out."""
-        block_id = self.allocator.allocate()
-        if block_id in self._by_block:
-            self._forget(block_id)
-            self.stats.evicted_blocks += 1
-        return block_id
-
-    def _forget(self, block_id: int) -> None:
-        entry = self._by_block.pop(block_id)
-        del self._by_hash[entry.block_hash]
-
-    def _needs_copy(self, table: CachedBlockTable, n: int) -> bool:
-        return (n > 0 and table.num_tokens % self.block_size != 0
-                and self.allocator.ref_counts[table.block_ids[-1]] > 1)
+    def _on_evict(self, block_id: int, entry: CachedBlock) -> None:
+        """The allocator dropped ``block_id``'s name: take it out of the index."""
+        twins = self._by_hash[entry.block_hash]
+        del twins[block_id]
+        if not twins:
+            del self._by_hash[entry.block_hash]
+        self.stats.evicted_blocks += 1
 
     def _check_table(self, table: object) -> None:
         if not isinstance(table, CachedBlockTable):
@@ -527,11 +524,6 @@ class PrefixCache:
                              f"got {table.block_size}")
         if table.owner is not self:
             raise ValueError("table must have been made by this PrefixCache (allocate or fork)")
-
-
-def _free_queue(allocator: BlockAllocator) -> Iterable[int]:
-    """The allocator's free blocks, least recently freed first (its eviction order)."""
-    return list(allocator.free_block_ids())
 
 
 def _check_key(key: object) -> None:
@@ -545,8 +537,8 @@ def _check_token_ids(token_ids: object, min_len: int = 0) -> tuple[int, ...]:
         raise ValueError(f"token_ids must be a list or tuple of integers >= 0, got {type(token_ids).__name__} "
                          "(convert a tensor with .tolist())")
     tokens = tuple(token_ids)
-    # `type(t) is int` also refuses bool (a subclass of int); one pass, then min() for the sign.
-    if not all(type(t) is int for t in tokens) or (tokens and min(tokens) < 0):
+    # Exactly int (a bool is a subclass of int, and is refused), then min() for the sign; both run in C.
+    if tokens and (set(map(type, tokens)) != {int} or min(tokens) < 0):
         bad = next(t for t in tokens if type(t) is not int or t < 0)
         raise ValueError(f"token_ids must hold integers >= 0, found {bad!r}")
     if len(tokens) < min_len:
@@ -588,9 +580,14 @@ class PrefixKVCache(KVPool):
         self.table: CachedBlockTable | None = None
         self.seq_len = 0  # tokens of the current sequence whose K/V are in the pool
 
-    def key(self, adapter: str | None = None, salt: str | None = None) -> CacheKey:
-        """The computation identity of this pool: model, dtype, layout, RoPE base; plus adapter and salt."""
-        return CacheKey(model=self.model_name, adapter=adapter, cache_dtype=str(self.dtype).replace("torch.", ""),
+    def key(self, adapter: str | None = None, salt: str | None = None, *, model=None) -> CacheKey:
+        """The computation identity of this pool: model, dtype, layout, RoPE base; plus adapter and salt.
+
+        ``model``: the module whose weights compute the K/V; its identity joins the model
+        name, so two models never share blocks through one pool.
+        """
+        name = self.model_name if model is None else f"{self.model_name} (weights #{_weights_id(model)})"
+        return CacheKey(model=name, adapter=adapter, cache_dtype=str(self.dtype).replace("torch.", ""),
                         cache_layout="NHD", rope_theta=float(self.config.rope_theta), salt=salt)
 
     def begin(self, prompt_ids: Sequence[int], key: CacheKey | None = None) -> int:
@@ -618,10 +615,11 @@ class PrefixKVCache(KVPool):
     def attend(self, layer_idx: int, q, k, v):
         """Write the new tokens' K/V into their slots, then attend over the whole sequence."""
         table = self._running()
+        start = self.seq_len
+        self._check_qkv(q, k, v, k.shape[0] * k.shape[1] if k.dim() == 4 else None)
         batch, num_new = k.shape[:2]
         if batch != 1:
             raise ValueError(f"q, k, v must have batch 1 (one sequence at a time), got batch {batch}")
-        start = self.seq_len
         if start + num_new > table.num_tokens:
             raise ValueError(f"{num_new} new tokens after {start} exceed the {table.num_tokens} reserved slots "
                              "(begin() or extend() first)")
@@ -632,8 +630,19 @@ class PrefixKVCache(KVPool):
         if layer_idx == self.config.num_hidden_layers - 1:  # the last layer: these tokens are done
             self.seq_len = start + num_new
             if self.reuse:
-                self.prefix.commit(table, self.seq_len)
+                self.prefix.cache_full_blocks(table, self.seq_len)
         return out
+
+
+_weights_ids: "weakref.WeakKeyDictionary[object, int]" = weakref.WeakKeyDictionary()
+_next_weights_id = itertools.count()
+
+
+def _weights_id(model) -> int:
+    """A number for ``model`` that no other live or later model gets (``id`` can be reused)."""
+    if model not in _weights_ids:
+        _weights_ids[model] = next(_next_weights_id)
+    return _weights_ids[model]
 
 
 @dataclass
@@ -656,7 +665,8 @@ def generate_with_prefix_cache(model, kv: PrefixKVCache, prompt_ids: Sequence[in
                                key: CacheKey | None = None) -> PrefixGeneration:
     """Greedy decoding of one request on ``kv``: prefill only the uncached suffix, then decode.
 
-    Blocks named by earlier requests on the same ``kv`` are reused (when ``kv.reuse``);
+    Blocks named by earlier requests of the same ``model`` on the same ``kv`` are reused
+    (when ``kv.reuse``; ``key`` defaults to ``kv.key(model=model)``);
     this request's own full blocks are named for later ones. Its blocks are released at the
     end and stay cached until evicted.
     """
@@ -668,7 +678,7 @@ def generate_with_prefix_cache(model, kv: PrefixKVCache, prompt_ids: Sequence[in
     prompt = _check_token_ids(prompt_ids, min_len=1)
     _check_vocab(prompt, model.config.vocab_size)  # before begin(): a bad id must change nothing
     device = model.lm_head.weight.device
-    num_cached = kv.begin(prompt, key)
+    num_cached = kv.begin(prompt, key or kv.key(model=model))
     try:
         with torch.no_grad():
             logits = model(torch.tensor([prompt[num_cached:]], device=device), cache=kv)[0, -1]

@@ -9,28 +9,28 @@ in one batched forward pass. Two budgets bound a step:
   a slot, and a slot lives in a block that must exist before the pass writes it.
 
 ``plan_iteration`` is the budget pass of the article's §05, line for line. Each
-candidate asks for ``min(next_chunk, token_budget)`` tokens; when the budget is
+candidate asks for ``min(num_new_tokens, token_budget)`` tokens; when the budget is
 spent the pass stops; a candidate whose ``extra_blocks`` exceed the free blocks is
 skipped; otherwise its blocks are reserved and both budgets shrink. A prompt
 longer than the budget is therefore split over several steps (chunked prefill),
 and a decoding request asks for one token per step.
 
-``Scheduler`` keeps the state around that pass, and nothing else (no tensors):
+``Scheduler`` keeps the state around that pass, and nothing else (no tensors).
+It follows vLLM v1 (``vllm/v1/core/sched/scheduler.py``, ``Scheduler.schedule``, vLLM 0.33.0):
 
-* ``Request``: token ids, how many of them are computed (have K/V in the pool),
-  the block table, the status (waiting, running, finished).
-* the *running* list (oldest first) and the *waiting* queue (first come, first
-  served). Running requests are candidates before waiting ones. One rule is added
-  to the article's pass, as in vLLM: once a waiting request is skipped because its
-  blocks do not fit, no request behind it is admitted in that step (``head_of_line``).
-  Otherwise small newcomers could take every block that frees up, and a large
-  request at the head of the queue would wait forever.
-* a ``PrefixCache`` (chapter 04): a waiting request's cached prefix is looked up
-  just before its turn; those tokens count as computed and are not recomputed.
-* **preemption by recompute** (as vLLM does): when the running requests' next
-  tokens cannot all get blocks, the newest running request gives all its blocks
-  back and returns to the *front* of the waiting queue; later its tokens are
-  computed again (its full blocks often survive in the prefix cache).
+* running requests (oldest first) are candidates before waiting ones (first come,
+  first served), and at most ``max_num_seqs`` requests run at once;
+* once a waiting request does not get its blocks, nobody queued behind it is
+  admitted in that step (``head_of_line``): otherwise small newcomers could take
+  every block that frees up and a large request would wait forever;
+* a waiting request's cached prefix (chapter 04) is looked up just before its
+  turn; those tokens are not computed again. Full blocks get their names when
+  they are *allocated* (``KVCacheManager.allocate_slots`` calls ``cache_blocks``),
+  so a request admitted later in the same step already shares them;
+* **preemption by recompute**: when the running requests' next tokens cannot all
+  get blocks, the newest running request gives all its blocks back and returns to
+  the *front* of the waiting queue; later its tokens are computed again (its full
+  blocks often survive in the prefix cache). No one is admitted in that step.
 
 ``schedule()`` returns a ``Step``: for each scheduled request a ``ScheduledChunk``
 (token ids, positions, slot mapping, block table), the copy-on-write block pairs
@@ -44,31 +44,22 @@ from __future__ import annotations
 
 import enum
 import itertools
-from collections import deque
+from collections import Counter, deque
 from dataclasses import dataclass, field
 from typing import Any, Callable, Iterable, Iterator, Sequence
 
 from .checks import check_int
 from .paging import BlockAllocator, blocks_needed
-from .prefix import CachedBlockTable, CacheKey, PrefixCache
+from .prefix import CachedBlockTable, CacheKey, PrefixCache, PrefixMatch, tail_is_shared
 
-__all__ = [
-    "RequestStatus",
-    "Request",
-    "extra_blocks",
-    "plan_iteration",
-    "Decision",
-    "ScheduledChunk",
-    "StepStats",
-    "Step",
-    "Scheduler",
-]
+__all__ = ["RequestStatus", "Request", "extra_blocks", "plan_iteration", "Decision", "ScheduledChunk",
+           "StepStats", "Step", "Scheduler"]
 
 
 class RequestStatus(enum.Enum):
-    WAITING = "waiting"    # in the queue: holds no blocks (or only a tentative prefix hit)
+    WAITING = "waiting"    # in the queue: holds no blocks
     RUNNING = "running"    # admitted: holds blocks, gets tokens every step it fits
-    FINISHED = "finished"  # done: its blocks went back (cached full blocks stay cached)
+    FINISHED = "finished"  # done or cancelled: its blocks went back (named full blocks stay cached)
 
 
 _request_ids = itertools.count()
@@ -83,12 +74,11 @@ class Request:
 
     * ``output_token_ids``: tokens sampled so far.
     * ``num_computed_tokens``: leading tokens whose K/V are in the pool (or will be
-      once the current step runs). ``next_chunk`` = tokens known but not yet computed:
-      the rest of the prompt while prefilling, 1 while decoding.
-    * ``block_table``: the physical blocks holding those K/V, in logical order.
+      once the current step runs). For a waiting request, during its turn in a step:
+      the tokens its prefix-cache hit would give it.
+    * ``block_table``: the physical blocks holding those K/V (chapter 04's
+      ``CachedBlockTable``), ``None`` while the request holds no blocks.
     * ``num_cached_tokens``: tokens of the last admission served by the prefix cache.
-    * ``shared_tail`` and ``revived_blocks``: set by the scheduler just before the
-      request's turn in ``plan_iteration``, read by ``extra_blocks`` (see there).
     """
 
     prompt_token_ids: list[int]
@@ -97,20 +87,17 @@ class Request:
     request_id: Any = field(default_factory=lambda: next(_request_ids))
     output_token_ids: list[int] = field(default_factory=list)
     num_computed_tokens: int = 0
-    block_table: list[int] = field(default_factory=list)
+    block_table: CachedBlockTable | None = field(default=None, repr=False)
     status: RequestStatus = RequestStatus.WAITING
     num_cached_tokens: int = 0
     num_preemptions: int = 0
-    shared_tail: bool = False
-    revived_blocks: int = 0
-    table: CachedBlockTable | None = field(default=None, repr=False)  # the scheduler's block table object
 
     def __post_init__(self) -> None:
         if not isinstance(self.prompt_token_ids, (list, tuple, range)) or len(self.prompt_token_ids) < 1:
             raise ValueError(f"prompt_token_ids must be a non-empty list of token ids >= 0, "
                              f"got {self.prompt_token_ids!r}")
         for t in self.prompt_token_ids:
-            if not isinstance(t, int) or isinstance(t, bool) or t < 0:
+            if type(t) is not int or t < 0:
                 raise ValueError(f"prompt_token_ids must hold integers >= 0, found {t!r}")
         self.prompt_token_ids = list(self.prompt_token_ids)
         check_int("max_new_tokens", self.max_new_tokens, 1)
@@ -127,28 +114,25 @@ class Request:
         return len(self.prompt_token_ids) + len(self.output_token_ids)
 
     @property
-    def next_chunk(self) -> int:
-        """Tokens known but not computed yet: what this request would like to compute next."""
+    def num_new_tokens(self) -> int:
+        """How many tokens are known but not computed yet: the rest of the prompt while
+        prefilling, 1 while decoding. A count, not a list."""
         return self.num_tokens - self.num_computed_tokens
-
-    @property
-    def is_prefill(self) -> bool:
-        """Still computing its prompt (or, after a preemption, its prompt and earlier outputs)."""
-        return self.next_chunk > 1
 
     @property
     def is_finished(self) -> bool:
         return self.status is RequestStatus.FINISHED
 
 
-def extra_blocks(request: Request, tokens: int, block_size: int) -> int:
-    """Free blocks that computing ``tokens`` more tokens of ``request`` takes from the pool.
+def extra_blocks(num_computed_tokens: int, num_blocks_held: int, tokens: int, block_size: int, *,
+                 shared_tail: bool = False, revived_blocks: int = 0) -> int:
+    """Free blocks that computing ``tokens`` more tokens of a request takes from the pool.
 
     Three terms, each a block that must leave the free pool before the step writes:
 
     * **new blocks** for the slots: positions ``[num_computed_tokens, num_computed_tokens
-      + tokens)`` need ``blocks_needed(num_computed_tokens + tokens)`` blocks, of which
-      ``len(block_table)`` are already in the table;
+      + tokens)`` need ``blocks_needed(num_computed_tokens + tokens)`` blocks, of which the
+      request holds ``num_blocks_held``;
     * **copy-on-write**: +1 when the next token lands in a partly filled tail block that
       another request also holds (``shared_tail``): it gets a private copy first;
     * **revived blocks**: a waiting request's prefix hit may point at cached blocks that
@@ -158,13 +142,40 @@ def extra_blocks(request: Request, tokens: int, block_size: int) -> int:
     check_int("block_size", block_size, 1)
     if tokens == 0:
         return 0
-    new = max(0, blocks_needed(request.num_computed_tokens + tokens, block_size) - len(request.block_table))
-    copy = 1 if request.shared_tail and request.num_computed_tokens % block_size else 0
-    return new + copy + request.revived_blocks
+    new = max(0, blocks_needed(num_computed_tokens + tokens, block_size) - num_blocks_held)
+    copy = 1 if shared_tail and num_computed_tokens % block_size else 0
+    return new + copy + revived_blocks
+
+
+def _own_blocks(request: Request, tokens: int, block_size: int) -> int:
+    """``extra_blocks`` of a request judged on its own: no sharing, no revival."""
+    held = len(request.block_table.block_ids) if request.block_table is not None else 0
+    return extra_blocks(request.num_computed_tokens, held, tokens, block_size)
+
+
+@dataclass
+class Decision:
+    """One candidate's turn in a step's budget pass, as ``plan_iteration`` saw it.
+
+    ``tokens`` = min(num_new_tokens, ``token_budget``) and ``needed`` = its ``extra_blocks``,
+    against the ``free_blocks`` and ``token_budget`` left at its turn. ``outcome`` is
+    ``"planned"``, ``"skipped"`` (needed > free_blocks) or ``"stop"`` (the budget is spent).
+    """
+
+    request: Request
+    waiting: bool
+    num_new_tokens: int
+    tokens: int
+    needed: int
+    free_blocks: int
+    token_budget: int
+    outcome: str
 
 
 def plan_iteration(candidates: Iterable[Request], free_blocks: int, token_budget: int, block_size: int,
-                   reserve: Callable[[Request, int], None] | None = None) -> list[tuple[Request, int]]:
+                   reserve: Callable[[Request, int], None] | None = None,
+                   needed: Callable[[Request, int], int] | None = None,
+                   decisions: list[Decision] | None = None) -> list[tuple[Request, int]]:
     """The article's budget pass: which candidates get how many tokens this step.
 
     Candidates are visited in order, so the order decides who gets space first; paging
@@ -172,46 +183,32 @@ def plan_iteration(candidates: Iterable[Request], free_blocks: int, token_budget
     ``tokens`` is 0 only when the budget is spent, and the pass stops there. A candidate
     whose blocks do not fit is skipped (a later, smaller one may still fit).
 
-    ``reserve(request, tokens)`` is called where the article reserves the blocks (the
-    ``Scheduler`` allocates them there); without it the pass only plans and changes nothing.
-    Returns ``[(request, tokens), ...]`` in the order they were planned.
+    ``needed(request, tokens)``: its ``extra_blocks`` (default: judged on its own, no
+    sharing); ``reserve(request, tokens)`` is called where the article reserves the blocks
+    (the ``Scheduler`` allocates them there); without it the pass only plans. Each turn is
+    appended to ``decisions`` when given. Returns ``[(request, tokens), ...]`` in order.
     """
     check_int("free_blocks", free_blocks, 0)
     check_int("token_budget", token_budget, 0)
     check_int("block_size", block_size, 1)
     plan = []
     for request in candidates:
-        tokens = min(request.next_chunk, token_budget)
+        tokens = min(request.num_new_tokens, token_budget)
+        blocks = 0 if tokens == 0 else needed(request, tokens) if needed else _own_blocks(request, tokens, block_size)
+        if decisions is not None:
+            outcome = "stop" if tokens == 0 else "skipped" if blocks > free_blocks else "planned"
+            decisions.append(Decision(request, request.status is RequestStatus.WAITING, request.num_new_tokens,
+                                      tokens, blocks, free_blocks, token_budget, outcome))
         if tokens == 0:
             break
-        needed = extra_blocks(request, tokens, block_size)
-        if needed > free_blocks:
+        if blocks > free_blocks:
             continue
         if reserve is not None:
             reserve(request, tokens)
         plan.append((request, tokens))
-        free_blocks -= needed
+        free_blocks -= blocks
         token_budget -= tokens
     return plan
-
-
-@dataclass
-class Decision:
-    """One candidate's turn in a step's budget pass, as ``plan_iteration`` saw it.
-
-    ``tokens`` = min(next_chunk, ``token_budget``) and ``needed`` = its ``extra_blocks``,
-    against the ``free_blocks`` and ``token_budget`` left at its turn. ``outcome`` is
-    ``"planned"``, ``"skipped"`` (needed > free_blocks) or ``"stop"`` (the budget is spent).
-    """
-
-    request: Request
-    waiting: bool
-    next_chunk: int
-    tokens: int
-    needed: int
-    free_blocks: int
-    token_budget: int
-    outcome: str
 
 
 @dataclass
@@ -298,33 +295,33 @@ class Scheduler:
 
     ``num_blocks``: the pool size, or pass ``allocator`` (a ``BlockAllocator``) or
     ``prefix_cache`` (a ``PrefixCache``) to share one. ``block_size``: tokens per block.
-    ``max_num_batched_tokens``: the token budget of one step. ``enable_prefix_caching``:
-    look up and register full blocks (off: nothing is ever committed, so nothing hits).
-    ``priority``: ``None`` serves the waiting queue first come, first served; a key
-    function reorders it before each step (smaller first), e.g. shortest prompt first.
-    ``cache_key``: the computation identity for prefix hashing (chapter 04).
-    ``head_of_line``: ``True`` (as vLLM): once a waiting request does not get its
-    blocks, no request behind it in the queue is admitted in that step, so no request
-    starves. ``False``: the article's rule, a later, smaller request may pass it.
+    ``max_num_batched_tokens``: the token budget of one step. ``max_num_seqs``: at most
+    this many requests run at once (vLLM's default, 256). ``enable_prefix_caching``:
+    look up and name full blocks (off: nothing is looked up or named). ``priority``:
+    ``None`` serves the waiting queue first come, first served; a key function reorders
+    it before each step (smaller first). ``cache_key``: the computation identity for
+    prefix hashing (chapter 04). ``head_of_line``: ``True`` (as vLLM): once a waiting
+    request does not get its blocks, no request behind it is admitted in that step.
+    ``False``: the article's rule, a later, smaller request may pass it.
 
     Use: ``add_request`` any time; each step ``step = schedule()``, run the model on
     ``step.chunks``, then ``postprocess(step, sampled_token_ids)``.
     """
 
     def __init__(self, num_blocks: int | None = None, block_size: int = 16, max_num_batched_tokens: int = 256,
-                 *, enable_prefix_caching: bool = True, allocator: BlockAllocator | None = None,
-                 prefix_cache: PrefixCache | None = None, priority: Callable[[Request], Any] | None = None,
-                 cache_key: CacheKey = CacheKey(), head_of_line: bool = True):
+                 *, max_num_seqs: int = 256, enable_prefix_caching: bool = True,
+                 allocator: BlockAllocator | None = None, prefix_cache: PrefixCache | None = None,
+                 priority: Callable[[Request], Any] | None = None, cache_key: CacheKey = CacheKey(),
+                 head_of_line: bool = True):
         check_int("block_size", block_size, 1)
         check_int("max_num_batched_tokens", max_num_batched_tokens, 1)
+        check_int("max_num_seqs", max_num_seqs, 1)
         if prefix_cache is not None:
-            if prefix_cache.block_size != block_size:
-                raise ValueError(f"block_size must equal prefix_cache.block_size {prefix_cache.block_size}, "
-                                 f"got {block_size}")
+            if not isinstance(prefix_cache, PrefixCache) or prefix_cache.block_size != block_size:
+                raise ValueError(f"prefix_cache must be a PrefixCache with block_size {block_size}")
             allocator = prefix_cache.allocator
         if allocator is None:
-            check_int("num_blocks", num_blocks, 1)
-            allocator = BlockAllocator(num_blocks)
+            allocator = BlockAllocator(check_int("num_blocks", num_blocks, 1))
         elif not isinstance(allocator, BlockAllocator):
             raise ValueError(f"allocator must be a labkit.paging.BlockAllocator, got {type(allocator).__name__}")
         if priority is not None and not callable(priority):
@@ -333,6 +330,7 @@ class Scheduler:
         self.prefix_cache = prefix_cache or PrefixCache(allocator, block_size)
         self.block_size = block_size
         self.max_num_batched_tokens = max_num_batched_tokens
+        self.max_num_seqs = max_num_seqs
         self.enable_prefix_caching = bool(enable_prefix_caching)
         self.priority = priority
         self.cache_key = cache_key
@@ -340,11 +338,12 @@ class Scheduler:
         self.waiting: deque[Request] = deque()
         self.running: list[Request] = []
         self.finished: list[Request] = []
+        self.requests: dict[Any, Request] = {}  # unfinished requests by request_id
         self.num_steps = 0
-        self._chunks: list[ScheduledChunk] = []   # filled by _reserve during one schedule()
+        self._hits: dict[int, PrefixMatch] = {}  # id(request) -> its prefix hit, during one schedule()
+        self._last_needed = 0  # extra_blocks of the turn plan_iteration is at
+        self._chunks: list[ScheduledChunk] = []  # filled by _reserve during one schedule()
         self._copies: list[tuple[int, int]] = []
-        self._decisions: list[Decision] = []      # filled by _candidates during one schedule()
-        self._budget_left = max_num_batched_tokens
 
     # ------------------------------------------------------------------ requests
     @property
@@ -361,23 +360,30 @@ class Scheduler:
         if not isinstance(request, Request):
             if max_new_tokens is None:
                 raise ValueError("max_new_tokens must be given (an integer >= 1) with prompt token ids")
-            request = Request(list(request) if not isinstance(request, (list, tuple, range)) else request,
+            request = Request(request if isinstance(request, (list, tuple, range)) else list(request),
                               max_new_tokens, eos_token_id)
         self.check_fits(request)
         self.waiting.append(request)
+        self.requests[request.request_id] = request
         return request
 
     def check_fits(self, request: Request) -> None:
-        """ValueError unless ``request`` is new and its whole length fits in the pool."""
+        """ValueError unless ``request`` is new, its id unused, and its whole length fits in the pool.
+
+        The last sampled token is never fed back, so it needs no slot: prompt +
+        max_new_tokens - 1 slots.
+        """
         if not isinstance(request, Request):
             raise ValueError(f"request must be a Request, got {type(request).__name__}")
-        if (request.status is not RequestStatus.WAITING or request.num_computed_tokens or request.table is not None
-                or request.output_token_ids or any(request is r for r in self.waiting)):
+        if (request.status is not RequestStatus.WAITING or request.num_computed_tokens
+                or request.block_table is not None or request.output_token_ids):
             raise ValueError("request must be new: waiting, not queued yet, nothing computed, no blocks")
-        need = blocks_needed(len(request.prompt_token_ids) + request.max_new_tokens, self.block_size)
+        if request.request_id in self.requests:
+            raise ValueError(f"request_id must be unique among unfinished requests, got {request.request_id!r} twice")
+        need = blocks_needed(len(request.prompt_token_ids) + request.max_new_tokens - 1, self.block_size)
         if need > self.num_blocks:
             raise ValueError(f"max_new_tokens: prompt ({len(request.prompt_token_ids)}) + max_new_tokens "
-                             f"({request.max_new_tokens}) tokens need {need} blocks of {self.block_size}, "
+                             f"({request.max_new_tokens}) - 1 slots need {need} blocks of {self.block_size}, "
                              f"more than the pool's {self.num_blocks}")
 
     def fork(self, request: Request) -> Request:
@@ -388,15 +394,17 @@ class Scheduler:
         ``extra_blocks`` counts, and a ``(src, dst)`` pair in that step's ``copies``.
         """
         if not isinstance(request, Request) or request.status is not RequestStatus.RUNNING \
-                or not any(request is r for r in self.running):
+                or self.requests.get(request.request_id) is not request:
             raise ValueError("request must be a running request of this scheduler")
+        if len(self.running) >= self.max_num_seqs:
+            raise ValueError(f"max_num_seqs: {self.max_num_seqs} requests run already")
         child = Request(list(request.prompt_token_ids), request.max_new_tokens, request.eos_token_id)
         child.output_token_ids = list(request.output_token_ids)
         child.num_computed_tokens = request.num_computed_tokens
-        child.table = self.prefix_cache.fork(request.table)
-        child.block_table = list(child.table.block_ids)
+        child.block_table = self.prefix_cache.fork(request.block_table)
         child.status = RequestStatus.RUNNING
         self.running.append(child)
+        self.requests[child.request_id] = child
         return child
 
     def has_unfinished(self) -> bool:
@@ -406,20 +414,19 @@ class Scheduler:
     def schedule(self) -> Step:
         """Plan the next step: preempt if the running requests cannot grow, then the budget pass."""
         self.num_steps += 1
-        self._chunks, self._copies, self._decisions = [], [], []
-        self._budget_left = self.max_num_batched_tokens  # what plan_iteration's token budget is down to
+        self._chunks, self._copies, self._hits = [], [], {}
         preempted = self._preempt_until_running_fit()
         if self.priority is not None:
             self.waiting = deque(sorted(self.waiting, key=self.priority))
         # After a preemption no waiting request is admitted this step (as in vLLM): the
         # blocks just freed go to the running requests that needed them, not to newcomers.
-        plan = plan_iteration(self._candidates(include_waiting=not preempted), self.allocator.num_free,
-                              self.max_num_batched_tokens, self.block_size, reserve=self._reserve)
+        decisions: list[Decision] = []
+        plan_iteration(self._candidates(include_waiting=not preempted), self.allocator.num_free,
+                       self.max_num_batched_tokens, self.block_size, self._reserve, self._extra_blocks, decisions)
         for request in self.waiting:  # those not admitted: drop their tentative prefix hit
-            self._forget_lookup(request)
-        chunks, copies, decisions = self._chunks, self._copies, self._decisions
-        self._chunks, self._copies, self._decisions = [], [], []
-        assert [d.request for d in decisions if d.outcome == "planned"] == [r for r, _ in plan]
+            request.num_computed_tokens = 0
+        chunks, copies = self._chunks, self._copies
+        self._chunks, self._copies, self._hits = [], [], {}
         stats = StepStats(
             step=self.num_steps,
             scheduled_tokens=sum(c.num_tokens for c in chunks),
@@ -441,21 +448,15 @@ class Scheduler:
         """After the model ran: append one sampled token per sampling chunk; finish and release.
 
         ``sampled_token_ids`` holds one id per chunk of ``step.sampling_chunks``, in order.
-        Full blocks computed in this step are registered in the prefix cache first, so a
-        finished request's blocks stay reusable. Returns the requests that finished.
+        Returns the requests that finished (their named full blocks stay cached).
         """
         sampling = step.sampling_chunks
         if len(sampled_token_ids) != len(sampling):
             raise ValueError(f"sampled_token_ids must hold one id per sampling chunk ({len(sampling)}), "
                              f"got {len(sampled_token_ids)}")
         for t in sampled_token_ids:
-            if not isinstance(t, int) or isinstance(t, bool) or t < 0:
+            if type(t) is not int or t < 0:
                 raise ValueError(f"sampled_token_ids must hold integers >= 0, found {t!r}")
-        if self.enable_prefix_caching:
-            for chunk in step.chunks:
-                request = chunk.request
-                if request.status is RequestStatus.RUNNING and request.table is not None:
-                    self.prefix_cache.commit(request.table, request.num_computed_tokens)
         finished = []
         for chunk, token in zip(sampling, sampled_token_ids):
             request = chunk.request
@@ -466,85 +467,96 @@ class Scheduler:
         step.stats.finished = len(finished)
         return finished
 
+    def finish(self, request: Request) -> None:
+        """The request is done, or cancelled while waiting: release its blocks (named full
+        blocks stay cached) and move it to ``finished``."""
+        if not isinstance(request, Request) or self.requests.get(request.request_id) is not request:
+            raise ValueError("request must be an unfinished request of this scheduler")
+        if request.status is RequestStatus.RUNNING:
+            self.running.remove(request)
+        else:
+            self.waiting.remove(request)
+        self._release(request)
+        request.status = RequestStatus.FINISHED
+        del self.requests[request.request_id]
+        self.finished.append(request)
+
     # ------------------------------------------------------------------ helpers
     def _candidates(self, include_waiting: bool = True) -> Iterator[Request]:
         """Running requests first (oldest first), then the waiting queue in order.
 
-        A generator, so that each request's shared tail and prefix hit are looked at
-        just before its turn, after the requests before it reserved their blocks.
-        With ``head_of_line``, the first waiting request that ``plan_iteration`` skips
-        (its blocks did not fit) ends the waiting candidates of this step: the article's
-        ``continue`` would let smaller requests behind it take the blocks that free up,
-        step after step, and a large request could wait forever.
+        A generator: a waiting request's prefix hit is looked up just before its turn,
+        after the requests before it reserved (and named) their blocks. It stops offering
+        waiting requests when ``max_num_seqs`` run, and, with ``head_of_line``, after the
+        first waiting request the pass skipped: the article's ``continue`` would let
+        smaller requests behind it take the blocks that free up, step after step.
         """
-        for request in list(self.running):
-            self._refresh_tail(request)
-            self._record_turn(request, waiting=False)
-            yield request
+        yield from list(self.running)
         if not include_waiting:
             return
         for request in list(self.waiting):
-            self._look_up_prefix(request)
-            self._record_turn(request, waiting=True)
+            if len(self.running) >= self.max_num_seqs:
+                return
+            if self.enable_prefix_caching:
+                hit = self.prefix_cache.match(request.all_token_ids, self.cache_key)
+                self._hits[id(request)] = hit
+                request.num_computed_tokens = hit.num_cached_tokens
             yield request
             if self.head_of_line and request.status is RequestStatus.WAITING:
                 return  # it did not fit: nobody queued behind it may pass it (no starvation)
 
-    def _record_turn(self, request: Request, waiting: bool) -> None:
-        """Note what ``plan_iteration`` is about to see for ``request`` (for ``Step.decisions``)."""
-        budget = self._budget_left
-        free = self.allocator.num_free
-        tokens = min(request.next_chunk, budget)
-        needed = extra_blocks(request, tokens, self.block_size)
-        outcome = "stop" if tokens == 0 else "skipped" if needed > free else "planned"
-        self._decisions.append(Decision(request, waiting, request.next_chunk, tokens, needed, free, budget,
-                                        outcome))
+    def _extra_blocks(self, request: Request, tokens: int, dropped: Counter | None = None) -> int:
+        """``extra_blocks`` of ``request`` now: its prefix hit if waiting, its shared tail if running.
 
-    def _refresh_tail(self, request: Request) -> None:
-        table = request.table
-        request.shared_tail = bool(table is not None and table.block_ids
-                                   and table.num_tokens % self.block_size
-                                   and self.allocator.ref_counts[table.block_ids[-1]] > 1)
-
-    def _look_up_prefix(self, request: Request) -> None:
-        """Tentatively count a waiting request's cached prefix as computed (no references taken)."""
-        self._forget_lookup(request)
-        if not self.enable_prefix_caching:
-            return
-        match = self.prefix_cache.match(request.all_token_ids, self.cache_key)
-        request.num_computed_tokens = match.num_cached_tokens
-        request.block_table = list(match.block_ids)
-        request.revived_blocks = sum(1 for b in match.block_ids if self.allocator.ref_counts[b] == 0)
-
-    def _forget_lookup(self, request: Request) -> None:
-        request.num_computed_tokens, request.block_table = 0, []
-        request.revived_blocks, request.shared_tail = 0, False
+        ``dropped``: references that copy-on-writes planned earlier in a dry run will drop
+        (after the first of two forks copies their shared tail, the second owns it alone).
+        """
+        if request.status is RequestStatus.WAITING:
+            hit = self._hits.get(id(request), PrefixMatch((), 0, ()))
+            refs = self.allocator.ref_counts
+            self._last_needed = extra_blocks(hit.num_cached_tokens, hit.num_cached_blocks, tokens, self.block_size,
+                                             revived_blocks=sum(1 for b in hit.block_ids if refs[b] == 0))
+            return self._last_needed
+        table = request.block_table
+        shared = tail_is_shared(table, self.allocator)
+        if shared and dropped:
+            shared = self.allocator.ref_counts[table.block_ids[-1]] - dropped[table.block_ids[-1]] > 1
+        self._last_needed = extra_blocks(request.num_computed_tokens, len(table.block_ids), tokens,
+                                         self.block_size, shared_tail=shared)
+        return self._last_needed
 
     def _reserve(self, request: Request, tokens: int) -> None:
-        """Take the blocks ``plan_iteration`` counted, and record the chunk for the step."""
+        """Take the blocks ``plan_iteration`` counted, name the full ones, record the chunk."""
         free_before = self.allocator.num_free
-        needed = extra_blocks(request, tokens, self.block_size)
-        start = request.num_computed_tokens
-        chunk_ids = request.all_token_ids[start:start + tokens]
+        needed = self._last_needed  # what plan_iteration just counted for this turn
+        start, prompt_len = request.num_computed_tokens, len(request.prompt_token_ids)
+        chunk_ids = (request.output_token_ids[start - prompt_len:start - prompt_len + tokens] if start >= prompt_len
+                     else request.all_token_ids[start:start + tokens])  # (decode: no copy of the whole history)
         num_cached = 0
         if request.status is RequestStatus.WAITING:  # admit: prefix hit + fresh blocks in one go
-            table, num_cached = self.prefix_cache.allocate(request.all_token_ids[:start + tokens], self.cache_key)
-            assert num_cached == start, "the prefix hit changed between lookup and reservation"
+            table, num_cached = self.prefix_cache.allocate(request.all_token_ids[:start + tokens], self.cache_key,
+                                                           lookup=self.enable_prefix_caching)
+            if num_cached != start:
+                raise RuntimeError(f"the prefix hit changed between lookup ({start}) and reservation ({num_cached})")
             slot_mapping = [table.slot(p) for p in range(start, start + tokens)]
-            request.table, request.num_cached_tokens = table, num_cached
+            request.block_table, request.num_cached_tokens = table, num_cached
             request.status = RequestStatus.RUNNING
             self.waiting.remove(request)
             self.running.append(request)
         else:
-            result = self.prefix_cache.append(request.table, chunk_ids)
+            result = self.prefix_cache.append(request.block_table, chunk_ids)
             slot_mapping = result.slot_mapping
             self._copies.extend(result.copies)
-        assert free_before - self.allocator.num_free == needed, "extra_blocks disagrees with the allocation"
+        if free_before - self.allocator.num_free != needed:
+            raise RuntimeError(f"extra_blocks said {needed} blocks, the allocation took "
+                               f"{free_before - self.allocator.num_free}")
         request.num_computed_tokens = start + tokens
-        self._budget_left -= tokens
-        request.block_table = list(request.table.block_ids)
-        request.revived_blocks, request.shared_tail = 0, False
-        self._chunks.append(ScheduledChunk(request, chunk_ids, start, slot_mapping, list(request.block_table),
+        table = request.block_table
+        if self.enable_prefix_caching and request.num_computed_tokens // self.block_size > table.num_named_blocks:
+            # vLLM: allocate_slots -> cache_blocks, so a request admitted later in this step shares them
+            self.prefix_cache.cache_full_blocks(table, request.num_computed_tokens)
+        self._chunks.append(ScheduledChunk(request, chunk_ids, start, slot_mapping,
+                                           list(request.block_table.block_ids),
                                            samples=start + tokens == request.num_tokens,
                                            num_cached_tokens=num_cached))
 
@@ -552,50 +564,36 @@ class Scheduler:
         """vLLM's rule: while the running requests' next tokens need more blocks than are free,
         preempt the newest running request (recompute later).
 
-        The same budget pass as ``plan_iteration`` over the running requests only, but
-        where a running request does not fit it is not skipped: running requests hold
-        blocks, and if each waited for another's, none would ever move.
+        The budget pass itself, as a dry run over the running requests: if it would skip
+        one, the running requests do not fit. A running request is not simply skipped:
+        it holds blocks, and if each waited for another's, none would ever move.
         """
         preempted: list[Request] = []
         while self.running:
-            free, budget = self.allocator.num_free, self.max_num_batched_tokens
-            short = False
-            for request in self.running:
-                self._refresh_tail(request)
-                tokens = min(request.next_chunk, budget)
-                if tokens == 0:
-                    break
-                needed = extra_blocks(request, tokens, self.block_size)
-                if needed > free:
-                    short = True
-                    break
-                free -= needed
-                budget -= tokens
-            if not short:
+            dropped: Counter = Counter()  # references that the copy-on-writes counted so far drop
+            turns = []
+
+            def needed(request: Request, tokens: int) -> int:
+                turns.append(request)
+                blocks = self._extra_blocks(request, tokens, dropped)
+                if blocks > request.block_table.new_blocks_for(tokens):  # a copy: one reference less on the tail
+                    dropped[request.block_table.block_ids[-1]] += 1
+                return blocks
+
+            plan = plan_iteration(self.running, self.allocator.num_free, self.max_num_batched_tokens,
+                                  self.block_size, needed=needed)
+            if len(plan) == len(turns):  # nobody was skipped (after a skip the counts no longer matter)
                 break
             victim = self.running.pop()  # the newest
-            self._preempt(victim)
+            self._release(victim)
+            victim.status = RequestStatus.WAITING
+            victim.num_preemptions += 1
+            self.waiting.appendleft(victim)
             preempted.append(victim)
         return preempted
 
-    def _preempt(self, request: Request) -> None:
-        """Free all of ``request``'s blocks and put it at the front of the waiting queue."""
-        self._release(request)
-        request.status = RequestStatus.WAITING
-        request.num_preemptions += 1
-        self.waiting.appendleft(request)
-
-    def finish(self, request: Request) -> None:
-        """A running request is done: release its blocks (cached full blocks stay) and move it to finished."""
-        self._release(request)
-        request.status = RequestStatus.FINISHED
-        self.running.remove(request)
-        self.finished.append(request)
-
     def _release(self, request: Request) -> None:
-        """Drop the request's references; blocks others hold, and cached full blocks, stay."""
-        if request.table is not None:
-            self.prefix_cache.release(request.table)
-        request.table = None
-        request.block_table, request.num_computed_tokens = [], 0
-        request.revived_blocks, request.shared_tail = 0, False
+        """Drop the request's references; blocks others hold, and named full blocks, stay."""
+        if request.block_table is not None:
+            self.prefix_cache.release(request.block_table)
+        request.block_table, request.num_computed_tokens = None, 0

@@ -41,7 +41,7 @@ from .capacity import GiB, TEACHING_MODEL, ModelShape, format_bytes
 from .checks import check_int, check_number
 from .costmodel import CostModel
 from .paging import BlockAllocator, blocks_needed
-from .prefix import PrefixCache
+from .prefix import PrefixCache, tail_is_shared
 from .scheduler import Request, Scheduler, Step
 from .workloads import RequestSpec
 
@@ -355,26 +355,29 @@ class Simulator:
 
     ``cost_model``: a :class:`labkit.costmodel.CostModel` (its model sets the block
     bytes). The pool is ``num_blocks`` blocks, or ``pool_bytes`` of memory (at least
-    one block). ``block_size``, ``max_num_batched_tokens`` and ``enable_prefix_caching``
-    go to the ``Scheduler``. ``skip_ahead=False`` steps through every iteration (slow,
+    one block). ``block_size``, ``max_num_batched_tokens``, ``max_num_seqs`` (at most this
+    many requests run at once, vLLM's default 256) and ``enable_prefix_caching`` go to the
+    ``Scheduler``. ``skip_ahead=False`` steps through every iteration (slow,
     the reference); ``record_schedule`` keeps, for every step, what each request was
     given: ``(request_id, start, num_tokens, block_table)``.
     """
 
     def __init__(self, cost_model: CostModel | None = None, *, num_blocks: int | None = None,
                  pool_bytes: float | None = None, block_size: int = 16, max_num_batched_tokens: int = 2048,
-                 enable_prefix_caching: bool = True, skip_ahead: bool = True, record_schedule: bool = False):
+                 max_num_seqs: int = 256, enable_prefix_caching: bool = True, skip_ahead: bool = True,
+                 record_schedule: bool = False):
         self.cost_model = cost_model if cost_model is not None else CostModel()
         if not isinstance(self.cost_model, CostModel):
             raise ValueError(f"cost_model must be a labkit.costmodel.CostModel, got {type(cost_model).__name__}")
         check_int("block_size", block_size, 1)
         check_int("max_num_batched_tokens", max_num_batched_tokens, 1)
+        check_int("max_num_seqs", max_num_seqs, 1)
         if (num_blocks is None) == (pool_bytes is None):
             raise ValueError("give exactly one of num_blocks (an integer >= 1) or pool_bytes (bytes >= one block)")
         block_bytes = self.cost_model.model.shape.block_bytes(block_size)
         if pool_bytes is not None:
             check_number("pool_bytes", pool_bytes, 0)
-            if pool_bytes < block_bytes:
+            if not math.isfinite(pool_bytes) or pool_bytes < block_bytes:
                 raise ValueError(f"pool_bytes must hold at least one block of {block_size} tokens "
                                  f"({format_bytes(block_bytes)}), got {format_bytes(pool_bytes)}")
             num_blocks = int(pool_bytes // block_bytes)
@@ -382,19 +385,21 @@ class Simulator:
         self.num_blocks = num_blocks
         self.block_size = block_size
         self.max_num_batched_tokens = max_num_batched_tokens
+        self.max_num_seqs = max_num_seqs
         self.enable_prefix_caching = bool(enable_prefix_caching)
         self.skip_ahead = bool(skip_ahead)
         self.record_schedule = bool(record_schedule)
 
     def __repr__(self) -> str:
         return (f"Simulator({self.num_blocks:,} blocks of {self.block_size} tokens, budget "
-                f"{self.max_num_batched_tokens} tokens/step, prefix caching "
+                f"{self.max_num_batched_tokens} tokens/step, at most {self.max_num_seqs} running, prefix caching "
                 f"{'on' if self.enable_prefix_caching else 'off'}, {self.cost_model!r})")
 
     def new_scheduler(self) -> Scheduler:
         """A fresh chapter-05 scheduler over a fresh allocator and prefix cache."""
         cache = PrefixCache(BlockAllocator(self.num_blocks), self.block_size, hash_fn=_fast_block_hash)
         return Scheduler(block_size=self.block_size, max_num_batched_tokens=self.max_num_batched_tokens,
+                         max_num_seqs=self.max_num_seqs,
                          enable_prefix_caching=self.enable_prefix_caching, prefix_cache=cache)
 
     def run(self, requests: Sequence[RequestSpec], progress: bool = False) -> SimResult:
@@ -479,9 +484,14 @@ class _Run:
         n = len(self.specs)
         self.requests: list[Request] = []
         self.index: dict[int, int] = {}  # id(Request) -> position in self.specs
+        if len({getattr(s, "request_id", None) for s in self.specs}) != n:
+            raise ValueError("requests must have distinct request_id values")
         for i, spec in enumerate(self.specs):  # check every request before serving any
             if not isinstance(spec, RequestSpec):
                 raise ValueError(f"requests must hold RequestSpec objects, got {type(spec).__name__}")
+            if not math.isfinite(spec.arrival_time):
+                raise ValueError(f"arrival_time must be a finite number of seconds, got {spec.arrival_time!r} "
+                                 f"(request {spec.request_id})")
             if spec.output_len >= _OUTPUT_ID_STRIDE:
                 raise ValueError(f"output_len must be < {_OUTPUT_ID_STRIDE}, got {spec.output_len}")
             request = Request(spec.prompt_token_ids, spec.output_len, request_id=spec.request_id)
@@ -615,8 +625,7 @@ class _Run:
         for r in running:
             if r.num_computed_tokens != r.num_tokens - 1 or not r.output_token_ids:
                 return clock  # still prefilling (its last prompt token would give its first token)
-            t = r.table  # a shared, partly filled tail would be copied on write: step normally
-            if t.num_tokens % bs and alloc.ref_counts[t.block_ids[-1]] > 1:
+            if tail_is_shared(r.block_table, alloc):  # it would be copied on write: step normally
                 return clock
         # Request j computes position computed[j] + s in step s, and finishes in step last[j].
         computed = [r.num_computed_tokens for r in running]
@@ -716,10 +725,10 @@ class _Run:
             for j in finishing.get(s, ()):
                 r, end = running[j], computed[j] + s + 1
                 self._append_up_to(r, prompt_lens[j], end)
-                if commit and end // bs > r.table.num_committed_blocks:
-                    cache.commit(r.table, end)
+                if commit and end // bs > r.block_table.num_named_blocks:
+                    cache.cache_full_blocks(r.block_table, end)
                 r.num_computed_tokens = end
-                r.block_table = final_tables[j] = list(r.table.block_ids)
+                final_tables[j] = list(r.block_table.block_ids)
                 free_before = alloc.num_free
                 sched.finish(r)  # the scheduler's own finish: release, then bookkeeping
                 freed[s] += alloc.num_free - free_before
@@ -728,10 +737,10 @@ class _Run:
             if last[j] >= k:
                 end = computed[j] + k
                 self._append_up_to(r, prompt_lens[j], end)
-                if commit and end // bs > r.table.num_committed_blocks:
-                    cache.commit(r.table, end)
+                if commit and end // bs > r.block_table.num_named_blocks:
+                    cache.cache_full_blocks(r.block_table, end)
                 r.num_computed_tokens = end
-                r.block_table = final_tables[j] = list(r.table.block_ids)
+                final_tables[j] = list(r.block_table.block_ids)
         done = sum(1 for end_step in last if end_step < k)
         if self.bar is not None and done:
             self.bar.update(done)
@@ -752,7 +761,7 @@ class _Run:
         new block goes through ``PrefixCache.append``, which takes the block from the
         allocator (evicting a cached one if that is next in the free queue).
         """
-        table = r.table
+        table = r.block_table
         if end <= table.num_tokens:
             return
         out = r.output_token_ids

@@ -102,6 +102,20 @@ def test_prefix_hits(model, block_size):
     assert engine.stats[before].prefix_hit_tokens >= (17 // block_size) * block_size
 
 
+def test_same_step_prefix_sharing_and_max_num_seqs(model):
+    """Full blocks are named when allocated (as vLLM does), so identical prompts admitted in one step
+    share them: the pass writes every chunk's K/V of a layer before any chunk attends, so the tokens
+    stay identical (the pool is poisoned with NaN). ``max_num_seqs`` caps the running requests."""
+    prompts = [[5, 9, 2, 7, 1, 3, 8, 4, 6]] * 3
+    engine = poisoned_engine(model, num_blocks=16, block_size=4, max_num_batched_tokens=64, use_triton=False)
+    assert engine.generate(prompts, 4) == alone(model, prompts, 4)
+    assert engine.stats[0].prefix_hit_tokens == 2 * 8  # the 2nd and 3rd prompts, in the first step
+    capped = poisoned_engine(model, num_blocks=16, block_size=4, max_num_batched_tokens=64, max_num_seqs=1,
+                             use_triton=False)
+    assert capped.generate(prompts, 4) == alone(model, prompts, 4)
+    assert max(s.num_running for s in capped.stats) == 1
+
+
 @pytest.mark.parametrize("num_blocks", [6, 8, 11])
 def test_forced_preemption_with_a_small_pool(model, num_blocks):
     prompts = random_prompts(7, 5, shared=4, lo=3, hi=10)
@@ -136,7 +150,7 @@ def test_skipping_the_copy_would_be_caught(model, monkeypatch):
     engine.step()
     engine.scheduler.fork(parent)
     engine.step()
-    k = engine.backend.k_caches[0][parent.block_table[1]]
+    k = engine.backend.k_caches[0][parent.block_table.block_ids[1]]
     assert torch.isnan(k[0]).all()  # the parent's new tail block lacks the prompt's positions 4 and 5
 
 
@@ -148,8 +162,8 @@ def test_engine_bad_input(model):
         engine.add_request([], 3)
     with pytest.raises(ValueError, match="prompt_token_ids"):
         engine.add_request([CONFIG.vocab_size], 3)
-    with pytest.raises(ValueError, match="max_new_tokens"):  # 15 + 2 tokens need 5 blocks > 4
-        engine.generate([[1, 2], list(range(15))], 2)
+    with pytest.raises(ValueError, match="max_new_tokens"):  # 16 + 2 tokens need 5 blocks > 4
+        engine.generate([[1, 2], list(range(16))], 2)
     assert not engine.has_unfinished()  # the valid prompt was not queued either
     with pytest.raises(ValueError, match="block_size"):
         Engine(model, num_blocks=4, block_size=0)

@@ -524,6 +524,7 @@ BAD_DECODE = [
     ("seq_lens", lambda a: a["seq_lens"].to("meta"), r"^seq_lens must be on q's device \(cpu\), got meta"),
     ("scale", lambda a: -1.0, r"^scale must be None or a finite number > 0, got -1.0"),
     ("scale", lambda a: float("nan"), r"^scale must be None or a finite number > 0, got nan"),
+    ("scale", lambda a: True, r"^scale must be None or a finite number > 0, got True"),
     ("out", lambda a: torch.empty(3, 4, 64), r"^out must be None or a tensor shaped like q \(2, 4, 64\)"),
     ("out", lambda a: torch.empty(2, 64, 4).transpose(1, 2), r"^out must be contiguous in head_dim"),
 ]

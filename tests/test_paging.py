@@ -75,20 +75,30 @@ def test_reference_counts_and_double_free():
         alloc.free(3)
 
 
-def test_freed_blocks_are_reused_least_recently_freed_first():
-    alloc = BlockAllocator(4)
-    a, b, c, d = alloc.allocate_many(4)
-    for x in (c, a, d):
+def test_unnamed_blocks_are_reused_first_named_ones_least_recently_freed_first():
+    """vLLM's BlockPool.free_blocks: a block no one can find again goes to the front of the free
+    queue (reused at once), a named (cached) block to the back (evicted last, LRU)."""
+    alloc = BlockAllocator(6)
+    a, b, c, d, e, f = alloc.allocate_many(6)
+    alloc.names.update({a: "A", c: "C"})
+    for x in (c, b, a, d):
         alloc.free(x)
-    assert [alloc.allocate() for _ in range(3)] == [c, a, d]
+    assert list(alloc.free_block_ids()) == [d, b, c, a]
+    alloc.free_blocks([f, e])  # freed together, tail first: they stay in that order at the front
+    assert list(alloc.free_block_ids()) == [f, e, d, b, c, a]
+    assert [alloc.allocate() for _ in range(5)] == [f, e, d, b, c]
+    assert alloc.num_evictions == 1 and alloc.names == {a: "A"}  # handing out c dropped its name
+    with pytest.raises(ValueError, match="double free"):
+        alloc.free_blocks([f, f])
+    assert alloc.ref_counts[f] == 1  # all-or-nothing
 
 
-def test_take_revives_a_specific_free_block():
+def test_revive_takes_back_a_specific_free_block():
     alloc = BlockAllocator(4)
-    alloc.take(2)
+    alloc.revive(2)
     assert alloc.ref_counts[2] == 1 and not alloc.is_free(2) and 2 not in alloc.allocate_many(3)
     with pytest.raises(ValueError, match="not free"):
-        alloc.take(2)
+        alloc.revive(2)
 
 
 # -- BlockTable ---------------------------------------------------------------------------------
@@ -262,3 +272,56 @@ def test_stepper_simulation_is_consistent():
     assert small[-1].used_blocks == 0
     with pytest.raises(ValueError, match="unique"):
         simulate([Request("A", 0, 1, 1), Request("A", 1, 1, 1)])
+
+
+# -- issue 11: bugs at the edges ------------------------------------------------------------------
+
+def test_a_bool_is_not_a_block_id():
+    """``True == 1`` in Python, but a flag is not a block id: ``free(True)`` must not free block 1."""
+    alloc = BlockAllocator(4)
+    alloc.allocate_many(2)
+    before = snapshot(alloc)
+    for call in (alloc.free, alloc.revive, alloc.incref, alloc.is_free):
+        with pytest.raises(ValueError, match="block_id"):
+            call(True)
+    assert snapshot(alloc) == before
+
+
+def test_decode_only_means_one_new_token_per_sequence():
+    """q_lens [2, 0] has as many tokens as sequences, but it is not a decode step: it must take the
+    prefill kernel, and its output must match the float64 reference."""
+    from labkit import kernels
+    from labkit.paging import AttentionMetadata
+
+    torch.manual_seed(0)
+    bs, heads, kv_heads, dim = 4, 2, 1, 8
+    k_cache = torch.randn(4, bs, kv_heads, dim, device=DEVICE)
+    v_cache = torch.randn(4, bs, kv_heads, dim, device=DEVICE)
+    meta = AttentionMetadata.build([[0, 1], [2]], seq_lens=[6, 3], q_lens=[2, 0], slot_mapping=[4, 5], device=DEVICE)
+    assert not meta.decode_only
+    assert AttentionMetadata.build([[0], [2]], [3, 2], [1, 1], [2, 9], DEVICE).decode_only
+    q = torch.randn(2, heads, dim, device=DEVICE)
+    ref = kernels.paged_prefill_attention_ref(q.double(), k_cache.double(), v_cache.double(), meta.block_tables,
+                                              meta.seq_lens, meta.cu_seqlens_q)
+    from labkit.paging import KVPool  # its attend picks the kernel from meta.decode_only
+    cfg = DecoderConfig(vocab_size=10, hidden_size=16, intermediate_size=16, num_hidden_layers=1,
+                        num_attention_heads=heads, num_key_value_heads=kv_heads, head_dim=dim)
+    pool = KVPool(cfg, num_blocks=4, block_size=bs, use_triton=False)
+    pool.k_caches[0].copy_(k_cache)
+    pool.v_caches[0].copy_(v_cache)
+    k_new, v_new = k_cache[1, :2][None], v_cache[1, :2][None]  # rewrite slots 4, 5 with what they hold
+    pool.meta = meta
+    out = pool.attend(0, q[None], k_new, v_new)[0]
+    assert (out.double() - ref).abs().max().item() < 1e-5
+
+
+def test_paged_cache_refuses_a_bad_q_before_growing_its_tables():
+    model = Decoder.random(DecoderConfig(vocab_size=32, hidden_size=16, intermediate_size=32, num_hidden_layers=1,
+                                         num_attention_heads=2, num_key_value_heads=1, head_dim=8), seed=0).to(DEVICE)
+    cache = PagedKVCache(model.config, num_blocks=4, block_size=4, device=DEVICE)
+    k = torch.zeros(1, 3, 1, 8, device=DEVICE)
+    bad_q = torch.zeros(1, 2, 2, 8, device=DEVICE)  # 2 new tokens, but k and v have 3
+    before = (snapshot(cache.allocator), cache.seq_lens())
+    with pytest.raises(ValueError, match="q"):
+        cache.attend(0, bad_q, k, k)
+    assert (snapshot(cache.allocator), cache.seq_lens()) == before

@@ -35,7 +35,8 @@ def reference_chain(tokens, block_size, key):
 
 def snapshot(cache: PrefixCache):
     a = cache.allocator
-    return (list(a.ref_counts), list(a._free), dict(cache._by_hash), dict(cache._by_block), repr(cache.stats))
+    return (list(a.ref_counts), list(a._free), {h: dict(b) for h, b in cache._by_hash.items()}, dict(a.names),
+            repr(cache.stats))
 
 
 # ------------------------------------------------------------------------------------------ hashes
@@ -71,7 +72,7 @@ def make(num_blocks=16, block_size=4, **kw):
 
 def prefill(cache, tokens, key=CacheKey()):
     table, hit = cache.allocate(tokens, key)
-    cache.commit(table)
+    cache.cache_full_blocks(table)
     return table, hit
 
 
@@ -116,10 +117,10 @@ def test_reuse_refused_for_other_prefix_key_and_short_prefixes():
 def test_weak_hash_collisions_never_cause_wrong_reuse():
     collide = lambda parent, tokens, key: "same"  # noqa: E731  every block gets the same name
     cache = make(block_size=2, hash_fn=collide)
-    prefill(cache, [1, 2, 3, 4, 5])                   # [3, 4] (a second block) took the name last
-    assert cache.num_cached_blocks == 1
-    assert cache.allocate([1, 2, 9])[1] == 0          # a collision costs a hit...
-    assert cache.allocate([3, 4, 1, 2, 0])[1] == 0    # ...but [3, 4] is never reused as a first block
+    prefill(cache, [1, 2, 3, 4, 5])                   # both blocks are named "same"
+    assert cache.num_cached_blocks == 2
+    assert cache.allocate([1, 2, 9])[1] == 2          # the verified one of the two is found...
+    assert cache.allocate([3, 4, 1, 2, 0])[1] == 0    # ...and [3, 4] is never reused as a first block
     prefill(cache, [7, 8, 1])
     assert cache.allocate([7, 8, 9])[1] == 2          # verified: reused
     assert cache.allocate([7, 8, 9], CacheKey(adapter="a"))[1] == 0
@@ -230,7 +231,7 @@ def test_out_of_blocks_changes_nothing():
     (lambda c, t, other: c.append(other["small_blocks"], [1]), "block_size"),
     (lambda c, t, other: c.release(other["other_cache"]), "table"),
     (lambda c, t, other: c.fork(other["other_cache"]), "table"),
-    (lambda c, t, other: c.commit(t, t.num_tokens + 1), "num_computed_tokens"),
+    (lambda c, t, other: c.cache_full_blocks(t, t.num_tokens + 1), "num_computed_tokens"),
     (lambda c, t, other: c.evict(-1), "num_blocks"),
     (lambda c, t, other: c.extra_blocks(t, -3), "num_new_tokens"),
 ])
@@ -289,7 +290,7 @@ KEYS = [CacheKey(), CacheKey(adapter="lora-1")]
 
 
 class PrefixMachine(RuleBasedStateMachine):
-    """Random allocate / append / fork / commit / finish / evict / clear against a pool model."""
+    """Random allocate / append / fork / name / finish / evict / clear against a pool model."""
 
     hash_fn = staticmethod(block_hash)
 
@@ -316,7 +317,7 @@ class PrefixMachine(RuleBasedStateMachine):
         assert free - self.cache.allocator.num_free == predicted
         self._write(table, hit)  # compute only the uncached suffix
         if commit:
-            self.cache.commit(table)
+            self.cache.cache_full_blocks(table)
         self.tables.append(table)
 
     @precondition(lambda self: self.tables)
@@ -338,7 +339,7 @@ class PrefixMachine(RuleBasedStateMachine):
                 if src * bs + off in self.pool:
                     self.pool[dst * bs + off] = self.pool[src * bs + off]
         self._write(table, table.num_tokens - len(tokens))
-        self.cache.commit(table)
+        self.cache.cache_full_blocks(table)
         for t in self.tables:  # what every other sequence reads (shared blocks included) is untouched
             if t is not table:
                 assert [self.pool.get(t.slot(p)) for p in range(t.num_tokens)] == others[id(t)]
@@ -467,7 +468,8 @@ def test_generate_with_prefix_cache_rejects_out_of_vocab_ids_and_changes_nothing
 
     def state():
         p = kv.prefix
-        return (copy.deepcopy(p.stats), dict(p._by_hash), sorted(p._by_block), list(p.allocator.ref_counts),  # noqa: SLF001
+        return (copy.deepcopy(p.stats), {h: dict(b) for h, b in p._by_hash.items()},  # noqa: SLF001
+                sorted(p.allocator.names), list(p.allocator.ref_counts),
                 list(p.allocator._free), kv.table, kv.seq_len, [c.clone() for c in kv.k_caches])  # noqa: SLF001
 
     before = state()
@@ -526,3 +528,45 @@ def test_stepper_widget_and_static_figure():
     assert w.caption.value != first and "copy" in w.caption.value
     fig = static_figure(story(), [1, 2, 3])
     assert len([ax for ax in fig.axes if ax.patches]) == 3
+
+
+# -- issue 11: bugs at the edges ------------------------------------------------------------------
+
+def test_a_cached_table_cannot_take_blocks_behind_the_caches_back():
+    """BlockTable.append(n, allocator) would hand out a cached free block without dropping its
+    name, so match() would still offer a block that is being overwritten."""
+    cache = PrefixCache(BlockAllocator(2), block_size=4)
+    t, _ = cache.allocate([1, 2, 3, 4, 5])
+    cache.cache_full_blocks(t)
+    cache.release(t)  # block of [1, 2, 3, 4] is free but still named
+    other, _ = cache.allocate([9])
+    try:
+        other.append(4, cache.allocator)  # one more block: the named one is next in the free queue
+    except (ValueError, TypeError, AttributeError):
+        pass
+    # whatever happened, the cache never offers a block someone is writing over
+    m = cache.match([1, 2, 3, 4, 5])
+    assert all(cache.allocator.ref_counts[b] == 0 for b in m.block_ids)
+
+
+def test_two_models_never_share_kv_through_one_prefix_pool():
+    """The pool's blocks are named with the model that computed them: a second model must not reuse
+    the first model's K/V (and must produce exactly what it produces without a cache)."""
+    import torch
+
+    from labkit.cache import generate
+    from labkit.model import Decoder, DecoderConfig
+    from labkit.prefix import PrefixKVCache, generate_with_prefix_cache
+
+    cfg = DecoderConfig(vocab_size=64, hidden_size=32, intermediate_size=64, num_hidden_layers=2,
+                        num_attention_heads=4, num_key_value_heads=2, head_dim=8)
+    first, second = Decoder.random(cfg, seed=0), Decoder.random(cfg, seed=1)
+    kv = PrefixKVCache(cfg, num_blocks=32, block_size=4)
+    prompt = list(range(1, 19))
+    generate_with_prefix_cache(first, kv, prompt, 3)
+    out = generate_with_prefix_cache(second, kv, prompt, 3)
+    plain = generate(second, prompt, 3)
+    assert out.num_cached_tokens == 0
+    assert out.tokens == plain.tokens
+    assert torch.allclose(out.logits, plain.logits, atol=1e-4)
+    assert generate_with_prefix_cache(second, kv, prompt, 3).num_cached_tokens == 16  # its own blocks do hit

@@ -75,12 +75,12 @@ def check_ref_counts(sched: Scheduler) -> None:
     """Every block's reference count equals the number of running block tables holding it."""
     held = [0] * sched.num_blocks
     for r in sched.running:
-        assert r.table is not None and r.block_table == r.table.block_ids
-        assert len(r.block_table) == blocks_needed(r.num_computed_tokens, sched.block_size)
-        for b in r.block_table:
+        assert r.block_table is not None
+        assert len(r.block_table.block_ids) == blocks_needed(r.num_computed_tokens, sched.block_size)
+        for b in r.block_table.block_ids:
             held[b] += 1
     for r in sched.waiting:
-        assert r.table is None and r.block_table == [] and r.num_computed_tokens == 0
+        assert r.block_table is None and r.num_computed_tokens == 0
     assert held == sched.allocator.ref_counts
 
 
@@ -110,7 +110,7 @@ def run(sched: Scheduler, arrivals: dict[int, list[Request]], max_steps: int = 1
                 assert all(sched.waiting[i] is r for i, r in enumerate(reversed(step.preempted)))
         # every candidate's turn, as recorded, follows the article's rules
         for d in step.decisions:
-            assert d.tokens == min(d.next_chunk, d.token_budget)
+            assert d.tokens == min(d.num_new_tokens, d.token_budget)
             assert d.outcome == ("stop" if d.tokens == 0 else "skipped" if d.needed > d.free_blocks else "planned")
         assert [d.request for d in step.decisions if d.outcome == "planned"] == [c.request for c in step.chunks]
         assert all(d.outcome != "stop" for d in step.decisions[:-1])  # the pass ends at a stop
@@ -142,12 +142,10 @@ def brute_extra_blocks(num_computed: int, table_len: int, tokens: int, bs: int, 
     return len(new) + copy + revived
 
 
-def make_request(num_computed: int, table_len: int, bs: int, extra_tokens: int = 5, **kw) -> Request:
+def make_request(num_computed: int, bs: int, extra_tokens: int = 5) -> Request:
+    """A request with ``num_computed`` tokens computed and ``extra_tokens`` to go (no blocks: plans only)."""
     r = Request(list(range(1, num_computed + extra_tokens + 1)), 4)
     r.num_computed_tokens = num_computed
-    r.block_table = list(range(table_len))
-    for k, v in kw.items():
-        setattr(r, k, v)
     return r
 
 
@@ -157,33 +155,32 @@ def test_extra_blocks_at_block_boundaries(bs):
         table_len = blocks_needed(computed, bs)
         for tokens in [0, 1, bs - 1, bs, bs + 1, 3 * bs]:
             for shared in (False, True):
-                r = make_request(computed, table_len, bs, shared_tail=shared)
-                got = extra_blocks(r, tokens, bs)
+                got = extra_blocks(computed, table_len, tokens, bs, shared_tail=shared)
                 assert got == brute_extra_blocks(computed, table_len, tokens, bs, shared, 0), (computed, tokens)
 
 
 def test_extra_blocks_examples():
     bs = 16
     # the article's 37-token request: prefill needs 3 blocks
-    assert extra_blocks(make_request(0, 0, bs), 37, bs) == 3
+    assert extra_blocks(0, 0, 37, bs) == 3
     # decoding the 38th token: the tail block has 11 empty slots, nothing new
-    assert extra_blocks(make_request(37, 3, bs), 1, bs) == 0
+    assert extra_blocks(37, 3, 1, bs) == 0
     # decoding token 49 after exactly three full blocks: one new block
-    assert extra_blocks(make_request(48, 3, bs), 1, bs) == 1
+    assert extra_blocks(48, 3, 1, bs) == 1
     # the same 38th token when another request shares the partly filled tail: copy it first
-    assert extra_blocks(make_request(37, 3, bs, shared_tail=True), 1, bs) == 1
+    assert extra_blocks(37, 3, 1, bs, shared_tail=True) == 1
     # a shared tail that is full is never written again: no copy
-    assert extra_blocks(make_request(48, 3, bs, shared_tail=True), 1, bs) == 1
+    assert extra_blocks(48, 3, 1, bs, shared_tail=True) == 1
     # a prefix hit on 2 cached blocks that wait in the free queue
-    assert extra_blocks(make_request(32, 2, bs, revived_blocks=2), 5, bs) == 3
+    assert extra_blocks(32, 2, 5, bs, revived_blocks=2) == 3
 
 
 @settings(max_examples=200, deadline=None)
 @given(st.integers(1, 8), st.integers(0, 40), st.integers(0, 30), st.booleans(), st.integers(0, 3))
 def test_extra_blocks_matches_brute_force(bs, computed, tokens, shared, revived):
     table_len = blocks_needed(computed, bs)
-    r = make_request(computed, table_len, bs, shared_tail=shared, revived_blocks=revived)
-    assert extra_blocks(r, tokens, bs) == brute_extra_blocks(computed, table_len, tokens, bs, shared, revived)
+    assert extra_blocks(computed, table_len, tokens, bs, shared_tail=shared, revived_blocks=revived) \
+        == brute_extra_blocks(computed, table_len, tokens, bs, shared, revived)
 
 
 # ------------------------------------------------------------------ plan_iteration
@@ -196,45 +193,50 @@ def candidates(draw):
     for _ in range(draw(st.integers(0, 8))):
         computed = draw(st.integers(0, 30))
         chunk = draw(st.integers(1, 30))
-        r = make_request(computed, blocks_needed(computed, bs), bs, extra_tokens=chunk,
-                         shared_tail=draw(st.booleans()))
-        reqs.append(r)
+        reqs.append((make_request(computed, bs, extra_tokens=chunk), draw(st.booleans())))
     return bs, reqs
 
 
 @settings(max_examples=300, deadline=None)
 @given(candidates(), st.integers(0, 20), st.integers(0, 64))
 def test_plan_never_exceeds_budgets(cands, free_blocks, token_budget):
-    bs, reqs = cands
-    before = [(r.num_computed_tokens, list(r.block_table)) for r in reqs]
+    bs, with_tails = cands
+    reqs = [r for r, _ in with_tails]
+    shared = {id(r): tail for r, tail in with_tails}
+
+    def needed(r, n):
+        return extra_blocks(r.num_computed_tokens, blocks_needed(r.num_computed_tokens, bs), n, bs,
+                            shared_tail=shared[id(r)])
+    before = [(r.num_computed_tokens, r.block_table) for r in reqs]
     reserved = []
-    plan = plan_iteration(reqs, free_blocks, token_budget, bs, reserve=lambda r, n: reserved.append((r, n)))
+    plan = plan_iteration(reqs, free_blocks, token_budget, bs, reserve=lambda r, n: reserved.append((r, n)),
+                          needed=needed)
     assert reserved == plan  # reserve is called exactly for the planned requests, in order
     assert sum(n for _, n in plan) <= token_budget
-    assert sum(extra_blocks(r, n, bs) for r, n in plan) <= free_blocks
-    # replay the pass: each planned request got min(next_chunk, budget left); each skipped one did not fit
+    assert sum(needed(r, n) for r, n in plan) <= free_blocks
+    # replay the pass: each planned request got min(num_new_tokens, budget left); each skipped one did not fit
     free, budget, planned = free_blocks, token_budget, dict((id(r), n) for r, n in plan)
     order = [id(r) for r, _ in plan]
     assert order == [id(r) for r in reqs if id(r) in planned]  # candidate order is kept
     for r in reqs:
-        tokens = min(r.next_chunk, budget)
+        tokens = min(r.num_new_tokens, budget)
         if tokens == 0:
             assert all(id(x) not in planned for x in reqs[reqs.index(r):])
             break
-        need = extra_blocks(r, tokens, bs)
+        need = needed(r, tokens)
         if id(r) in planned:
             assert planned[id(r)] == tokens and need <= free
             free, budget = free - need, budget - tokens
         else:
             assert need > free
     # planning alone changes no request
-    assert before == [(r.num_computed_tokens, list(r.block_table)) for r in reqs]
+    assert before == [(r.num_computed_tokens, r.block_table) for r in reqs]
 
 
 def test_order_decides_who_gets_space_first():
     bs = 4
-    big = make_request(0, 0, bs, extra_tokens=12)      # 12 prompt tokens: 3 blocks
-    small = make_request(0, 0, bs, extra_tokens=4)     # 4 tokens: 1 block
+    big = make_request(0, bs, extra_tokens=12)      # 12 prompt tokens: 3 blocks
+    small = make_request(0, bs, extra_tokens=4)     # 4 tokens: 1 block
     plan_a = plan_iteration([big, small], free_blocks=3, token_budget=16, block_size=bs)
     plan_b = plan_iteration([small, big], free_blocks=3, token_budget=16, block_size=bs)
     assert [r for r, _ in plan_a] == [big]    # first come takes all 3 blocks
@@ -242,7 +244,7 @@ def test_order_decides_who_gets_space_first():
 
 
 def test_bad_input_names_the_parameter():
-    r = make_request(0, 0, 4)
+    r = make_request(0, 4)
     with pytest.raises(ValueError, match="token_budget"):
         plan_iteration([r], 4, -1, 4)
     with pytest.raises(ValueError, match="free_blocks"):
@@ -250,9 +252,9 @@ def test_bad_input_names_the_parameter():
     with pytest.raises(ValueError, match="block_size"):
         plan_iteration([r], 4, 4, 0)
     with pytest.raises(ValueError, match="block_size"):
-        extra_blocks(r, 1, 0)
+        extra_blocks(0, 0, 1, 0)
     with pytest.raises(ValueError, match="tokens"):
-        extra_blocks(r, -1, 4)
+        extra_blocks(0, 0, -1, 4)
     with pytest.raises(ValueError, match="prompt_token_ids"):
         Request([], 4)
     with pytest.raises(ValueError, match="prompt_token_ids"):
@@ -274,8 +276,8 @@ def test_bad_input_names_the_parameter():
     shared = BlockAllocator(6)
     assert Scheduler(block_size=4, allocator=shared).num_blocks == 6
     sched = Scheduler(4, 4, 16)
-    with pytest.raises(ValueError, match="max_new_tokens"):  # 14 + 3 tokens need 5 blocks of 4 > 4
-        sched.add_request(list(range(14)), 3)
+    with pytest.raises(ValueError, match="max_new_tokens"):  # 14 + 4 - 1 slots need 5 blocks of 4 > 4
+        sched.add_request(list(range(14)), 4)
     assert not sched.has_unfinished()  # nothing was queued
     sched.add_request([1, 2, 3], 2)
     step = sched.schedule()
@@ -355,12 +357,12 @@ def test_fork_copies_the_shared_tail_on_write():
     step = sched.schedule()
     sched.postprocess(step, pool.execute(step))
     child = sched.fork(parent)
-    assert sched.allocator.ref_counts[parent.block_table[-1]] == 2
+    assert sched.allocator.ref_counts[parent.block_table.block_ids[-1]] == 2
     free = sched.allocator.num_free
     step = sched.schedule()
     assert len(step.copies) == 1 and step.stats.copies == 1
     src, dst = step.copies[0]
-    assert src == child.block_table[-1] and dst == parent.block_table[-1]
+    assert src == child.block_table.block_ids[-1] and dst == parent.block_table.block_ids[-1]
     assert sched.allocator.num_free == free - 1     # the private copy; the child writes in place
     sched.postprocess(step, pool.execute(step))
     while sched.has_unfinished():
@@ -500,3 +502,71 @@ def test_fcfs_the_oldest_running_request_always_advances(seed):
         assert step.chunks, "a step with unfinished requests planned nothing"
         sched.postprocess(step, pool.execute(step))
     assert all(r.is_finished for r in reqs)
+
+
+# -- issue 11: bugs at the edges ------------------------------------------------------------------
+
+def test_finishing_a_waiting_request_cancels_it_cleanly():
+    sched = Scheduler(num_blocks=8, block_size=4, max_num_batched_tokens=8)
+    a = sched.add_request([1, 2, 3, 4, 5], 3)
+    b = sched.add_request([6, 7, 8], 2)
+    sched.finish(b)  # cancelled before it ever ran
+    assert b.status is RequestStatus.FINISHED and b not in sched.waiting and b in sched.finished
+    step = sched.schedule()
+    assert [c.request for c in step.chunks] == [a]
+    assert sched.allocator.num_used == blocks_needed(5, 4)
+
+
+def test_prefix_caching_off_ignores_a_shared_cache_that_has_names():
+    """A prefix cache that already names blocks, handed to a scheduler with caching off: no hit,
+    no crash, and no block held by nobody."""
+    cache = PrefixCache(BlockAllocator(8), block_size=4)
+    table, _ = cache.allocate([1, 2, 3, 4, 5, 6, 7, 8, 9])
+    cache.cache_full_blocks(table)
+    cache.release(table)
+    sched = Scheduler(block_size=4, max_num_batched_tokens=16, prefix_cache=cache, enable_prefix_caching=False)
+    r = sched.add_request([1, 2, 3, 4, 5, 6, 7, 8, 9], 1)
+    step = sched.schedule()
+    assert step.chunks[0].num_cached_tokens == 0 and step.chunks[0].start == 0
+    sched.postprocess(step, [0])
+    assert r.is_finished and sched.allocator.num_used == 0
+
+
+def test_a_request_whose_last_token_needs_no_slot_fits():
+    """The last sampled token is never fed back, so it needs no K/V slot: 3 prompt tokens and
+    2 new tokens need 4 slots, one block of 4."""
+    sched = Scheduler(num_blocks=1, block_size=4, max_num_batched_tokens=8)
+    r = sched.add_request([1, 2, 3], 2)
+    outputs = []
+    while sched.has_unfinished():
+        step = sched.schedule()
+        outputs.append(sched.postprocess(step, [7] * len(step.sampling_chunks)))
+    assert r.output_token_ids == [7, 7]
+    with pytest.raises(ValueError, match="max_new_tokens"):
+        Scheduler(num_blocks=1, block_size=4).add_request([1, 2, 3], 3)
+
+
+def test_a_request_id_is_used_once():
+    sched = Scheduler(num_blocks=8, block_size=4)
+    sched.add_request(Request([1, 2], 2, request_id="a"))
+    with pytest.raises(ValueError, match="request_id"):
+        sched.add_request(Request([3, 4], 2, request_id="a"))
+    assert len(sched.waiting) == 1
+
+
+def test_two_forks_sharing_a_tail_need_one_copy_not_two():
+    """The first fork to write copies the shared tail; the second then owns it alone. The
+    preemption pre-pass must count one copy, so nobody is preempted when one block is free."""
+    bs = 4
+    sched = Scheduler(3, bs, max_num_batched_tokens=32)
+    parent = sched.add_request([5, 6, 7, 8, 9, 10], 4)   # 6 tokens: 2 blocks, the tail half full
+    pool = SymbolicPool(bs)
+    step = sched.schedule()
+    sched.postprocess(step, pool.execute(step))
+    child = sched.fork(parent)
+    assert sched.allocator.num_free == 1
+    step = sched.schedule()
+    assert step.preempted == [] and len(step.copies) == 1
+    assert {c.request.request_id for c in step.chunks} == {parent.request_id, child.request_id}
+    sched.postprocess(step, pool.execute(step))
+    check_ref_counts(sched)

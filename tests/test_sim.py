@@ -331,6 +331,8 @@ WORKLOADS = {
     "mixed, eviction pressure": (lambda: make_workload(50, 15.0, ALPACA, shared_prefix_len=64,
                                                        prefix_share=0.6, seed=5),
                                  dict(num_blocks=60, block_size=8, max_num_batched_tokens=128)),
+    "chat, 4 seats (max_num_seqs, queue)": (lambda: sharegpt_like(40, 20.0, seed=6),
+                                            dict(num_blocks=2000, max_num_seqs=4)),
 }
 
 
@@ -354,6 +356,8 @@ def test_skip_ahead_covers_preemption_waiting_and_eviction():
     assert runs["long document, shared prefix"].reuse_ratio > 0.8
     assert runs["mixed, eviction pressure"].scheduler.prefix_cache.stats.evicted_blocks > 0
     assert runs["mixed, small blocks, no caching"].reuse_ratio == 0
+    seats = runs["chat, 4 seats (max_num_seqs, queue)"]
+    assert seats.num_running.max() == 4 and seats.num_waiting.max() > 0
 
 
 def test_one_request_alone_is_timed_by_the_cost_model():
@@ -403,7 +407,7 @@ def test_skip_ahead_on_random_small_systems(seed):
     need = max(-(-(s.prompt_len + s.output_len) // bs) for s in specs)
     settings = dict(num_blocks=need + rng.randrange(0, 3 * need), block_size=bs,
                     max_num_batched_tokens=rng.choice([1, 3, 8, 32, 256]),
-                    enable_prefix_caching=rng.random() < 0.8)
+                    enable_prefix_caching=rng.random() < 0.8, max_num_seqs=rng.choice([1, 2, 5, 256]))
     cost = CostModel("teaching model", rng.choice(sorted(DEVICES)), overhead_s=rng.choice([0.0, 1e-3]))
     stepped = Simulator(cost, skip_ahead=False, record_schedule=True, **settings).run(specs)
     skipped = Simulator(cost, skip_ahead=True, record_schedule=True, **settings).run(specs)
@@ -426,3 +430,56 @@ def test_load_explorer_updates_with_its_controls():
     pool.value = 3.0
     block.value = 128
     assert table.value == readout(explore(6.0, 0.5, 128, 3.0))
+
+
+# --------------------------------------------------------------------------- issue 11: bad inputs
+
+def _alarm(seconds: int):
+    """Fail instead of hanging (POSIX only)."""
+    import signal
+
+    def boom(*_):
+        raise TimeoutError("did not return")
+    signal.signal(signal.SIGALRM, boom)
+    signal.alarm(seconds)
+
+
+def test_a_nan_arrival_time_is_refused_not_looped_on():
+    requests = sharegpt_like(5, 1.0, seed=0)
+    requests[2] = RequestSpec(requests[2].request_id, math.nan, requests[2].prompt_token_ids, 3)
+    _alarm(20)
+    try:
+        with pytest.raises(ValueError, match="arrival_time"):
+            Simulator(num_blocks=512).run(requests)
+    finally:
+        import signal
+        signal.alarm(0)
+
+
+def test_duplicate_request_ids_are_refused_before_serving():
+    requests = sharegpt_like(3, 1.0, seed=0)
+    requests[2] = RequestSpec(requests[0].request_id, requests[2].arrival_time, requests[2].prompt_token_ids, 3)
+    with pytest.raises(ValueError, match="request_id"):
+        Simulator(num_blocks=512).run(requests)
+
+
+def test_an_infinite_overhead_is_refused():
+    with pytest.raises(ValueError, match="overhead_s"):
+        CostModel(overhead_s=math.inf)
+
+
+@pytest.mark.parametrize("pool", [math.nan, math.inf])
+def test_pool_bytes_must_be_finite(pool):
+    from labkit import capacity
+    with pytest.raises(ValueError, match="pool_bytes"):
+        Simulator(pool_bytes=pool)
+    with pytest.raises(ValueError, match="device_bytes"):
+        capacity.sequences_that_fit(1024, pool, 0)
+
+
+def test_a_bool_dtype_has_no_cache_bytes():
+    import torch
+
+    from labkit.capacity import bytes_per_token
+    with pytest.raises(ValueError, match="dtype"):
+        bytes_per_token(32, 8, 128, dtype=torch.bool)

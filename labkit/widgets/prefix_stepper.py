@@ -74,7 +74,9 @@ def story(num_blocks: int = 8, block_size: int = 4) -> list[Snapshot]:
         after = names()
         # evicted: a block whose name was dropped (it may carry a new name already)
         evicted = tuple(b for b in sorted(names_before) if after.get(b) != names_before[b])
-        assert len(evicted) == cache.stats.evicted_blocks - evictions_before
+        if len(evicted) != cache.stats.evicted_blocks - evictions_before:
+            raise RuntimeError(f"the cache counted {cache.stats.evicted_blocks - evictions_before} evictions, "
+                               f"the names show {len(evicted)}")
         a = cache.allocator
         snaps.append(Snapshot(
             caption + note, short, tuple(a.ref_counts), tuple(cache.is_cached(b) for b in range(a.num_blocks)),
@@ -84,7 +86,7 @@ def story(num_blocks: int = 8, block_size: int = 4) -> list[Snapshot]:
     def arrive(name: str, prompt: list[int]) -> Callable[[], tuple[tuple, str]]:
         def go() -> tuple[tuple, str]:
             table, hit = cache.allocate(prompt)
-            cache.commit(table)  # prefill done: its full blocks get names
+            cache.cache_full_blocks(table)  # prefill done: its full blocks get names
             tables[name] = table
             return (), f": {hit} of {len(prompt)} prompt tokens found in the cache"
         return go
@@ -98,7 +100,7 @@ def story(num_blocks: int = 8, block_size: int = 4) -> list[Snapshot]:
     def append(name: str, tokens: list[int]) -> Callable[[], tuple[tuple, str]]:
         def go() -> tuple[tuple, str]:
             result = cache.append(tables[name], tokens)
-            cache.commit(tables[name])
+            cache.cache_full_blocks(tables[name])
             return tuple(result.copies), ""
         return go
 
