@@ -47,6 +47,10 @@ ON_GPU = labkit.RUNTIME.triton_mode == "compiled"
 # With the article's teaching model (32 layers, 8 KV heads, head dimension 128, 2-byte elements),
 # one token costs 128 KiB, so a 16-token block costs 2 MiB. A request takes whole blocks: a
 # 37-token request needs ceil(37 / 16) = 3 of them, and its last block has empty slots.
+#
+# The pool below has 8 blocks and has already served traffic: three earlier requests took two
+# blocks each, and the first and the third have finished. Free blocks are now scattered, as they
+# are in any pool that has run for a while.
 
 # %%
 # NBVAL_CHECK_OUTPUT
@@ -57,6 +61,12 @@ BLOCK = 16
 per_block = BLOCK * per_token
 
 allocator = BlockAllocator(num_blocks=8)
+earlier = [BlockTable(BLOCK) for _ in range(3)]
+for table in earlier:
+    table.append(2 * BLOCK, allocator)  # two blocks each: 0-1, 2-3, 4-5
+earlier[0].release(allocator)
+earlier[2].release(allocator)  # blocks 0, 1, 4, 5, 6, 7 are free; 2 and 3 still hold earlier[1]
+
 request = BlockTable(block_size=BLOCK)
 request.append(37, allocator)  # make room for 37 tokens
 tail_bytes = request.empty_slots * per_token
@@ -70,16 +80,22 @@ assert per_block == 2 * 2**20 and len(request.block_ids) == blocks_needed(37, 16
 assert request.empty_slots == 11 and tail_bytes == 1.375 * 2**20
 
 # %% [markdown]
-# The allocator handed out three *physical* blocks. The request's **block table** lists them in
-# *logical* order: token `p` lives in logical block `p // 16`, at offset `p % 16`. Numbering
-# every token position of the pool gives the **slot**: `block_id * block_size + offset`. Kernels
-# write and read K and V by slot.
+# The allocator handed out three *physical* blocks, the first three of its free queue (the most
+# recently freed first). The request's **block table** lists them in *logical* order: token `p`
+# lives in logical block `p // 16`, at offset `p % 16`. Numbering every token position of the pool
+# gives the **slot**: `block_id * block_size + offset`. Kernels write and read K and V by slot.
 
 # %%
 print("block table:", request.block_ids)
 for p in (0, 15, 16, 36):
     print(f"token {p:2d} -> logical block {p // BLOCK}, offset {p % BLOCK:2d} -> slot {request.slot(p)}")
 assert request.slot(36) == request.block_ids[2] * BLOCK + 4
+# Logical order is not physical order: the blocks are not consecutive, and slot != position.
+assert request.block_ids != sorted(request.block_ids) and any(request.slot(p) != p for p in range(37))
+
+# %% [markdown]
+# Logical block 1 (tokens 16 to 31) sits *before* logical block 0 in the pool, and token 0 lives
+# in slot 80: the block table alone knows the order.
 
 # %% [markdown]
 # When the pool runs out, the allocator refuses the whole request and changes nothing: a
@@ -89,12 +105,13 @@ assert request.slot(36) == request.block_ids[2] * BLOCK + 4
 other = BlockTable(BLOCK)
 before = (allocator.num_free, list(other.block_ids))
 try:
-    other.append(6 * BLOCK, allocator)  # 6 blocks, but only 5 are free
+    other.append(4 * BLOCK, allocator)  # 4 blocks, but only 3 are free
 except OutOfBlocksError as err:
     print("refused:", err)
-assert (allocator.num_free, list(other.block_ids)) == before == (5, [])
+assert (allocator.num_free, list(other.block_ids)) == before == (3, [])
 request.release(allocator)  # the request finishes: its blocks go back to the pool
-print("free blocks after the request finished:", allocator.num_free)
+earlier[1].release(allocator)
+print("free blocks after every request finished:", allocator.num_free)
 assert allocator.num_free == 8
 
 # %% [markdown]
@@ -109,44 +126,37 @@ assert allocator.num_free == 8
 # workload (`labkit.workloads`): log-normal prompt and output lengths with the means of the
 # ShareGPT conversations used in the PagedAttention paper (161 prompt tokens and 338 output tokens
 # on average), each side capped at 1,024 tokens, so no request exceeds a 2,048-token limit.
-# For each strategy we compute the share of the reserved memory that holds real token states
-# once every request has reached its final length.
+# Each request is looked at during every decode step of its life: after step `t` it holds
+# `prompt + t` live tokens. `labkit.sim.reservation_shares` divides the live tokens by what the
+# request has reserved meanwhile, summed over all requests and steps, under the four policies of
+# the paper's Figure 2 (chapter 06 redoes that figure with the same function):
+#
+# - **reserve max length**: every request reserves the 2,048-token limit;
+# - **reserve power of two**: its final length rounded up to a power of two (a length known
+#   within a factor of 2);
+# - **reserve exact length (oracle)**: exactly its final length, as if the end were known;
+# - **paged**: only the 16-token blocks its live tokens occupy.
 
 # %%
+from labkit.sim import reservation_shares
 from labkit.workloads import SHAREGPT, sharegpt_like
 
 MAX_LEN = SHAREGPT.max_prompt_len + SHAREGPT.max_output_len
-lengths = np.array([r.prompt_len + r.output_len for r in sharegpt_like(1000, arrival_rate=1.0, seed=0)])
+requests = sharegpt_like(1000, arrival_rate=1.0, seed=0)
+lengths = np.array([r.prompt_len + r.output_len for r in requests])
 assert MAX_LEN == 2048 and lengths.max() <= MAX_LEN
 
-
-def share_max(lengths: np.ndarray, max_len: int = MAX_LEN) -> float:
-    """Contiguous: every request reserves max_len slots."""
-    return lengths.sum() / (len(lengths) * max_len)
-
-
-def share_pow2(lengths: np.ndarray) -> float:
-    """Contiguous, with an oracle that knows the final length and rounds it up to a power of two."""
-    return lengths.sum() / (2 ** np.ceil(np.log2(lengths))).sum()
-
-
-def share_paged(lengths: np.ndarray, block_size: int) -> float:
-    """Paging: only the last block of each request has empty slots."""
-    blocks = -(-lengths // block_size)
-    return lengths.sum() / (blocks * block_size).sum()
-
-
-shares = {"reserve max length": share_max(lengths), "power-of-two oracle": share_pow2(lengths),
-          "paged, 16-token blocks": share_paged(lengths, 16)}
-print(f"{len(lengths)} requests, mean length {lengths.mean():.0f} tokens, longest {lengths.max()}")
+shares = reservation_shares(requests, max_len=MAX_LEN, block_size=16)
+print(f"{len(lengths)} requests, mean final length {lengths.mean():.0f} tokens, longest {lengths.max()}")
 for name, share in shares.items():
-    print(f"{name:24s}: {share:6.1%} of reserved memory holds token states")
-assert shares["reserve max length"] < shares["power-of-two oracle"] < shares["paged, 16-token blocks"]
-assert shares["paged, 16-token blocks"] > 0.95
+    print(f"{name:30s}: {share:6.1%} of reserved memory holds token states")
+values = list(shares.values())
+assert values == sorted(values) and shares["paged, 16-token blocks"] > 0.95
+assert [f"{v:.1%}" for v in values] == ["21.4%", "40.8%", "61.4%", "98.3%"]  # quoted in the summary
 
 # %%
-fig, ax = plt.subplots(figsize=(7, 3.2))
-ax.barh(list(shares), [100 * s for s in shares.values()], color=["C3", "C1", "C0"])
+fig, ax = plt.subplots(figsize=(7, 3.4))
+ax.barh(list(shares), [100 * s for s in shares.values()], color=["C3", "C1", "C2", "C0"])
 for i, s in enumerate(shares.values()):
     ax.text(100 * s + 1, i, f"{s:.1%}", va="center")
 ax.set_xlim(0, 110)
@@ -157,10 +167,96 @@ fig.tight_layout()
 plt.show()
 
 # %% [markdown]
-# The paper measured the same effect in real systems: 20.4% to 38.2% of KV memory held token
-# states in the systems it compared against, 96.3% in vLLM (its Figure 2). Our numbers come from a
-# synthetic mix, so they differ, but the order is the same. With paging the only waste left is
-# the tail of each request's last block: less than one block per request, whatever its length.
+# Reserving the maximum leaves most of the memory empty; even an oracle that knows every final
+# length wastes the slots a request has reserved but not yet filled, and paging holds live tokens
+# in almost all of it. The paper measured the same effect in real systems: 20.4% to 38.2% of KV
+# memory held token states in the systems it compared against, 96.3% in vLLM (its Figure 2). Our
+# reservation shares come out higher than the paper's because this count leaves one waste out:
+# the holes *between* reservations.
+#
+# ### External fragmentation: free memory in pieces too small
+#
+# A contiguous reservation needs one run of free slots. As requests of different lengths come and
+# go, the free memory breaks into holes, and a request can be refused while the free slots add up
+# to far more than it needs. This is the *external fragmentation* that paging removes in an
+# operating system, and it is the point of the analogy. Below, a first-fit allocator (each request
+# takes the first hole large enough for its exact final length, the oracle's best case) serves the
+# same requests over a pool of 16,384 slots: a request arrives every 16 steps and holds its slots
+# for as many steps as it has output tokens (one token per step), so on average the live requests
+# ask for a little less than the whole pool (printed below). A request that does not fit is refused. A paged allocator with 16-token blocks serves the same
+# stream on 1,024 blocks (the same slots).
+
+# %%
+def first_fit(holes: list[list[int]], size: int) -> int | None:
+    """Take ``size`` contiguous slots from the first hole ``[start, length]`` that holds them."""
+    for hole in holes:
+        if hole[1] >= size:
+            start = hole[0]
+            hole[0] += size
+            hole[1] -= size
+            return start
+    return None
+
+
+def give_back(holes: list[list[int]], start: int, size: int) -> list[list[int]]:
+    """Return ``[start, start + size)`` and merge it with its neighbours."""
+    merged = []
+    for s_, n_ in sorted([h for h in holes if h[1] > 0] + [[start, size]]):
+        if merged and merged[-1][0] + merged[-1][1] == s_:
+            merged[-1][1] += n_
+        else:
+            merged.append([s_, n_])
+    return merged
+
+
+POOL_SLOTS = 16_384
+GAP = 16  # steps between arrivals
+holes, contiguous_live = [[0, POOL_SLOTS]], []  # contiguous_live: (finish step, start, size)
+paged_pool, paged_live = BlockAllocator(POOL_SLOTS // 16), []
+refused = {("first fit", True): 0, ("first fit", False): 0, ("paged", True): 0, ("paged", False): 0}
+mean_demand = np.mean([r.output_len * (r.prompt_len + r.output_len) for r in requests]) / GAP
+print(f"average demand: {mean_demand:,.0f} slots of {POOL_SLOTS:,}")
+worst = (0, 0)  # (free slots in total, largest hole) at a refusal with enough free in total
+for i, r in enumerate(requests):
+    step = i * GAP
+    for kind, live in (("contiguous", contiguous_live), ("paged", paged_live)):
+        for item in [x for x in live if x[0] <= step]:  # requests that finished by now
+            live.remove(item)
+            if kind == "contiguous":
+                holes = give_back(holes, item[1], item[2])
+            else:
+                item[1].release(paged_pool)
+    size = r.prompt_len + r.output_len
+    start = first_fit(holes, size)
+    if start is not None:
+        contiguous_live.append((step + r.output_len, start, size))
+    else:
+        free_total, largest = sum(h[1] for h in holes), max(h[1] for h in holes)
+        enough = free_total >= size
+        refused["first fit", enough] += 1
+        if enough and free_total - largest > worst[0] - worst[1]:
+            worst = (free_total, largest)
+    table = BlockTable(16)
+    try:
+        table.append(size, paged_pool)
+        paged_live.append((step + r.output_len, table))
+    except OutOfBlocksError:
+        refused["paged", paged_pool.num_free >= blocks_needed(size, 16)] += 1
+
+for kind in ("first fit", "paged"):
+    print(f"{kind:9s}: refused {refused[kind, True] + refused[kind, False]:3d} of {len(requests)} requests, "
+          f"{refused[kind, True]:3d} of them while enough slots were free in total")
+print(f"first fit, worst refusal: {worst[0]:,} slots free in total, the largest hole {worst[1]:,} slots")
+assert refused["first fit", True] > 0 and refused["paged", True] == 0 and worst[0] > 4 * worst[1]
+assert refused["first fit", True] + refused["first fit", False] > refused["paged", False]
+
+# %% [markdown]
+# Every request first fit refused came while the pool had enough free slots for it; at the worst
+# moment printed above, several thousand slots were free but no hole was larger than about a
+# thousand. The paged allocator, on the same slots and the same stream, refused fewer, and only
+# when too few blocks were free in total: any free block can take any logical block, so a request
+# fits whenever enough blocks are free. With paging the only waste left is the tail of each
+# request's last block: less than one block per request, whatever its length.
 #
 # ## 3. Choosing the block size
 #
@@ -173,7 +269,7 @@ plt.show()
 
 # %%
 block_sizes = [1, 2, 4, 8, 16, 32, 64, 128, 256]
-tail_waste = [1 - share_paged(lengths, bs) for bs in block_sizes]
+tail_waste = [1 - list(reservation_shares(requests, MAX_LEN, block_size=bs).values())[-1] for bs in block_sizes]
 entries = [(-(-lengths // bs)).mean() for bs in block_sizes]
 for bs, waste, n in zip(block_sizes, tail_waste, entries):
     print(f"block {bs:3d}: tail waste {waste:6.2%}, block-table entries per request {n:7.1f}")
@@ -303,7 +399,14 @@ for s, empty in zip(snapshots, tail):
 #
 # The cache layout follows vLLM: `k_cache` and `v_cache` are `[num_blocks, block_size,
 # num_kv_heads, head_dim]`, `block_tables` is int32 `[num_seqs, max_blocks_per_seq]` and
-# `seq_lens` is int32 `[num_seqs]`. On this machine the kernels run as follows:
+# `seq_lens` is int32 `[num_seqs]`. A caveat on "follows vLLM": vLLM's design document on paged
+# attention ("vLLM Paged Attention" on docs.vllm.ai) explains one kernel, its original CUDA kernel
+# `csrc/attention/attention_kernels.cu`, with a layout of its own. It does not fix the layout of
+# every current backend: in vLLM 0.33.0 the FlashInfer backend, for one, keeps blocks as `NHD`
+# (tokens before heads) or `HND` (heads before tokens), chosen with `VLLM_KV_CACHE_LAYOUT`
+# (`vllm/v1/attention/backends/flashinfer.py`). Blocks, block tables and slots carry over to every
+# backend; the order of the axes inside a block is each backend's choice. On this machine the kernels run
+# as follows:
 
 # %%
 print(labkit.RUNTIME.reason)
@@ -713,8 +816,11 @@ for prompt, run in zip(prompts, paged_runs):
 # - A block table maps a sequence's logical blocks to physical blocks anywhere in the pool; a
 #   token's slot is `block_id * block_size + offset`. Blocks are taken as a sequence grows and
 #   returned when it finishes; an allocation that cannot be met changes nothing.
-# - Reserving the maximum length leaves most memory unused on a realistic mix; paging leaves
-#   only the tail of each last block. Bigger blocks waste more tail but need fewer table entries.
+# - Reserving the maximum length leaves most memory unused on a realistic mix (21.4% holds tokens),
+#   and even an exact-length oracle only 61.4%; 16-token pages hold 98.3%. Bigger blocks waste more
+#   tail but need fewer table entries.
+# - Contiguous reservations also fragment the free memory: first fit refuses requests while enough
+#   slots are free in total; a paged allocator refuses only when too few blocks are free.
 # - Paging neither compresses K/V elements nor makes attention sparse: every position is stored
 #   at full precision and read.
 # - The Triton decode kernel walks the block table with an online softmax, one program per
@@ -799,16 +905,78 @@ def _gather_cases():
 ex.check_function("Exercise 3", gather, _gather_cases())
 
 # %% [markdown]
-# **Exercise 4.** Position 50 of a sequence with block table `[6, 3, 9, 1]` and 16-token blocks:
-# which slot of the pool holds it?
+# **Exercise 4 (change the kernel's behaviour).** Models such as Mistral and Gemma give some
+# layers a *sliding window*: a new token attends only to the last `window` positions, itself
+# included. Write `window_decode(q, k_cache, v_cache, block_table, seq_len, window)` for one
+# sequence: `q` is `[num_heads, head_dim]`, the pools are `[num_blocks, block_size, num_kv_heads,
+# head_dim]` and `block_table` a 1-D tensor of block ids. Return the attention output
+# `[num_heads, head_dim]` over positions `max(0, seq_len - window)` to `seq_len - 1` only. The
+# checker runs it on random pools with ragged lengths, scattered block tables and GQA, and compares
+# it with a plain float64 softmax over the windowed positions.
 
 # %%
-# BEGIN SOLUTION
-answer_4 = [6, 3, 9, 1][50 // 16] * 16 + 50 % 16
-# END SOLUTION
-# BEGIN STUB
-answer_4 = None  # replace None with your expression
-# END STUB
-_table = BlockTable(16)
-_table.block_ids, _table.num_tokens = [6, 3, 9, 1], 64
-ex.check("Exercise 4", answer_4, expected=_table.slot(50))
+def window_decode(q, k_cache, v_cache, block_table, seq_len, window):
+    # BEGIN SOLUTION
+    k = kernels.gather_kv(k_cache, block_table, seq_len)[-window:]  # [W, kv_heads, head_dim]
+    v = kernels.gather_kv(v_cache, block_table, seq_len)[-window:]
+    group = q.shape[0] // k.shape[1]
+    k, v = k.repeat_interleave(group, dim=1), v.repeat_interleave(group, dim=1)  # [W, heads, head_dim]
+    scores = torch.einsum("hd,whd->hw", q, k) / q.shape[-1] ** 0.5
+    return torch.einsum("hw,whd->hd", scores.softmax(-1), v)
+    # END SOLUTION
+    # BEGIN STUB
+    raise NotImplementedError("your code here")
+    # END STUB
+
+
+def check_window(fn) -> list[str]:
+    """Random pools, ragged lengths, windows shorter and longer than the sequence."""
+    g, problems = torch.Generator().manual_seed(4), []
+    for seq_len, window, block_size, heads, kv_heads in [(37, 8, 16, 8, 2), (37, 64, 16, 8, 2), (5, 1, 4, 4, 4),
+                                                         (100, 33, 8, 6, 2), (16, 16, 16, 2, 1)]:
+        d = 16
+        k_cache = torch.randn(20, block_size, kv_heads, d, generator=g, dtype=torch.float64)
+        v_cache = torch.randn(20, block_size, kv_heads, d, generator=g, dtype=torch.float64)
+        table = torch.randperm(20, generator=g)[:blocks_needed(seq_len, block_size)].int()
+        q = torch.randn(heads, d, generator=g, dtype=torch.float64)
+        got = fn(q, k_cache, v_cache, table, seq_len, window)
+        # The reference reads every position through the table and masks those outside the window.
+        pos = torch.arange(seq_len)
+        k_all = torch.stack([k_cache[int(table[p // block_size]), p % block_size] for p in pos])
+        v_all = torch.stack([v_cache[int(table[p // block_size]), p % block_size] for p in pos])
+        kv_head = torch.arange(heads) // (heads // kv_heads)
+        scores = torch.einsum("hd,phd->hp", q, k_all[:, kv_head]) / d ** 0.5
+        scores[:, pos < seq_len - window] = float("-inf")
+        want = torch.einsum("hp,phd->hd", scores.softmax(-1), v_all[:, kv_head])
+        if not isinstance(got, torch.Tensor) or got.shape != want.shape:
+            problems.append(f"seq_len {seq_len}, window {window}: expected a tensor of shape {tuple(want.shape)}")
+        elif not torch.allclose(got.double(), want, atol=1e-9):
+            problems.append(f"seq_len {seq_len}, window {window}: max difference "
+                            f"{(got.double() - want).abs().max():.1e} from the reference")
+    return problems
+
+
+ex.check_behaviour("Exercise 4", window_decode, check_window,
+                   hint="gather through the block table, keep the last `window` positions, repeat each KV "
+                        "head for its query heads, then softmax.")
+
+# %% [markdown]
+# ## References
+#
+# - The source article: *长上下文推理中的 KV Cache：容量、分页与复用边界* ("The KV cache in
+#   long-context inference: capacity, paging and the limits of reuse"), a Chinese essay in six
+#   sections; the copy the book follows gives no author or link. Its figures (2 MiB blocks, the 37-token
+#   request) carry over into this chapter; its sentences do not.
+# - Woosuk Kwon, Zhuohan Li, et al., *Efficient Memory Management for Large Language Model Serving
+#   with PagedAttention*, SOSP 2023, [arXiv:2309.06180](https://arxiv.org/abs/2309.06180): blocks
+#   and block tables, the waste of reservation (its Figure 2) and its measurements of block sizes.
+# - vLLM, the serving engine the book compares itself with: documentation at
+#   [docs.vllm.ai](https://docs.vllm.ai/) (the design document "vLLM Paged Attention"), code at
+#   [github.com/vllm-project/vllm](https://github.com/vllm-project/vllm); this chapter read
+#   `vllm/v1/attention/backends/flashinfer.py` of vLLM 0.33.0 for the `NHD`/`HND` layouts.
+# - Tri Dao et al., *Flash-Decoding for long-context inference* (2023),
+#   [crfm.stanford.edu/2023/10/12/flashdecoding.html](https://crfm.stanford.edu/2023/10/12/flashdecoding.html):
+#   the split-K decode of section 6; Tri Dao, *FlashAttention-2*,
+#   [arXiv:2307.08691](https://arxiv.org/abs/2307.08691): the online softmax the kernels use.
+# - Triton, [triton-lang.org](https://triton-lang.org/): the language of the kernels, and its
+#   interpreter, which runs them on a CPU.

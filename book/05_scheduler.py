@@ -72,8 +72,15 @@ print(labkit.describe())
 # knows about sharing, and `decisions` records every turn for the tables below):
 
 # %%
-print(inspect.getsource(plan_iteration).split('"""')[0] + '"""...docstring..."""' +
-      inspect.getsource(plan_iteration).split('"""')[2])
+def show_source(obj) -> None:
+    """Print a function's code without its docstring and its argument checks (they guard, not decide)."""
+    head, _, rest = inspect.getsource(obj).partition('"""')
+    body = rest.partition('"""')[2] if rest else head
+    lines = [ln for ln in body.splitlines() if "check_int(" not in ln and "self._check" not in ln]
+    print((head.rstrip() + "\n" if rest else "") + "\n".join(lines).lstrip("\n"))
+
+
+show_source(plan_iteration)
 
 # %% [markdown]
 # Three rules follow from the code:
@@ -332,19 +339,20 @@ def small_stream(head_of_line, steps=200):
             admitted = t
         sched.postprocess(step, [0] * len(step.sampling_chunks))
     waits = [first[i] - t0 for i, t0 in arrived.items() if i in first]
-    outputs = sum(len(r.output_token_ids) for r in [*sched.finished, *sched.running])
-    return admitted, float(np.mean(waits)), outputs
+    small_outputs = sum(len(r.output_token_ids) for r in [*sched.finished, *sched.running] if r is not big)
+    return admitted, float(np.mean(waits)), small_outputs, len(big.output_token_ids)
 
 
 article_rule, head_of_line = small_stream(False), small_stream(True)
-for label, (admitted, wait, outputs) in [("article's rule (skip)", article_rule),
-                                         ("head of line (vLLM)", head_of_line)]:
+for label, (admitted, wait, small_out, big_out) in [("article's rule (skip)", article_rule),
+                                                    ("head of line (vLLM)", head_of_line)]:
     big_wait = "never admitted" if admitted is None else f"admitted after {admitted - 6} steps"
-    print(f"{label:<22}: large request {big_wait:<22} small requests wait {wait:.2f} steps on average, "
-          f"{outputs} output tokens in 200 steps")
+    print(f"{label:<22}: large request {big_wait:<22} small requests wait {wait:.2f} steps on average; "
+          f"output tokens in 200 steps: {small_out} small + {big_out} large")
 assert article_rule[0] is None                   # starved for all 200 steps
 assert head_of_line[0] is not None and head_of_line[0] - 6 <= 1 + 7  # at most one small request's life
 assert head_of_line[1] > article_rule[1]         # the small ones pay for it
+assert head_of_line[2] == article_rule[2] and head_of_line[3] == 4 and article_rule[3] == 0
 
 # %% [markdown]
 # Under the article's rule the large request never runs: at no step of the 200 are 5 blocks free
@@ -352,7 +360,11 @@ assert head_of_line[1] > article_rule[1]         # the small ones pay for it
 # rule it waits only until the small requests already running finish, and the small ones behind it
 # wait a little longer for their first token while the pool drains. Neither rule is free: skipping
 # puts free blocks to use at once and keeps small requests moving; the head-of-line rule guarantees
-# that every request is served, in arrival order, and sometimes leaves blocks idle. The walk from
+# that every request is served, in arrival order, and sometimes leaves blocks idle. The token
+# counts explain why head of line produces *more* tokens in 200 steps: the small requests produce
+# the same number under both rules, and head of line adds the large request's 4, which the
+# article's rule never produced. The stream is light enough that the small requests lose only
+# waiting time, not output; under a heavier one, the idle blocks would cost output too. The walk from
 # the start of the chapter shows that cost: with the head-of-line rule, D stays behind C in step 3
 # and the four requests need one step more.
 
@@ -488,21 +500,38 @@ assert all(r.is_finished for r in pre_reqs) and pre.allocator.num_free == 6
 #
 # **Swapping** is the other way out: copy the victim's blocks to CPU memory and copy them back
 # later, instead of recomputing. It trades compute for transfers. For the article's teaching model
-# the bytes are easy to count:
+
+# the bytes are easy to count, and chapter 06's roofline cost model prices both ways out. A swap
+# moves the bytes out and back over PCIe 4.0 x16 (16 GT/s on 16 lanes with 128b/130b encoding:
+# 31.5 GB/s each way, the link of an RTX 4090; a datasheet peak, as the cost model's are); a
+# recompute is one prefill of the same tokens on the RTX 4090 of the cost model (the teaching
+# model with Llama-3-8B's weights).
 
 # %%
 # NBVAL_CHECK_OUTPUT
+from labkit.costmodel import CostModel
+
 per_token = capacity.TEACHING_MODEL.bytes_per_token()
+PCIE4_X16 = 16e9 * 16 / 8 * 128 / 130  # bytes/s each way
+rtx4090 = CostModel("teaching model", "RTX 4090 (24 GiB)")
+print(f"{'tokens':>7} {'K/V bytes':>10} {'swap out + in':>14} {'recompute (prefill)':>20}")
+ratios = []
 for tokens in (2_048, 8_192, 32_768):
-    print(f"{tokens:>6,} tokens: {format_bytes(tokens * per_token):>9} out to CPU memory and the same back again")
-assert 8_192 * per_token == 2**30
+    swap_s = 2 * tokens * per_token / PCIE4_X16
+    recompute_s = rtx4090.prefill_time(tokens)
+    print(f"{tokens:>7,} {format_bytes(tokens * per_token):>10} {swap_s * 1e3:>11.0f} ms {recompute_s * 1e3:>17.0f} ms")
+    ratios.append(swap_s / recompute_s)
+assert all(r < 0.1 for r in ratios) and ratios == sorted(ratios, reverse=True)  # "about a tenth", then less
+assert 8_192 * per_token == 2**30 and round(PCIE4_X16 / 1e9, 1) == 31.5
 
 # %% [markdown]
-# A swap moves those bytes twice over the link between CPU and GPU, and holds that much CPU
-# memory meanwhile; a recompute costs one prefill of the same tokens (with no new memory). Which is
-# cheaper depends on the link's bandwidth, the model's prefill speed and the length; vLLM's older
-# engine offered both, its current one recomputes. Either way, preemption is a cost the pool size
-# decides: chapter 06 measures it.
+# On these datasheet figures a swap takes under a tenth of the recompute's time, and the gap grows
+# with the length, since attention makes a prefill grow faster than linearly while the bytes grow
+# linearly. The swap has other costs: it holds that much CPU memory, competes for the link with
+# everything else the server moves, and its copies must be scheduled around the steps. vLLM's v1
+# engine recomputes: `Scheduler._preempt_request` (`vllm/v1/core/sched/scheduler.py`, vLLM 0.33.0)
+# frees the request's blocks and sets its `num_computed_tokens` to 0. Either way, preemption is a
+# cost the pool size decides: chapter 06 measures it.
 #
 # ## A small engine
 #
@@ -523,7 +552,7 @@ assert 8_192 * per_token == 2**30
 # The attention backend is a page of code:
 
 # %%
-print(inspect.getsource(labkit.paging.KVPool.attend))
+show_source(labkit.paging.KVPool.attend)
 
 # %% [markdown]
 # A research assistant's load: four questions about the same 24-token report, in a pool of 24
@@ -602,17 +631,28 @@ def run_engine(**kw):
 
 out_off, stats_off = run_engine(num_blocks=POOL, enable_prefix_caching=False)
 out_small, stats_small = run_engine(num_blocks=10)
-for label, st in [("prefix caching on", engine.stats), ("prefix caching off", stats_off),
-                  ("10-block pool", stats_small)]:
-    print(f"{label:<19}: {len(st):>2} steps, {sum(s.scheduled_tokens for s in st):>3} tokens computed, "
+out_small_off, stats_small_off = run_engine(num_blocks=10, enable_prefix_caching=False)
+computed = {}
+for label, st in [("24 blocks, caching on", engine.stats), ("24 blocks, caching off", stats_off),
+                  ("10 blocks, caching on", stats_small), ("10 blocks, caching off", stats_small_off)]:
+    computed[label] = sum(s.scheduled_tokens for s in st)
+    print(f"{label:<23}: {len(st):>2} steps, {computed[label]:>3} tokens computed, "
           f"{sum(s.preemptions for s in st)} preemptions")
-assert out_off == alone and out_small == alone
-assert sum(s.scheduled_tokens for s in stats_off) > sum(s.scheduled_tokens for s in engine.stats)
-assert sum(s.preemptions for s in stats_small) > 0
+assert out_off == alone and out_small == alone and out_small_off == alone
+assert computed["24 blocks, caching off"] > computed["24 blocks, caching on"]
+assert sum(s.preemptions for s in stats_small) > 0 and sum(s.preemptions for s in stats_small_off) > 0
+recompute = computed["10 blocks, caching off"] - computed["24 blocks, caching off"]
+hidden = computed["10 blocks, caching on"] - computed["24 blocks, caching on"]
+print(f"tokens the preemptions cost: {recompute} with caching off, {hidden} with caching on")
+assert recompute > hidden >= 0
 
 # %% [markdown]
-# Prefix caching cut the tokens computed; the small pool forced preemptions and recomputation; none
-# of it changed an output token. That is the contract of every mechanism in this book: it changes
+# Prefix caching cut the tokens computed; the small pool forced preemptions. With caching off, the
+# preempted requests computed their prompts and earlier outputs again: the extra tokens printed
+# above are the price of recompute. With caching on, most of a preempted request's full blocks
+# were still in the cache when it came back, so its preemptions cost only the few tokens
+# printed beside it: the prefix cache absorbs the recompute, which is why the caching-off runs are
+# the ones that show it. None of it changed an output token. That is the contract of every mechanism in this book: it changes
 # *where* K/V live and *when* they are computed, never what attention computes.
 #
 # ## The engine with a real model
@@ -699,8 +739,10 @@ else:
 #   admitted in the same step already shares it; finished requests release their blocks, and
 #   blocks still shared, or cached, stay.
 # - The candidate order decides who gets memory first; paging has no notion of priority.
-# - When running requests cannot grow, the newest is preempted and recomputed later; swapping to
-#   CPU memory is the alternative, trading transfers for compute.
+# - When running requests cannot grow, the newest is preempted and recomputed later (vLLM v1 does
+#   the same). With caching off the recompute shows in the tokens computed; with caching on, the
+#   prefix cache absorbs most of it. Swapping to CPU memory is the alternative: on datasheet figures
+#   it takes under a tenth of the recompute's time for the teaching model, but holds CPU memory.
 # - The engine built from chapters 01 to 05 gives exactly the tokens of generating each prompt
 #   alone, with batching, chunking, prefix reuse and preemption all at work.
 # - The same engine serves a real checkpoint (`Decoder.from_pretrained`) unchanged, and stops each
@@ -805,3 +847,70 @@ ex3 = Request([1, 2, 3], 8)  # a preempted request holds nothing and has compute
 ex3.output_token_ids = [7, 7, 7]
 ex.check("Exercise 3", answer_3, expected=ex3.num_new_tokens,
          hint="After a preemption nothing is computed: num_new_tokens = prompt + outputs.")
+
+# %% [markdown]
+# **Exercise 4 (a scheduling policy).** The `Scheduler` takes a `priority`: a key function of a
+# `Request`, used to sort the waiting queue before every step (smaller first). Write
+# `shortest_prompt_first(request)` so that requests with shorter prompts are admitted first. The
+# checker serves eight requests that all arrive at once (long prompts queued first) in a pool with
+# room for all of them and a token budget of 32, once with your policy and once first come, first
+# served, and checks what the policy does: the first tokens come out in order of prompt length, and
+# the mean time to first token, in steps, is shorter than first come, first served.
+
+# %%
+def shortest_prompt_first(request: Request):
+    # BEGIN SOLUTION
+    return len(request.prompt_token_ids)
+    # END SOLUTION
+    # BEGIN STUB
+    raise NotImplementedError("your code here")
+    # END STUB
+
+
+def first_token_steps(priority) -> dict[int, int]:
+    """Prompt length -> the step of that request's first token."""
+    sched = Scheduler(num_blocks=128, block_size=4, max_num_batched_tokens=32, enable_prefix_caching=False,
+                      priority=priority)
+    queued = [sched.add_request(list(range(1, n + 1)), 2) for n in (60, 50, 40, 12, 8, 6, 4, 3)]
+    first = {}
+    while sched.has_unfinished():
+        step = sched.schedule()
+        for c in step.sampling_chunks:
+            first.setdefault(len(c.request.prompt_token_ids), sched.num_steps)
+        sched.postprocess(step, [0] * len(step.sampling_chunks))
+    assert set(first) == {len(r.prompt_token_ids) for r in queued}
+    return first
+
+
+def check_policy(fn) -> list[str]:
+    ours, fcfs = first_token_steps(fn), first_token_steps(None)
+    problems = []
+    by_length = [ours[n] for n in sorted(ours)]
+    if by_length != sorted(by_length):
+        problems.append(f"first-token steps by prompt length {sorted(ours)}: {by_length}, not in order")
+    if np.mean(list(ours.values())) >= np.mean(list(fcfs.values())):
+        problems.append(f"mean TTFT {np.mean(list(ours.values())):.2f} steps, first come first served "
+                        f"{np.mean(list(fcfs.values())):.2f}")
+    return problems
+
+
+ex.check_behaviour("Exercise 4", shortest_prompt_first, check_policy,
+                   hint="the key is compared with < : return something that grows with the prompt's length.")
+
+# %% [markdown]
+# ## References
+#
+# - The source article: *长上下文推理中的 KV Cache：容量、分页与复用边界* ("The KV cache in
+#   long-context inference: capacity, paging and the limits of reuse"), a Chinese essay in six
+#   sections; the copy the book follows gives no author or link. Its §05 pass over the candidates
+#   (`plan_iteration`, `extra_blocks`) carries over into this chapter; its sentences do not.
+# - Woosuk Kwon, Zhuohan Li, et al., *Efficient Memory Management for Large Language Model Serving
+#   with PagedAttention*, SOSP 2023, [arXiv:2309.06180](https://arxiv.org/abs/2309.06180):
+#   scheduling and preemption by swapping or recomputation.
+# - vLLM, the serving engine the book compares itself with: documentation at
+#   [docs.vllm.ai](https://docs.vllm.ai/), code at
+#   [github.com/vllm-project/vllm](https://github.com/vllm-project/vllm). This chapter read vLLM
+#   0.33.0: `vllm/v1/core/sched/scheduler.py` (`Scheduler._preempt_request`) and
+#   `vllm/v1/core/kv_cache_manager.py` (`KVCacheManager.allocate_slots`).
+# - Gyeong-In Yu et al., *Orca: A Distributed Serving System for Transformer-Based Generative
+#   Models*, OSDI 2022: iteration-level scheduling, the step-by-step batching this chapter builds.

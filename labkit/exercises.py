@@ -74,3 +74,23 @@ class Exercises:
                 shown = ", ".join(repr(a) if not hasattr(a, "shape") else f"<tensor {tuple(a.shape)}>" for a in args)
                 return self._wrong(name, f"{getattr(fn, '__name__', 'fn')}({shown}) gave {got!r}.", hint)
         print(f"✅ {name}: correct on all {len(cases)} cases.")
+
+    def check_behaviour(self, name: str, solution: Any, verify: Callable[[Any], list[str]], *,
+                        hint: str = "") -> None:
+        """Run the reader's ``solution`` (a function, a policy, a setting) and judge what it *does*.
+
+        ``verify(solution)`` exercises it on cases built by the chapter (a workload, a stream,
+        random tensors) and returns the list of broken expectations, each a sentence; an
+        empty list passes. A stub (``None``, ``...``, or a function raising
+        ``NotImplementedError``) counts as not solved yet.
+        """
+        if solution is None or solution is Ellipsis:
+            return self._not_solved(name)
+        try:
+            problems = list(verify(solution))
+        except NotImplementedError:
+            return self._not_solved(name)
+        if problems:
+            shown = "; ".join(problems[:3]) + (f" (and {len(problems) - 3} more)" if len(problems) > 3 else "")
+            return self._wrong(name, shown + ".", hint)
+        print(f"✅ {name}: the behaviour is right.")

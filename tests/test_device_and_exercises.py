@@ -65,6 +65,29 @@ def test_checker_reports_not_solved_wrong_and_right(capsys):
     assert "❌" in verdict(ex.check_function("f", lambda x: x, [((1,), 2)]))
 
 
+def test_behaviour_checker_runs_the_solution(capsys):
+    ex = Exercises("05_x")
+
+    def verify(policy) -> list[str]:
+        order = sorted([3, 1, 2], key=policy)
+        return [] if order == [1, 2, 3] else [f"served in the order {order}"]
+
+    def stub(x):
+        raise NotImplementedError
+
+    assert ex.check_behaviour("b", None, verify) is None
+    assert "not solved yet" in capsys.readouterr().out
+    ex.check_behaviour("b", stub, verify)
+    assert "not solved yet" in capsys.readouterr().out
+    ex.check_behaviour("b", lambda x: -x, verify)
+    out = capsys.readouterr().out
+    assert "❌" in out and "[3, 2, 1]" in out
+    ex.check_behaviour("b", lambda x: x, verify)
+    assert "✅" in capsys.readouterr().out
+    with pytest.raises(AssertionError, match="served in the order"):
+        Exercises("05_x", strict=True).check_behaviour("b", lambda x: -x, verify)
+
+
 def test_strict_checker_raises():
     ex = Exercises("01_x", strict=True)
     with pytest.raises(AssertionError, match="not solved"):
