@@ -905,7 +905,7 @@ def _gather_cases():
 ex.check_function("Exercise 3", gather, _gather_cases())
 
 # %% [markdown]
-# **Exercise 4 (change the kernel's behaviour).** Models such as Mistral and Gemma give some
+# **Exercise 4 (change what decode attends to).** Models such as Mistral and Gemma give some
 # layers a *sliding window*: a new token attends only to the last `window` positions, itself
 # included. Write `window_decode(q, k_cache, v_cache, block_table, seq_len, window)` for one
 # sequence: `q` is `[num_heads, head_dim]`, the pools are `[num_blocks, block_size, num_kv_heads,

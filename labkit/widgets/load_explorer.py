@@ -4,11 +4,13 @@ Four controls: the arrival rate (requests per second), the share of requests
 that start with a common 512-token document, the block size and the KV pool
 size. Each change serves a fresh, seeded ShareGPT-like workload with
 :class:`labkit.sim.Simulator` (teaching model, RTX-4090-class device, roofline
-cost model) and shows time to first token and inter-token interval percentiles,
+cost model) and shows time to first token (TTFT) and inter-token latency (ITL) percentiles,
 cache occupancy and prefix reuse, with occupancy over time.
 
-:func:`static_figure` draws TTFT p99 and mean occupancy against the arrival rate
-for a few settings: the picture for readers without a live kernel.
+Its static twin for readers without a live kernel is drawn in chapter 06 itself: one
+workload served with prefix caching on and off, TTFT p99 and mean occupancy against the
+arrival rate. (The "shared prefix" slider here *prepends* a 512-token document, so it makes
+prompts longer as well as shareable: compare settings at the same share.)
 """
 
 from __future__ import annotations
@@ -16,7 +18,6 @@ from __future__ import annotations
 import ipywidgets as widgets
 import matplotlib.pyplot as plt
 from IPython.display import clear_output, display
-from matplotlib.figure import Figure
 
 from ..capacity import GiB, format_bytes
 from ..costmodel import CostModel
@@ -42,7 +43,7 @@ def readout(result: SimResult) -> str:
     ttft, itl = result.ttft_percentiles(), result.itl_percentiles()
     rows = [
         ("time to first token p50 / p90 / p99", " / ".join(f"{ttft[k] * 1e3:,.0f}" for k in ttft) + " ms"),
-        ("inter-token interval p50 / p90 / p99", " / ".join(f"{itl[k] * 1e3:,.1f}" for k in itl) + " ms"),
+        ("inter-token latency (ITL) p50 / p90 / p99", " / ".join(f"{itl[k] * 1e3:,.1f}" for k in itl) + " ms"),
         ("mean cache occupancy", f"{result.mean_occupancy:.1%} of {result.num_blocks:,} blocks"),
         ("prompt tokens from the prefix cache", f"{result.reuse_ratio:.1%} (reusable: {result.reusable_ratio:.1%})"),
         ("throughput", f"{result.output_tokens_per_s:,.0f} tokens/s"),
@@ -101,32 +102,4 @@ def load_explorer(cost_model: CostModel | None = None) -> widgets.Widget:
     return widgets.VBox([rate, share, block, pool, table, figure])
 
 
-def static_figure(rates=(1, 2, 4, 6, 8), settings=((0.0, 2.0), (0.8, 2.0), (0.0, 0.5)),
-                  cost_model: CostModel | None = None, num_requests: int = 100, progress=None) -> Figure:
-    """TTFT p99 and mean occupancy against the arrival rate, for (prefix share, pool GiB) settings."""
-    fig, (left, right) = plt.subplots(1, 2, figsize=(9, 3.5))
-    for share, pool_gib in settings:
-        ttft, occupancy = [], []
-        for r in rates:
-            result = explore(r, share, 16, pool_gib, num_requests=num_requests, cost_model=cost_model)
-            ttft.append(result.ttft_percentiles()["p99"] * 1e3)
-            occupancy.append(result.mean_occupancy)
-            if progress is not None:
-                progress.update(1)
-        label = f"prefix share {share:.0%}, pool {format_bytes(pool_gib * GiB)}"
-        left.plot(rates, ttft, marker="o", label=label)
-        right.plot(rates, occupancy, marker="o", label=label)
-    left.set_yscale("log")
-    left.set_xlabel("arrival rate (requests/s)")
-    left.set_ylabel("TTFT p99 (ms)")
-    left.set_title("Queueing sets in where the pool fills")
-    right.set_xlabel("arrival rate (requests/s)")
-    right.set_ylabel("mean pool occupancy")
-    right.set_ylim(0, 1.05)
-    right.set_title("The pool fills with the rate, the small one first")
-    right.legend(fontsize=8)
-    fig.tight_layout()
-    return fig
-
-
-__all__ = ["explore", "readout", "plot_occupancy", "load_explorer", "static_figure"]
+__all__ = ["explore", "readout", "plot_occupancy", "load_explorer"]

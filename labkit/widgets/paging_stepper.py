@@ -152,14 +152,14 @@ def draw_pool(snapshot: Snapshot, ax: plt.Axes, block_size: int, per_row: int = 
             for s in range(block_size):  # one thin cell per slot: filled or an empty tail slot
                 ax.add_patch(Rectangle((x + 0.05 + s * w, y + 0.1), w, 0.55, lw=0.3, ec="white",
                                        fc=COLOURS.get(owner, "C9") if s < snapshot.filled[b] else "0.92"))
-            ax.text(x + 0.5, y + 0.77, f"{owner}[{snapshot.logical[b]}]", ha="center", va="center", fontsize=7)
-        ax.text(x + 0.08, y + 0.13, str(b), fontsize=5, color="0.4", va="bottom")
+            ax.text(x + 0.5, y + 0.77, f"{owner}[{snapshot.logical[b]}]", ha="center", va="center", fontsize=9)
+        ax.text(x + 0.08, y + 0.13, str(b), fontsize=7, color="0.35", va="bottom")
     ax.set_xlim(0, per_row)
     ax.set_ylim(0, rows)
     ax.set_aspect("equal")
     ax.axis("off")
     ax.set_title(f"step {snapshot.step}: {snapshot.used_blocks}/{num_blocks} blocks, "
-                 f"{snapshot.used_slots}/{snapshot.used_blocks * block_size} slots used", fontsize=8)
+                 f"{snapshot.used_slots}/{snapshot.used_blocks * block_size} slots used", fontsize=10)
 
 
 def draw_block_tables(snapshot: Snapshot, ax: plt.Axes) -> None:
@@ -170,7 +170,7 @@ def draw_block_tables(snapshot: Snapshot, ax: plt.Axes) -> None:
     for r, name in enumerate(names):
         y = len(names) - 1 - r
         colour = COLOURS.get(name, "C9")
-        x0 = 1.5 + r * 0.5  # stagger the rows a little so the arrows do not stack
+        x0 = 1.5  # every table starts in the same column: logical block i sits above i
         ax.text(x0 - 0.2, y + 0.5, f"{name}", ha="right", va="center", fontsize=9, color=colour)
         for i, block_id in enumerate(snapshot.tables[name]):
             ax.add_patch(Rectangle((x0 + i + 0.05, y + 0.15), 0.9, 0.7, fc=colour, alpha=0.35, ec="black", lw=0.8))
@@ -184,18 +184,18 @@ def draw_block_tables(snapshot: Snapshot, ax: plt.Axes) -> None:
         ax.text(b + 0.5, pool_y + 0.5, str(b), ha="center", va="center", fontsize=7)
     ax.text(0, len(names) + 0.2, "block tables: logical block i of each request", fontsize=8)
     ax.text(0, pool_y - 0.35, "physical pool: block ids (white = free)", fontsize=8)
-    ax.set_xlim(-0.2, max(num_blocks, 2 + len(names) * 0.5 + max([len(t) for t in snapshot.tables.values()] + [0])))
+    ax.set_xlim(-0.2, max(num_blocks, 2 + max([len(t) for t in snapshot.tables.values()] + [0])))
     ax.set_ylim(pool_y - 0.6, len(names) + 0.6)
     ax.set_aspect("equal")
     ax.axis("off")
 
 
 def static_figure(snapshots: list[Snapshot], steps: list[int], block_size: int, per_row: int = 8) -> Figure:
-    """The pool at a few steps side by side."""
-    fig, axes = plt.subplots(1, len(steps), figsize=(3.2 * len(steps), 1.9))
+    """The pool at a few steps, one above the other (a row of boxes per ``per_row`` blocks)."""
+    fig, axes = plt.subplots(len(steps), 1, figsize=(7, 2.1 * len(steps)))
     for ax, step in zip(list(axes) if len(steps) > 1 else [axes], steps):
         draw_pool(snapshots[step], ax, block_size, per_row)
-    fig.suptitle("Blocks are taken as requests grow and return when they finish", fontsize=10)
+    fig.suptitle("Blocks are taken as requests grow and return when they finish", fontsize=11)
     fig.tight_layout()
     return fig
 

@@ -152,8 +152,12 @@ def draw_snapshot(ax: plt.Axes, snap: Snapshot, *, title: str | None = None) -> 
             ax.add_patch(Rectangle((x, y), 0.9, 0.7, facecolor="0.93", edgecolor="0.3", zorder=2))
             ax.text(x + 0.45, y + 0.35, str(b), ha="center", va="center", fontsize=8, zorder=3)
             ax.plot([x + 0.45, b + 0.45], [y + 0.7, pool_y], color="0.6", linewidth=0.7, zorder=1)
+    if snap.evicted:  # say what the red outlines mean where they appear
+        ax.text(n / 2, -0.45, f"red outline: block{'s' if len(snap.evicted) > 1 else ''} "
+                f"{', '.join(map(str, snap.evicted))} evicted now (cached name dropped, block reused)",
+                ha="center", va="center", fontsize=8, color="red")
     ax.set_xlim(-1.6, n + 0.2)
-    ax.set_ylim(-0.2, pool_y + 1.3)
+    ax.set_ylim(-0.8 if snap.evicted else -0.2, pool_y + 1.3)
     ax.axis("off")
     ax.set_title(title if title is not None else snap.caption, fontsize=9, wrap=True)
 
