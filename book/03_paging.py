@@ -30,8 +30,8 @@ import numpy as np
 import torch
 
 import labkit
-from labkit import kernels, paging
-from labkit.cache import generate
+from labkit import kernels
+from labkit.cache import generate, generate_paged
 from labkit.model import Decoder, DecoderConfig, causal_attention
 from labkit.paging import BlockAllocator, BlockTable, OutOfBlocksError, blocks_needed
 from labkit.units import format_bytes
@@ -789,7 +789,7 @@ for device, capability, units in ((t4, (7, 5), "FP32 FMAs"), (h100, (9, 0), "bf1
 # %% [markdown]
 # ## 7. The decoder on the paged cache
 #
-# `labkit.paging.PagedKVCache` implements chapter 01's cache protocol, `attend(layer_idx, q, k,
+# `labkit.cache.PagedKVCache` implements chapter 01's cache protocol, `attend(layer_idx, q, k,
 # v)`, with these kernels: per layer one K pool and one V pool (`KVPool`, which chapters 04 and
 # 05 reuse), a block table per sequence, `write_kv` for the new tokens, then prefill or decode
 # attention. `generate_paged` prefills
@@ -800,7 +800,7 @@ for device, capability, units in ((t4, (7, 5), "FP32 FMAs"), (h100, (9, 0), "bf1
 model = Decoder.random(DecoderConfig(num_hidden_layers=2, hidden_size=128, num_attention_heads=4,
                                      num_key_value_heads=2), seed=0)
 prompts = [[1, 2, 3, 4, 5], list(range(10, 27)), [7]]
-paged_runs = paging.generate_paged(model, prompts, max_new_tokens=6, block_size=8)
+paged_runs = generate_paged(model, prompts, max_new_tokens=6, block_size=8)
 for prompt, run in zip(prompts, paged_runs):
     contiguous = generate(model, prompt, 6)
     diff = (run.logits - contiguous.logits).abs().max().item()

@@ -39,11 +39,10 @@ import torch
 import labkit
 from labkit import capacity
 from labkit.capacity import GiB
-from labkit.cache import generate
+from labkit.cache import PrefixKVCache, generate, generate_with_prefix_cache
 from labkit.model import Decoder, DecoderConfig
 from labkit.paging import BlockAllocator
-from labkit.prefix import (CacheKey, PrefixCache, PrefixKVCache, block_hash, generate_with_prefix_cache,
-                           hash_chain)
+from labkit.prefix import CacheKey, PrefixCache, block_hash, hash_chain
 from labkit.units import format_bytes
 
 torch.set_num_threads(2)

@@ -552,7 +552,7 @@ assert 8_192 * per_token == 2**30 and round(PCIE4_X16 / 1e9, 1) == 31.5
 # The attention backend is a page of code:
 
 # %%
-show_source(labkit.paging.KVPool.attend)
+show_source(labkit.cache.KVPool.attend)
 
 # %% [markdown]
 # A research assistant's load: four questions about the same 24-token report, in a pool of 24

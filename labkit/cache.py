@@ -1,22 +1,42 @@
-"""A contiguous KV cache that grows as tokens are processed (chapter 01).
+"""The KV caches that hold tensors: contiguous (chapter 01), paged (chapter 03), prefix-cached (chapter 04).
+
+Chapter 01: a contiguous cache that grows as tokens are processed.
 
 During *prefill* the model processes the whole prompt at once and every layer
 stores the prompt's keys and values. During *decode* each step feeds a single
-new token: its query attends over everything stored, then its own K and V are
-appended. Earlier positions never see later tokens (causal attention), so the
+new token: its own K and V are appended first, then its query attends over
+everything stored, itself included. Earlier positions never see later tokens (causal attention), so the
 stored K and V never change: they can be kept instead of recomputed.
 
 The price is memory: per layer, K and V of shape [batch, seq_len, Hkv, D].
+
+Chapters 03 and 04 store the same K and V in a pool of fixed-size blocks. Their
+bookkeeping (which block holds which tokens, which blocks are shared or cached) is
+in ``labkit.paging`` and ``labkit.prefix``, free of tensors; the classes here add the
+pools and the attention over them. All of them implement the one method
+``Decoder.forward`` asks of a cache, ``attend(layer_idx, q, k, v)``:
+
+* ``KVCache``: contiguous per-layer tensors, one batch of equal-length sequences;
+* ``KVPool``: every layer's K/V block pools, and paged attention for a pass that the
+  caller describes (``meta``); chapter 05's engine drives it with the scheduler's plan;
+* ``PagedKVCache``: a ``KVPool`` with a block table per sequence (chapter 03);
+* ``PrefixKVCache``: a ``KVPool`` whose blocks a ``PrefixCache`` shares between
+  successive requests, one sequence at a time (chapter 04).
 """
 
 from __future__ import annotations
 
+import itertools
+import weakref
 from dataclasses import dataclass
+from typing import Sequence
 
 import torch
 
 from .checks import check_int
 from .model import Decoder, DecoderConfig, causal_attention
+from .paging import BlockAllocator, BlockTable, OutOfBlocksError, blocks_needed
+from .prefix import CacheKey, CachedBlockTable, PrefixCache, _check_token_ids
 
 
 class KVCache:
@@ -93,3 +113,397 @@ def generate(model: Decoder, prompt_ids: list[int], max_new_tokens: int, use_cac
         tokens.append(int(logits.argmax()))
         feed = tokens[-1:] if use_cache else tokens  # decode: one token, or everything again
     return Generation(tokens[len(prompt_ids):], torch.stack(all_logits), cache.seq_len if cache else 0)
+
+
+# ----------------------------------------------------------------------------- paged (chapter 03)
+
+@dataclass
+class AttentionMetadata:
+    """The kernels' inputs for one forward pass over a paged pool.
+
+    The pass's new tokens are flattened sequence after sequence: sequence ``i`` owns
+    rows ``cu_seqlens_q[i]:cu_seqlens_q[i + 1]``, which are its *last* positions, and
+    ``slot_mapping[t]`` is the pool slot where token ``t``'s K and V go.
+    """
+
+    slot_mapping: torch.Tensor  # int64 [total_new_tokens]
+    block_tables: torch.Tensor  # int32 [num_seqs, max_blocks_per_seq]
+    seq_lens: torch.Tensor      # int32 [num_seqs], including the new tokens
+    cu_seqlens_q: torch.Tensor  # int32 [num_seqs + 1]
+
+    @classmethod
+    def build(cls, block_tables: list[list[int]], seq_lens: list[int], q_lens: list[int],
+              slot_mapping: list[int], device: torch.device) -> "AttentionMetadata":
+        """From plain lists (what a scheduler or a block table produces) to the kernels' tensors."""
+        width = max(len(row) for row in block_tables)
+        table = torch.zeros(len(block_tables), width, dtype=torch.int32)
+        for i, row in enumerate(block_tables):
+            table[i, : len(row)] = torch.tensor(row, dtype=torch.int32)
+        cu = torch.tensor([0] + q_lens, dtype=torch.int32).cumsum(0, dtype=torch.int32)
+        return cls(torch.tensor(slot_mapping, dtype=torch.int64, device=device), table.to(device),
+                   torch.tensor(seq_lens, dtype=torch.int32, device=device), cu.to(device))
+
+    @property
+    def decode_only(self) -> bool:
+        """Every sequence adds exactly one token (a pure decode step): the decode kernel's case.
+
+        Counting tokens is not enough: ``q_lens`` [2, 0] has as many tokens as sequences.
+        """
+        q_lens = self.cu_seqlens_q[1:] - self.cu_seqlens_q[:-1]
+        return bool((q_lens == 1).all())
+
+
+class KVPool:
+    """Every layer's K and V block pool, and paged attention over it.
+
+    ``k_caches[layer]`` and ``v_caches[layer]`` are ``[num_blocks, block_size, num_kv_heads,
+    head_dim]``: block ids mean the same block in every layer. ``attend`` is the decoder's cache
+    protocol for a pass described by ``self.meta``: ``write_kv`` stores the new K and V in their
+    slots, then the decode kernel (one new token per sequence) or the prefill kernel (several)
+    reads each sequence's blocks. The caches of chapters 03 to 05 differ only in who decides the
+    block tables; they all attend through this class. ``use_triton=False`` runs the kernels'
+    PyTorch references instead (same results, much faster than Triton's interpreter on a CPU).
+    """
+
+    def __init__(self, config: DecoderConfig, num_blocks: int, block_size: int,
+                 dtype: torch.dtype = torch.float32, device: torch.device | str | None = None,
+                 use_triton: bool = True):
+        check_int("num_blocks", num_blocks, 1)
+        check_int("block_size", block_size, 1)
+        if dtype not in (torch.float32, torch.float16, torch.bfloat16):
+            raise ValueError(f"dtype must be torch.float32, torch.float16 or torch.bfloat16, got {dtype}")
+        from .device import DEVICE
+
+        self.config, self.block_size, self.dtype = config, block_size, dtype
+        self.device = torch.device(device) if device is not None else DEVICE
+        self.use_triton = bool(use_triton)
+        shape = (num_blocks, block_size, config.num_key_value_heads, config.head_dim)
+        self.k_caches = [torch.zeros(shape, dtype=dtype, device=self.device) for _ in range(config.num_hidden_layers)]
+        self.v_caches = [torch.zeros(shape, dtype=dtype, device=self.device) for _ in range(config.num_hidden_layers)]
+        self.meta: AttentionMetadata | None = None  # set before each forward pass
+
+    @property
+    def bytes_per_block(self) -> int:
+        """K and V of one block in every layer."""
+        k = self.k_caches[0]
+        return 2 * len(self.k_caches) * k[0].numel() * k.element_size()
+
+    def copy_blocks(self, copies: list[tuple[int, int]]) -> None:
+        """Copy-on-write: block ``dst`` gets ``src``'s K and V in every layer, before anything writes."""
+        if copies:
+            src = torch.tensor([s for s, _ in copies], device=self.device)
+            dst = torch.tensor([d for _, d in copies], device=self.device)
+            for cache in self.k_caches + self.v_caches:
+                cache[dst] = cache[src]
+
+    def _check_qkv(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, num_tokens: int | None) -> None:
+        """q [batch, new, Hq, D], k and v [batch, new, Hkv, D], batch x new = ``num_tokens`` (None: not planned)."""
+        cfg = self.config
+        expected = (cfg.num_key_value_heads, cfg.head_dim)
+        if k.dim() != 4 or tuple(k.shape[2:]) != expected or k.shape != v.shape:
+            raise ValueError(f"k and v must be [batch, new, {expected[0]}, {expected[1]}], "
+                             f"got {tuple(k.shape)} and {tuple(v.shape)}")
+        if num_tokens is None or q.dim() != 4 or q.shape[:2] != k.shape[:2] or q.shape[-1] != cfg.head_dim \
+                or q.shape[2] != cfg.num_attention_heads or q.shape[0] * q.shape[1] != num_tokens:
+            raise ValueError(f"q must be [batch, new, {cfg.num_attention_heads}, {cfg.head_dim}] with batch x new = "
+                             f"the {num_tokens or 0} tokens of this pass, got {tuple(q.shape)}")
+
+    def attend(self, layer_idx: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
+        """q [batch, new, Hq, D], k and v [batch, new, Hkv, D], flattened in the order of ``self.meta``."""
+        from . import kernels
+
+        meta = self.meta
+        self._check_qkv(q, k, v, None if meta is None else meta.slot_mapping.numel())
+        write_kv = kernels.write_kv if self.use_triton else kernels.write_kv_ref
+        decode = kernels.paged_decode_attention if self.use_triton else kernels.paged_decode_attention_ref
+        prefill = kernels.paged_prefill_attention if self.use_triton else kernels.paged_prefill_attention_ref
+        kc, vc = self.k_caches[layer_idx], self.v_caches[layer_idx]
+        flat = lambda t: t.reshape(-1, *t.shape[2:]).to(self.dtype).contiguous()  # noqa: E731
+        write_kv(flat(k), flat(v), kc, vc, meta.slot_mapping)
+        if meta.decode_only:
+            out = decode(flat(q), kc, vc, meta.block_tables, meta.seq_lens)
+        else:
+            out = prefill(flat(q), kc, vc, meta.block_tables, meta.seq_lens, meta.cu_seqlens_q)
+        return out.view(q.shape).to(q.dtype)
+
+
+class PagedKVCache(KVPool):
+    """A paged KV cache for ``labkit.model.Decoder``: the block pools plus a block table per sequence.
+
+    Sequences are added with ``add_sequence`` and finish with ``free_sequence``; ``select``
+    says which of them are the rows of the next ``model(...)`` call (its batch).
+
+    A forward pass calls ``attend`` once per layer. Layer 0 appends the new tokens to the
+    selected block tables (all-or-nothing: ``OutOfBlocksError`` leaves everything as it was)
+    and builds the pass's slot mapping and block tables; every layer then writes its K/V
+    there and attends (``KVPool.attend``).
+
+    ``seq_len`` is the length of the selected sequences when they all have the same length
+    (what ``Decoder.forward`` uses for default positions); for a ragged batch pass
+    ``positions=cache.positions(num_new)`` to the model.
+    """
+
+    def __init__(self, config: DecoderConfig, num_blocks: int, block_size: int = 16,
+                 dtype: torch.dtype = torch.float32, device: torch.device | str | None = None,
+                 batch_size: int = 1):
+        check_int("batch_size", batch_size, 0)
+        super().__init__(config, num_blocks, block_size, dtype, device)
+        self.allocator = BlockAllocator(num_blocks)
+        self.tables: dict[int, BlockTable] = {}
+        self.active: list[int] = []
+        self._next_id = 0
+        self._next_layer = 0  # the layer the forward pass in progress reaches next
+        self.select([self.add_sequence() for _ in range(batch_size)])
+
+    # -- sequences ---------------------------------------------------------------------------
+    def add_sequence(self) -> int:
+        """Start an empty sequence (no blocks yet); return its id."""
+        seq_id, self._next_id = self._next_id, self._next_id + 1
+        self.tables[seq_id] = BlockTable(self.block_size)
+        return seq_id
+
+    def free_sequence(self, seq_id: int) -> None:
+        """The sequence finished: its blocks go back to the pool."""
+        self._check_seq(seq_id)
+        self.tables.pop(seq_id).release(self.allocator)
+        self.active = [s for s in self.active if s != seq_id]
+
+    def select(self, seq_ids: list[int]) -> None:
+        """The sequences that are rows 0, 1, ... of the next forward pass."""
+        for seq_id in seq_ids:
+            self._check_seq(seq_id)
+        if len(set(seq_ids)) != len(seq_ids):
+            raise ValueError(f"seq_ids must not repeat a sequence, got {seq_ids}")
+        self.active = list(seq_ids)
+
+    def _check_seq(self, seq_id: object) -> None:
+        if seq_id not in self.tables:
+            raise ValueError(f"seq_id must be one of the live sequences {sorted(self.tables)}, got {seq_id!r}")
+
+    # -- lengths and positions ---------------------------------------------------------------
+    def seq_lens(self) -> list[int]:
+        """Tokens stored for each selected sequence."""
+        return [self.tables[s].num_tokens for s in self.active]
+
+    @property
+    def seq_len(self) -> int:
+        """The common length of the selected sequences (``Decoder.forward``'s default start position)."""
+        lens = set(self.seq_lens())
+        if len(lens) > 1:
+            raise ValueError(f"the selected sequences have different lengths {self.seq_lens()}: "
+                             "pass positions=cache.positions(num_new) to the model")
+        return lens.pop() if lens else 0
+
+    def positions(self, num_new: int) -> torch.Tensor:
+        """Positions [batch, num_new] of the next tokens of each selected sequence."""
+        check_int("num_new", num_new, 1)
+        start = torch.tensor(self.seq_lens(), device=self.device, dtype=torch.long)[:, None]
+        return start + torch.arange(num_new, device=self.device)[None, :]
+
+    # -- memory ------------------------------------------------------------------------------
+    @property
+    def nbytes(self) -> int:
+        """Bytes of the whole pool (allocated up front, used or not)."""
+        return self.bytes_per_block * self.allocator.num_blocks
+
+    @property
+    def used_bytes(self) -> int:
+        """Bytes of the blocks that sequences hold."""
+        return self.bytes_per_block * self.allocator.num_used
+
+    # -- the decoder's cache protocol --------------------------------------------------------
+    def _plan(self, batch: int, num_new: int) -> AttentionMetadata:
+        """Layer 0 of a forward pass: grow the selected block tables; build the kernels' inputs."""
+        if batch != len(self.active):
+            raise ValueError(f"the batch has {batch} rows but {len(self.active)} sequences are selected "
+                             "(cache.select)")
+        tables = [self.tables[s] for s in self.active]
+        need = sum(t.new_blocks_for(num_new) for t in tables)
+        if need > self.allocator.num_free:  # all-or-nothing across the whole batch
+            raise OutOfBlocksError(f"need {need} blocks, only {self.allocator.num_free} of "
+                                   f"{self.allocator.num_blocks} are free")
+        slots = [slot for t in tables for slot in t.append(num_new, self.allocator)]
+        return AttentionMetadata.build([t.block_ids for t in tables], [t.num_tokens for t in tables],
+                                       [num_new] * batch, slots, self.device)
+
+    def attend(self, layer_idx: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
+        """Write this layer's new K, V [batch, new, Hkv, D] into their slots; attend q [batch, new, Hq, D]."""
+        cfg = self.config
+        if not isinstance(layer_idx, int) or not 0 <= layer_idx < cfg.num_hidden_layers:
+            raise ValueError(f"layer_idx must be an integer in [0, {cfg.num_hidden_layers - 1}], got {layer_idx!r}")
+        if layer_idx == 0:  # check q, k and v before the block tables grow
+            self._check_qkv(q, k, v, k.shape[0] * k.shape[1] if k.dim() == 4 else None)
+            self.meta = self._plan(*k.shape[:2])
+        elif self.meta is None or layer_idx != self._next_layer:
+            raise ValueError(f"layer_idx {layer_idx} came out of order: a forward pass calls layers 0, 1, 2, ...")
+        self._next_layer = layer_idx + 1
+        return super().attend(layer_idx, q, k, v)
+
+
+@torch.no_grad()
+def generate_paged(model: Decoder, prompts: list[list[int]], max_new_tokens: int, block_size: int = 16,
+                   num_blocks: int | None = None, dtype: torch.dtype = torch.float32) -> list[Generation]:
+    """Greedy decoding of several prompts of different lengths on one paged pool.
+
+    Each prompt is prefilled on its own (its blocks come from the shared pool); then all
+    sequences decode together, one token each per step, as one batch with ragged lengths.
+    By default the pool holds exactly the blocks the prompts and their new tokens need.
+    """
+    check_int("max_new_tokens", max_new_tokens, 1)
+    if not prompts or any(len(p) < 1 for p in prompts):
+        raise ValueError("prompts must be a non-empty list of non-empty token lists")
+    if num_blocks is None:
+        num_blocks = sum(blocks_needed(len(p) + max_new_tokens, block_size) for p in prompts)
+    device = model.lm_head.weight.device
+    cache = PagedKVCache(model.config, num_blocks, block_size, dtype=dtype, device=device, batch_size=0)
+    seq_ids = [cache.add_sequence() for _ in prompts]
+    tokens: list[list[int]] = [[] for _ in prompts]
+    logits: list[list[torch.Tensor]] = [[] for _ in prompts]
+    for row, (seq_id, prompt) in enumerate(zip(seq_ids, prompts)):  # prefill, one prompt at a time
+        cache.select([seq_id])
+        last = model(torch.tensor([prompt], device=device), cache=cache)[0, -1]
+        logits[row].append(last)
+        tokens[row].append(int(last.argmax()))
+    cache.select(seq_ids)
+    for _ in range(max_new_tokens - 1):  # decode, the whole batch at once
+        feed = torch.tensor([[t[-1]] for t in tokens], device=device)
+        step = model(feed, positions=cache.positions(1), cache=cache)[:, -1]
+        for row in range(len(prompts)):
+            logits[row].append(step[row])
+            tokens[row].append(int(step[row].argmax()))
+    held = cache.seq_lens()  # positions in the cache at the end, as Generation reports them
+    for seq_id in seq_ids:
+        cache.free_sequence(seq_id)
+    return [Generation(tokens=t, logits=torch.stack(lg), cache_tokens=n) for t, lg, n in zip(tokens, logits, held)]
+
+
+# ----------------------------------------------------------------------------- prefix-cached (chapter 04)
+
+class PrefixKVCache(KVPool):
+    """Paged K/V pools for ``labkit.model.Decoder`` whose blocks a ``PrefixCache`` manages, one sequence at a time.
+
+    ``begin`` gives the sequence a block table whose cached prefix is filled already; the model
+    runs on the *remaining* tokens only, and ``attend`` writes their K/V and attends over the
+    whole sequence (``KVPool.attend``). ``reuse=False`` never names a block: caching turned off.
+    """
+
+    def __init__(self, config, num_blocks: int, block_size: int, *, dtype=None, device=None,
+                 model_name: str = "teaching-model", reuse: bool = True):
+        check_int("block_size", block_size, 1)
+        super().__init__(config, num_blocks, block_size, torch.float32 if dtype is None else dtype, device)
+        self.reuse = bool(reuse)
+        self.model_name = model_name
+        self.prefix = PrefixCache(BlockAllocator(num_blocks), block_size)
+        self.table: CachedBlockTable | None = None
+        self.seq_len = 0  # tokens of the current sequence whose K/V are in the pool
+
+    def key(self, adapter: str | None = None, salt: str | None = None, *, model=None) -> CacheKey:
+        """The computation identity of this pool (model, dtype, layout, RoPE base, adapter, salt).
+
+        ``model``: the module whose weights compute the K/V; its identity joins the name, so two
+        models never share blocks through one pool.
+        """
+        name = self.model_name if model is None else f"{self.model_name} (weights #{_weights_id(model)})"
+        return CacheKey(model=name, adapter=adapter, cache_dtype=str(self.dtype).replace("torch.", ""),
+                        cache_layout="NHD", rope_theta=float(self.config.rope_theta), salt=salt)
+
+    def begin(self, prompt_ids: Sequence[int], key: CacheKey | None = None) -> int:
+        """Start a sequence for ``prompt_ids``; return how many prompt tokens are already cached."""
+        if self.table is not None:
+            raise ValueError("a sequence is running: call end() before begin()")
+        self.table, num_cached = self.prefix.allocate(prompt_ids, key or self.key())
+        self.seq_len = num_cached
+        return num_cached
+
+    def extend(self, token_ids: Sequence[int]) -> None:
+        """Reserve slots for decode tokens; copy a shared tail block first (copy-on-write)."""
+        self.copy_blocks(self.prefix.append(self._running(), token_ids).copies)
+
+    def end(self) -> None:
+        """The sequence finished: release its blocks (its full blocks stay cached)."""
+        self.prefix.release(self._running())
+        self.table, self.seq_len = None, 0
+
+    def _running(self) -> CachedBlockTable:
+        if self.table is None:
+            raise ValueError("no sequence is running: call begin(prompt_ids) first")
+        return self.table
+
+    def attend(self, layer_idx: int, q, k, v):
+        """Write the new tokens' K/V into their slots, then attend over the whole sequence."""
+        table = self._running()
+        start = self.seq_len
+        self._check_qkv(q, k, v, k.shape[0] * k.shape[1] if k.dim() == 4 else None)
+        batch, num_new = k.shape[:2]
+        if batch != 1:
+            raise ValueError(f"q, k, v must have batch 1 (one sequence at a time), got batch {batch}")
+        if start + num_new > table.num_tokens:
+            raise ValueError(f"{num_new} new tokens after {start} exceed the {table.num_tokens} reserved slots "
+                             "(begin() or extend() first)")
+        if layer_idx == 0:
+            slots = table.slots(start, start + num_new)
+            self.meta = AttentionMetadata.build([table.block_ids], [start + num_new], [num_new], slots, self.device)
+        out = super().attend(layer_idx, q, k, v)
+        if layer_idx == self.config.num_hidden_layers - 1:  # the last layer: these tokens are done
+            self.seq_len = start + num_new
+            if self.reuse:
+                self.prefix.cache_full_blocks(table, self.seq_len)
+        return out
+
+
+_weights_ids: "weakref.WeakKeyDictionary[object, int]" = weakref.WeakKeyDictionary()
+_next_weights_id = itertools.count()
+
+
+def _weights_id(model) -> int:
+    """A number for ``model`` that no other live or later model gets (``id`` can be reused)."""
+    if model not in _weights_ids:
+        _weights_ids[model] = next(_next_weights_id)
+    return _weights_ids[model]
+
+
+@dataclass
+class PrefixGeneration:
+    """One request's greedy output; prompt tokens found in the cache (``num_cached_tokens``) and
+    computed (``num_prefill_tokens``); one-token passes after the prefill (``num_decode_steps``)."""
+
+    tokens: list[int]
+    logits: torch.Tensor  # [max_new_tokens, vocab_size]
+    num_cached_tokens: int
+    num_prefill_tokens: int
+    num_decode_steps: int
+
+
+def generate_with_prefix_cache(model, kv: PrefixKVCache, prompt_ids: Sequence[int], max_new_tokens: int,
+                               key: CacheKey | None = None) -> PrefixGeneration:
+    """Greedy decoding of one request on ``kv``: prefill only the uncached suffix, then decode.
+
+    Reuses blocks named by earlier requests of the same ``model`` on ``kv`` (``key`` defaults to
+    ``kv.key(model=model)``) and names its own full blocks for later ones.
+    """
+    check_int("max_new_tokens", max_new_tokens, 1)
+    prompt = _check_token_ids(prompt_ids, min_len=1)
+    _check_vocab(prompt, model.config.vocab_size)  # before begin(): a bad id must change nothing
+    device = model.lm_head.weight.device
+    num_cached = kv.begin(prompt, key or kv.key(model=model))
+    try:
+        with torch.no_grad():
+            logits = model(torch.tensor([prompt[num_cached:]], device=device), cache=kv)[0, -1]
+            out_logits, tokens = [logits], [int(logits.argmax())]
+            for _ in range(max_new_tokens - 1):
+                kv.extend(tokens[-1:])
+                logits = model(torch.tensor([tokens[-1:]], device=device), cache=kv)[0, -1]
+                out_logits.append(logits)
+                tokens.append(int(logits.argmax()))
+    finally:
+        kv.end()
+    return PrefixGeneration(tokens, torch.stack(out_logits), num_cached, len(prompt) - num_cached,
+                            max_new_tokens - 1)
+
+
+def _check_vocab(tokens: tuple[int, ...], vocab_size: int) -> None:
+    """Every id must name a row of the embedding table: [0, vocab_size)."""
+    if tokens and max(tokens) >= vocab_size:
+        bad = next(t for t in tokens if t >= vocab_size)
+        raise ValueError(f"prompt_ids must hold token ids in [0, {vocab_size - 1}] (the model's vocab_size is "
+                         f"{vocab_size}), found {bad}")

@@ -30,7 +30,7 @@ from typing import Any, Callable, Sequence
 import torch
 
 from .model import Decoder
-from .paging import AttentionMetadata, KVPool
+from .cache import AttentionMetadata, KVPool
 from .prefix import CacheKey
 from .scheduler import Request, RequestStatus, Scheduler, Step, StepStats
 

@@ -1,43 +1,27 @@
 """Capacity in the scheduler: which requests run in the next step, and with how many tokens (chapter 05).
 
-A serving engine runs in *steps* (iterations). Each step the scheduler picks
-requests and a number of tokens for each; the model then computes those tokens
-in one batched forward pass. Two budgets bound a step:
+An engine runs in *steps*: each step the scheduler picks requests and a number of tokens
+for each, and the model computes them in one batched pass. Two budgets bound a step: the
+**token budget** (``max_num_batched_tokens``, the compute of one pass) and the **free
+blocks** of the KV pool (every computed token's K/V need a slot in a block the request
+holds before the pass writes it). ``plan_iteration`` is the article's budget pass, line for
+line: a prompt longer than the budget is split over steps (chunked prefill), a decoding
+request asks for one token per step. What a turn takes from the pool is ``extra_blocks``
+(written once, in ``labkit.prefix`` beside the copy-on-write test, and re-exported here).
 
-* a **token budget** (``max_num_batched_tokens``): the compute of one pass, and
-* the **free blocks** of the KV pool: every token computed leaves its K and V in
-  a slot, and a slot lives in a block that must exist before the pass writes it.
+``Scheduler`` keeps the state around that pass (no tensors) and follows vLLM v1
+(``vllm/v1/core/sched/scheduler.py``, ``Scheduler.schedule``, vLLM 0.33.0): running requests
+(oldest first) come before waiting ones (first come, first served), at most ``max_num_seqs``
+run at once; once a waiting request does not get its blocks nobody behind it is admitted
+(``head_of_line``); a waiting request's prefix hit is looked up just before its turn and
+full blocks are named when allocated, so a request admitted later in the same step shares
+them; when the running requests cannot all grow, the newest is **preempted by recompute**
+(its blocks go back, it returns to the front of the queue) and nobody is admitted that step.
 
-``plan_iteration`` is the budget pass of the article's §05, line for line. Each
-candidate asks for ``min(num_new_tokens, token_budget)`` tokens; when the budget is
-spent the pass stops; a candidate whose ``extra_blocks`` exceed the free blocks is
-skipped; otherwise its blocks are reserved and both budgets shrink. A prompt
-longer than the budget is therefore split over several steps (chunked prefill),
-and a decoding request asks for one token per step.
-
-``Scheduler`` keeps the state around that pass, and nothing else (no tensors).
-It follows vLLM v1 (``vllm/v1/core/sched/scheduler.py``, ``Scheduler.schedule``, vLLM 0.33.0):
-
-* running requests (oldest first) are candidates before waiting ones (first come,
-  first served), and at most ``max_num_seqs`` requests run at once;
-* once a waiting request does not get its blocks, nobody queued behind it is
-  admitted in that step (``head_of_line``): otherwise small newcomers could take
-  every block that frees up and a large request would wait forever;
-* a waiting request's cached prefix (chapter 04) is looked up just before its
-  turn; those tokens are not computed again. Full blocks get their names when
-  they are *allocated* (``KVCacheManager.allocate_slots`` calls ``cache_blocks``),
-  so a request admitted later in the same step already shares them;
-* **preemption by recompute**: when the running requests' next tokens cannot all
-  get blocks, the newest running request gives all its blocks back and returns to
-  the *front* of the waiting queue; later its tokens are computed again (its full
-  blocks often survive in the prefix cache). No one is admitted in that step.
-
-``schedule()`` returns a ``Step``: for each scheduled request a ``ScheduledChunk``
-(token ids, positions, slot mapping, block table), the copy-on-write block pairs
-to apply before writing, the preempted requests and the step's statistics.
-After the model ran, ``postprocess(step, sampled_token_ids)`` appends the sampled
-tokens, finishes requests and releases their blocks. Chapter 05's engine drives
-it with a real model; chapter 06's simulator with synthetic tokens and a cost model.
+``schedule()`` returns a ``Step`` (a ``ScheduledChunk`` per request: token ids, positions,
+slot mapping, block table; the copy-on-write pairs; the preempted requests; statistics).
+After the model ran, ``postprocess(step, sampled_token_ids)`` appends the sampled tokens,
+finishes requests and releases their blocks.
 """
 
 from __future__ import annotations
@@ -50,10 +34,10 @@ from typing import Any, Callable, Iterable, Iterator, Sequence
 
 from .checks import check_int
 from .paging import BlockAllocator, blocks_needed
-from .prefix import CachedBlockTable, CacheKey, PrefixCache, PrefixMatch, tail_is_shared
+from .prefix import CachedBlockTable, CacheKey, PrefixCache, PrefixMatch, extra_blocks
 
 __all__ = ["RequestStatus", "Request", "extra_blocks", "plan_iteration", "Decision", "ScheduledChunk",
-           "StepStats", "Step", "Scheduler"]
+           "StepStats", "Step", "DecodeStretch", "Scheduler"]
 
 
 class RequestStatus(enum.Enum):
@@ -69,16 +53,10 @@ _request_ids = itertools.count()
 class Request:
     """One generation request and its scheduling state.
 
-    ``prompt_token_ids`` (at least one id >= 0) and ``max_new_tokens`` (>= 1) come from
-    the user; ``eos_token_id`` optionally ends the request early. The rest is state:
-
-    * ``output_token_ids``: tokens sampled so far.
-    * ``num_computed_tokens``: leading tokens whose K/V are in the pool (or will be
-      once the current step runs). For a waiting request, during its turn in a step:
-      the tokens its prefix-cache hit would give it.
-    * ``block_table``: the physical blocks holding those K/V (chapter 04's
-      ``CachedBlockTable``), ``None`` while the request holds no blocks.
-    * ``num_cached_tokens``: tokens of the last admission served by the prefix cache.
+    ``num_computed_tokens``: leading tokens whose K/V are in the pool (or will be once the
+    current step runs; for a waiting request during its turn, its prefix hit). ``block_table``:
+    the blocks holding them (chapter 04's ``CachedBlockTable``), ``None`` while it holds none.
+    ``num_cached_tokens``: tokens of the last admission served by the prefix cache.
     """
 
     prompt_token_ids: list[int]
@@ -119,38 +97,31 @@ class Request:
         prefilling, 1 while decoding. A count, not a list."""
         return self.num_tokens - self.num_computed_tokens
 
+    def token_ids(self, start: int, stop: int) -> list[int]:
+        """The tokens at positions ``[start, stop)`` (while decoding, without copying the whole history)."""
+        p = len(self.prompt_token_ids)
+        return self.output_token_ids[start - p:stop - p] if start >= p else self.all_token_ids[start:stop]
+
     @property
     def is_finished(self) -> bool:
         return self.status is RequestStatus.FINISHED
-
-
-def extra_blocks(num_computed_tokens: int, num_blocks_held: int, tokens: int, block_size: int, *,
-                 shared_tail: bool = False, revived_blocks: int = 0) -> int:
-    """Free blocks that computing ``tokens`` more tokens of a request takes from the pool.
-
-    Three terms, each a block that must leave the free pool before the step writes:
-
-    * **new blocks** for the slots: positions ``[num_computed_tokens, num_computed_tokens
-      + tokens)`` need ``blocks_needed(num_computed_tokens + tokens)`` blocks, of which the
-      request holds ``num_blocks_held``;
-    * **copy-on-write**: +1 when the next token lands in a partly filled tail block that
-      another request also holds (``shared_tail``): it gets a private copy first;
-    * **revived blocks**: a waiting request's prefix hit may point at cached blocks that
-      no one holds; they sit in the free queue, and taking them uses free blocks too.
-    """
-    check_int("tokens", tokens, 0)
-    check_int("block_size", block_size, 1)
-    if tokens == 0:
-        return 0
-    new = max(0, blocks_needed(num_computed_tokens + tokens, block_size) - num_blocks_held)
-    copy = 1 if shared_tail and num_computed_tokens % block_size else 0
-    return new + copy + revived_blocks
 
 
 def _own_blocks(request: Request, tokens: int, block_size: int) -> int:
     """``extra_blocks`` of a request judged on its own: no sharing, no revival."""
     held = len(request.block_table.block_ids) if request.block_table is not None else 0
     return extra_blocks(request.num_computed_tokens, held, tokens, block_size)
+
+
+@dataclass
+class DecodeStretch:
+    """What ``Scheduler.advance_decodes`` did: per step, the blocks in use after its reservations;
+    the requests finished, by step; each running request's block table at the end or at its finish
+    (the table's own list: read it before the next step)."""
+
+    used_blocks: list[int]
+    finished: dict[int, list[Request]]
+    block_tables: list[list[int]]
 
 
 @dataclass
@@ -293,16 +264,13 @@ class Step:
 class Scheduler:
     """Continuous batching over a paged KV pool with a prefix cache (no tensors).
 
-    ``num_blocks``: the pool size, or pass ``allocator`` (a ``BlockAllocator``) or
-    ``prefix_cache`` (a ``PrefixCache``) to share one. ``block_size``: tokens per block.
-    ``max_num_batched_tokens``: the token budget of one step. ``max_num_seqs``: at most
-    this many requests run at once (vLLM's default, 256). ``enable_prefix_caching``:
-    look up and name full blocks (off: nothing is looked up or named). ``priority``:
-    ``None`` serves the waiting queue first come, first served; a key function reorders
-    it before each step (smaller first). ``cache_key``: the computation identity for
-    prefix hashing (chapter 04). ``head_of_line``: ``True`` (as vLLM): once a waiting
-    request does not get its blocks, no request behind it is admitted in that step.
-    ``False``: the article's rule, a later, smaller request may pass it.
+    ``num_blocks``: the pool size, or pass ``allocator`` or ``prefix_cache`` to share one.
+    ``max_num_batched_tokens``: the token budget of a step; ``max_num_seqs``: the most requests
+    running at once (vLLM's default, 256). ``enable_prefix_caching``: look up and name full blocks.
+    ``priority``: ``None`` serves the queue first come, first served; a key function reorders it
+    before each step (smaller first). ``cache_key``: the computation identity for prefix hashing.
+    ``head_of_line``: ``True`` (as vLLM) admits nobody behind a waiting request that did not get
+    its blocks; ``False`` is the article's rule, a later, smaller request may pass it.
 
     Use: ``add_request`` any time; each step ``step = schedule()``, run the model on
     ``step.chunks``, then ``postprocess(step, sampled_token_ids)``.
@@ -326,37 +294,30 @@ class Scheduler:
             raise ValueError(f"allocator must be a labkit.paging.BlockAllocator, got {type(allocator).__name__}")
         if priority is not None and not callable(priority):
             raise ValueError("priority must be None (first come, first served) or a key function of a Request")
-        self.allocator = allocator
-        self.prefix_cache = prefix_cache or PrefixCache(allocator, block_size)
-        self.block_size = block_size
+        self.allocator, self.prefix_cache = allocator, prefix_cache or PrefixCache(allocator, block_size)
+        self.block_size, self.max_num_seqs = block_size, max_num_seqs
         self.max_num_batched_tokens = max_num_batched_tokens
-        self.max_num_seqs = max_num_seqs
-        self.enable_prefix_caching = bool(enable_prefix_caching)
-        self.priority = priority
-        self.cache_key = cache_key
-        self.head_of_line = bool(head_of_line)
+        self.enable_prefix_caching, self.head_of_line = bool(enable_prefix_caching), bool(head_of_line)
+        self.priority, self.cache_key = priority, cache_key
         self.waiting: deque[Request] = deque()
         self.running: list[Request] = []
         self.finished: list[Request] = []
         self.requests: dict[Any, Request] = {}  # unfinished requests by request_id
         self.num_steps = 0
-        self._hits: dict[int, PrefixMatch] = {}  # id(request) -> its prefix hit, during one schedule()
-        self._last_needed = 0  # extra_blocks of the turn plan_iteration is at
-        self._chunks: list[ScheduledChunk] = []  # filled by _reserve during one schedule()
-        self._copies: list[tuple[int, int]] = []
+        self._hits: dict[int, PrefixMatch] = {}  # during one schedule(): id(request) -> its prefix hit,
+        self._chunks: list[ScheduledChunk] = []  # the chunks reserved so far
+        self._copies: list[tuple[int, int]] = []  # and the copy-on-write pairs
 
-    # ------------------------------------------------------------------ requests
     @property
     def num_blocks(self) -> int:
         return self.allocator.num_blocks
 
+    def has_unfinished(self) -> bool:
+        return bool(self.waiting or self.running)
+
     def add_request(self, request: Request | Sequence[int], max_new_tokens: int | None = None,
                     eos_token_id: int | None = None) -> Request:
-        """Queue a ``Request`` (or build one from prompt ids and ``max_new_tokens``); returns it.
-
-        Refuses a request that could not fit even alone in the whole pool, as engines do
-        ("max seq len is larger than the KV cache"): it would wait forever.
-        """
+        """Queue a ``Request`` (or build one from prompt ids and ``max_new_tokens``); returns it."""
         if not isinstance(request, Request):
             if max_new_tokens is None:
                 raise ValueError("max_new_tokens must be given (an integer >= 1) with prompt token ids")
@@ -368,11 +329,8 @@ class Scheduler:
         return request
 
     def check_fits(self, request: Request) -> None:
-        """ValueError unless ``request`` is new, its id unused, and its whole length fits in the pool.
-
-        The last sampled token is never fed back, so it needs no slot: prompt +
-        max_new_tokens - 1 slots.
-        """
+        """ValueError unless ``request`` is new, its id unused, and it fits alone in the pool (else it
+        would wait forever): prompt + max_new_tokens - 1 slots (the last token is never fed back)."""
         if not isinstance(request, Request):
             raise ValueError(f"request must be a Request, got {type(request).__name__}")
         if (request.status is not RequestStatus.WAITING or request.num_computed_tokens
@@ -387,28 +345,20 @@ class Scheduler:
                              f"more than the pool's {self.num_blocks}")
 
     def fork(self, request: Request) -> Request:
-        """A twin of a running request that shares all of its blocks (parallel sampling, beam search).
-
-        Nothing is copied now. The first of the two that writes into their shared, partly
-        filled tail block gets a private copy of it first (copy-on-write): one of the cases
-        ``extra_blocks`` counts, and a ``(src, dst)`` pair in that step's ``copies``.
-        """
+        """A twin of a running request sharing all its blocks (parallel sampling). The first of the two
+        to write into their shared, partly filled tail gets a private copy then (copy-on-write)."""
         if not isinstance(request, Request) or request.status is not RequestStatus.RUNNING \
                 or self.requests.get(request.request_id) is not request:
             raise ValueError("request must be a running request of this scheduler")
         if len(self.running) >= self.max_num_seqs:
             raise ValueError(f"max_num_seqs: {self.max_num_seqs} requests run already")
-        child = Request(list(request.prompt_token_ids), request.max_new_tokens, request.eos_token_id)
-        child.output_token_ids = list(request.output_token_ids)
-        child.num_computed_tokens = request.num_computed_tokens
-        child.block_table = self.prefix_cache.fork(request.block_table)
-        child.status = RequestStatus.RUNNING
+        child = Request(list(request.prompt_token_ids), request.max_new_tokens, request.eos_token_id,
+                        output_token_ids=list(request.output_token_ids),
+                        num_computed_tokens=request.num_computed_tokens,
+                        block_table=self.prefix_cache.fork(request.block_table), status=RequestStatus.RUNNING)
         self.running.append(child)
         self.requests[child.request_id] = child
         return child
-
-    def has_unfinished(self) -> bool:
-        return bool(self.waiting or self.running)
 
     # ------------------------------------------------------------------ one step
     def schedule(self) -> Step:
@@ -418,38 +368,26 @@ class Scheduler:
         preempted = self._preempt_until_running_fit()
         if self.priority is not None:
             self.waiting = deque(sorted(self.waiting, key=self.priority))
-        # After a preemption no waiting request is admitted this step (as in vLLM): the
-        # blocks just freed go to the running requests that needed them, not to newcomers.
+        # After a preemption nobody is admitted this step (as in vLLM): the blocks just freed go
+        # to the running requests that needed them.
         decisions: list[Decision] = []
         plan_iteration(self._candidates(include_waiting=not preempted), self.allocator.num_free,
                        self.max_num_batched_tokens, self.block_size, self._reserve, self._extra_blocks, decisions)
         for request in self.waiting:  # those not admitted: drop their tentative prefix hit
             request.num_computed_tokens = 0
-        chunks, copies = self._chunks, self._copies
-        self._chunks, self._copies, self._hits = [], [], {}
-        stats = StepStats(
-            step=self.num_steps,
-            scheduled_tokens=sum(c.num_tokens for c in chunks),
-            prefill_tokens=sum(c.num_tokens for c in chunks if c.num_tokens > 1 or not c.samples),
-            decode_tokens=sum(1 for c in chunks if c.num_tokens == 1 and c.samples),
-            num_scheduled=len(chunks),
-            prefix_hit_tokens=sum(c.num_cached_tokens for c in chunks),
-            preemptions=len(preempted),
-            copies=len(copies),
-            free_blocks=self.allocator.num_free,
-            used_blocks=self.allocator.num_used,
-            cached_blocks=self.prefix_cache.num_cached_blocks,
-            num_running=len(self.running),
-            num_waiting=len(self.waiting),
-        )
+        chunks, copies, self._chunks, self._copies, self._hits = self._chunks, self._copies, [], [], {}
+        total, decode = sum(c.num_tokens for c in chunks), sum(1 for c in chunks if c.num_tokens == 1 and c.samples)
+        stats = StepStats(step=self.num_steps, scheduled_tokens=total, prefill_tokens=total - decode,
+                          decode_tokens=decode, num_scheduled=len(chunks),
+                          prefix_hit_tokens=sum(c.num_cached_tokens for c in chunks), preemptions=len(preempted),
+                          copies=len(copies), free_blocks=self.allocator.num_free, used_blocks=self.allocator.num_used,
+                          cached_blocks=self.prefix_cache.num_cached_blocks, num_running=len(self.running),
+                          num_waiting=len(self.waiting))
         return Step(self.num_steps, chunks, copies, preempted, stats, decisions)
 
     def postprocess(self, step: Step, sampled_token_ids: Sequence[int]) -> list[Request]:
-        """After the model ran: append one sampled token per sampling chunk; finish and release.
-
-        ``sampled_token_ids`` holds one id per chunk of ``step.sampling_chunks``, in order.
-        Returns the requests that finished (their named full blocks stay cached).
-        """
+        """After the model ran: append one sampled token per chunk of ``step.sampling_chunks``, in
+        order; finish and release. Returns the finished requests (named full blocks stay cached)."""
         sampling = step.sampling_chunks
         if len(sampled_token_ids) != len(sampling):
             raise ValueError(f"sampled_token_ids must hold one id per sampling chunk ({len(sampling)}), "
@@ -468,121 +406,152 @@ class Scheduler:
         return finished
 
     def finish(self, request: Request) -> None:
-        """The request is done, or cancelled while waiting: release its blocks (named full
-        blocks stay cached) and move it to ``finished``."""
+        """Done, or cancelled while waiting: release its blocks (named full blocks stay cached)."""
         if not isinstance(request, Request) or self.requests.get(request.request_id) is not request:
             raise ValueError("request must be an unfinished request of this scheduler")
-        if request.status is RequestStatus.RUNNING:
-            self.running.remove(request)
-        else:
-            self.waiting.remove(request)
+        (self.running if request.status is RequestStatus.RUNNING else self.waiting).remove(request)
         self._release(request)
         request.status = RequestStatus.FINISHED
         del self.requests[request.request_id]
         self.finished.append(request)
 
+    def advance_decodes(self, max_steps: int, next_tokens: Callable[[Request, int], Sequence[int]],
+                        may_run: Callable[[int, int, int, int], bool]) -> DecodeStretch:
+        """Up to ``max_steps`` pure-decode steps at once: what as many ``schedule()`` + ``postprocess()`` do.
+
+        For chapter 06's simulator, which checks that the steps are pure decode (every running
+        request, none with an ``eos_token_id``, computes one token per step; nobody waiting can be
+        admitted). ``next_tokens(request, n)``: the next ``n`` tokens it samples. Before step ``s``,
+        ``may_run(s, new_blocks, active, context)`` is asked (the blocks the step takes, the requests
+        still running and their tokens computed so far); the stretch ends at the first no. The
+        allocator sees the same events in the same order as when stepping: each step, the requests
+        that start a new block, in running order, then the finishing ones release theirs. Tokens
+        landing in a block a request holds touch nothing shared, so each request's are appended in
+        one ``_append`` (the stepping code) at its next new block, its finish or the end.
+        """
+        check_int("max_steps", max_steps, 0)
+        bs, running = self.block_size, list(self.running)
+        if any(r.eos_token_id is not None for r in running):
+            raise ValueError("running requests must have no eos_token_id: their last step must be known ahead")
+        computed = [r.num_computed_tokens for r in running]
+        sampled = [len(r.output_token_ids) for r in running]
+        last = [r.max_new_tokens - n - 1 for r, n in zip(running, sampled)]  # the step of its last token
+        new_block: list[list[int]] = [[] for _ in range(bs)]  # request j starts a block in step s
+        for j, c in enumerate(computed):                      # when (c + s) % bs == 0
+            new_block[c % bs].append(j)
+        num_new_block = [len(group) for group in new_block]  # of them, those still running
+        finishing: dict[int, list[int]] = {}
+        for j, end in enumerate(last):
+            finishing.setdefault(end, []).append(j)
+        # The tables' lists grow in place; releasing a table gives it a new, empty one.
+        stretch = DecodeStretch([], {}, [r.block_table.block_ids for r in running])
+
+        def catch_up(j: int, steps: int) -> None:  # request j after `steps` steps: its tokens sampled, computed
+            r, stop = running[j], computed[j] + steps
+            r.output_token_ids.extend(next_tokens(r, sampled[j] + steps - len(r.output_token_ids)))
+            if stop > r.num_computed_tokens:
+                self._append(r, r.token_ids(r.num_computed_tokens, stop))
+
+        active, context, s = len(running), sum(computed), 0
+        while s < max_steps and may_run(s, num_new_block[-s % bs], active, context):
+            for j in new_block[-s % bs]:
+                if s <= last[j]:
+                    catch_up(j, s + 1)
+            stretch.used_blocks.append(self.allocator.num_used)
+            context += active
+            for j in finishing.get(s, ()):
+                catch_up(j, s + 1)
+                self.finish(running[j])
+                stretch.finished.setdefault(s, []).append(running[j])
+                active, context = active - 1, context - computed[j] - s - 1
+                num_new_block[computed[j] % bs] -= 1
+            s += 1
+        for j, end in enumerate(last):
+            if end >= s:
+                catch_up(j, s)
+        self.num_steps += s
+        return stretch
+
     # ------------------------------------------------------------------ helpers
     def _candidates(self, include_waiting: bool = True) -> Iterator[Request]:
-        """Running requests first (oldest first), then the waiting queue in order.
-
-        A generator: a waiting request's prefix hit is looked up just before its turn,
-        after the requests before it reserved (and named) their blocks. It stops offering
-        waiting requests when ``max_num_seqs`` run, and, with ``head_of_line``, after the
-        first waiting request the pass skipped: the article's ``continue`` would let
-        smaller requests behind it take the blocks that free up, step after step.
-        """
+        """Running requests (oldest first), then waiting ones in order, while fewer than ``max_num_seqs``
+        run. Lazily: a waiting request's prefix hit is looked up just before its turn, after the
+        requests before it named their blocks. With ``head_of_line`` it stops after the first
+        waiting request the pass skipped (else smaller ones behind it could starve it)."""
         yield from list(self.running)
-        if not include_waiting:
-            return
-        for request in list(self.waiting):
+        for request in list(self.waiting) if include_waiting else ():
             if len(self.running) >= self.max_num_seqs:
                 return
             if self.enable_prefix_caching:
-                hit = self.prefix_cache.match(request.all_token_ids, self.cache_key)
-                self._hits[id(request)] = hit
+                hit = self._hits[id(request)] = self.prefix_cache.match(request.all_token_ids, self.cache_key)
                 request.num_computed_tokens = hit.num_cached_tokens
             yield request
             if self.head_of_line and request.status is RequestStatus.WAITING:
-                return  # it did not fit: nobody queued behind it may pass it (no starvation)
+                return
 
-    def _extra_blocks(self, request: Request, tokens: int, dropped: Counter | None = None) -> int:
-        """``extra_blocks`` of ``request`` now: its prefix hit if waiting, its shared tail if running.
-
-        ``dropped``: references that copy-on-writes planned earlier in a dry run will drop
-        (after the first of two forks copies their shared tail, the second owns it alone).
-        """
+    def _extra_blocks(self, request: Request, tokens: int, released: Counter | None = None) -> int:
+        """``extra_blocks`` of ``request`` now: after its prefix hit if waiting, on its table if running.
+        ``released``: tail references that copies planned earlier in a dry run drop."""
         if request.status is RequestStatus.WAITING:
-            hit = self._hits.get(id(request), PrefixMatch((), 0, ()))
-            refs = self.allocator.ref_counts
-            self._last_needed = extra_blocks(hit.num_cached_tokens, hit.num_cached_blocks, tokens, self.block_size,
-                                             revived_blocks=sum(1 for b in hit.block_ids if refs[b] == 0))
-            return self._last_needed
+            return self.prefix_cache.hit_extra_blocks(self._hits.get(id(request), PrefixMatch((), 0, ())), tokens)
         table = request.block_table
-        shared = tail_is_shared(table, self.allocator)
-        if shared and dropped:
-            shared = self.allocator.ref_counts[table.block_ids[-1]] - dropped[table.block_ids[-1]] > 1
-        self._last_needed = extra_blocks(request.num_computed_tokens, len(table.block_ids), tokens,
-                                         self.block_size, shared_tail=shared)
-        return self._last_needed
+        return self.prefix_cache.extra_blocks(table, tokens, released[table.block_ids[-1]] if released else 0)
 
     def _reserve(self, request: Request, tokens: int) -> None:
-        """Take the blocks ``plan_iteration`` counted, name the full ones, record the chunk."""
-        free_before = self.allocator.num_free
-        needed = self._last_needed  # what plan_iteration just counted for this turn
-        start, prompt_len = request.num_computed_tokens, len(request.prompt_token_ids)
-        chunk_ids = (request.output_token_ids[start - prompt_len:start - prompt_len + tokens] if start >= prompt_len
-                     else request.all_token_ids[start:start + tokens])  # (decode: no copy of the whole history)
-        num_cached = 0
+        """Take the blocks ``plan_iteration`` counted (admitting a waiting request); record the chunk."""
+        start, num_cached = request.num_computed_tokens, 0
+        chunk_ids = request.token_ids(start, start + tokens)
         if request.status is RequestStatus.WAITING:  # admit: prefix hit + fresh blocks in one go
-            table, num_cached = self.prefix_cache.allocate(request.all_token_ids[:start + tokens], self.cache_key,
-                                                           lookup=self.enable_prefix_caching)
-            if num_cached != start:
-                raise RuntimeError(f"the prefix hit changed between lookup ({start}) and reservation ({num_cached})")
-            slot_mapping = [table.slot(p) for p in range(start, start + tokens)]
-            request.block_table, request.num_cached_tokens = table, num_cached
-            request.status = RequestStatus.RUNNING
+            request.block_table, num_cached = self.prefix_cache.allocate(
+                request.all_token_ids[:start + tokens], self.cache_key, lookup=self.enable_prefix_caching)
+            request.num_cached_tokens, request.status = num_cached, RequestStatus.RUNNING
             self.waiting.remove(request)
             self.running.append(request)
+            request.num_computed_tokens = start + tokens
+            self._name_full_blocks(request)
         else:
-            result = self.prefix_cache.append(request.block_table, chunk_ids)
-            slot_mapping = result.slot_mapping
-            self._copies.extend(result.copies)
-        if free_before - self.allocator.num_free != needed:
-            raise RuntimeError(f"extra_blocks said {needed} blocks, the allocation took "
-                               f"{free_before - self.allocator.num_free}")
-        request.num_computed_tokens = start + tokens
+            self._copies.extend(self._append(request, chunk_ids))
         table = request.block_table
-        if self.enable_prefix_caching and request.num_computed_tokens // self.block_size > table.num_named_blocks:
-            # vLLM: allocate_slots -> cache_blocks, so a request admitted later in this step shares them
-            self.prefix_cache.cache_full_blocks(table, request.num_computed_tokens)
-        self._chunks.append(ScheduledChunk(request, chunk_ids, start, slot_mapping,
-                                           list(request.block_table.block_ids),
-                                           samples=start + tokens == request.num_tokens,
+        self._chunks.append(ScheduledChunk(request, chunk_ids, start, table.slots(start, start + tokens),
+                                           list(table.block_ids), samples=start + tokens == request.num_tokens,
                                            num_cached_tokens=num_cached))
 
-    def _preempt_until_running_fit(self) -> list[Request]:
-        """vLLM's rule: while the running requests' next tokens need more blocks than are free,
-        preempt the newest running request (recompute later).
+    def _append(self, request: Request, token_ids: list[int]) -> list[tuple[int, int]]:
+        """Slots for a running request's next tokens; returns the copy-on-write pairs."""
+        copies = self.prefix_cache.grow(request.block_table, token_ids)
+        request.num_computed_tokens += len(token_ids)
+        self._name_full_blocks(request)
+        return copies
 
-        The budget pass itself, as a dry run over the running requests: if it would skip
-        one, the running requests do not fit. A running request is not simply skipped:
-        it holds blocks, and if each waited for another's, none would ever move.
+    def _name_full_blocks(self, request: Request) -> None:
+        """vLLM's ``allocate_slots`` calls ``cache_blocks``: a request admitted later in the step shares them."""
+        table = request.block_table
+        if self.enable_prefix_caching and request.num_computed_tokens // self.block_size > table.num_named_blocks:
+            self.prefix_cache.cache_full_blocks(table, request.num_computed_tokens)
+
+    def _preempt_until_running_fit(self) -> list[Request]:
+        """vLLM's rule: while the running requests' next tokens do not fit, preempt the newest.
+
+        The budget pass itself, as a dry run: if it would skip a running request, they do not fit.
+        (Skipping is no answer for a request that holds blocks: if each waited for another's
+        blocks, none would ever move.)
         """
         preempted: list[Request] = []
         while self.running:
-            dropped: Counter = Counter()  # references that the copy-on-writes counted so far drop
+            released: Counter = Counter()  # tail references that the copies counted so far drop
             turns = []
 
             def needed(request: Request, tokens: int) -> int:
                 turns.append(request)
-                blocks = self._extra_blocks(request, tokens, dropped)
-                if blocks > request.block_table.new_blocks_for(tokens):  # a copy: one reference less on the tail
-                    dropped[request.block_table.block_ids[-1]] += 1
+                table = request.block_table
+                blocks = self._extra_blocks(request, tokens, released)
+                if blocks > table.new_blocks_for(tokens):  # a copy: one reference less on the tail
+                    released[table.block_ids[-1]] += 1
                 return blocks
 
             plan = plan_iteration(self.running, self.allocator.num_free, self.max_num_batched_tokens,
                                   self.block_size, needed=needed)
-            if len(plan) == len(turns):  # nobody was skipped (after a skip the counts no longer matter)
+            if len(plan) == len(turns):  # nobody was skipped
                 break
             victim = self.running.pop()  # the newest
             self._release(victim)

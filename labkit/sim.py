@@ -1,36 +1,22 @@
 """From fitting to serving: the KV pool of a device, and a serving simulator (chapter 06).
 
-Chapter 02's formula says how many sequences *fit* in the memory left after
-the weights. Whether they are *served* well is another question, and this
-module answers it by simulation:
+Chapter 02's formula says how many sequences *fit*; whether they are *served* well is
+answered here by simulation. :func:`plan_pool` carves a device's memory into a KV pool of
+blocks and counts the bookkeeping (§06's 24 GiB example). :func:`reservation_shares` redoes
+the PagedAttention paper's Fig. 2 (how much reserved memory holds live token states).
+:class:`Simulator` serves a workload with **labkit's own scheduler** (chapter 05), allocator
+and prefix cache: no tensors and no model, synthetic output ids, and each step timed by the
+roofline cost model (``labkit.costmodel``). It reports TTFT, ITL, throughput, occupancy and reuse.
 
-* :func:`plan_pool` carves a device's memory into a KV pool of blocks, and counts
-  what the block tables and other bookkeeping cost (§06's 24 GiB example).
-* :func:`reservation_shares` redoes the PagedAttention paper's Fig. 2: how much of
-  the memory a policy reserves holds live token states, for reservation at the
-  maximum length, at the next power of two, at the exact length (an oracle), and
-  in 16-token pages.
-* :class:`Simulator` serves a workload (``labkit.workloads``) with **labkit's own
-  scheduler** (chapter 05's ``Scheduler`` with its ``plan_iteration``), which runs
-  on labkit's own ``BlockAllocator`` and ``PrefixCache``. No tensors and no model:
-  the sampled tokens are synthetic ids, and each step's duration comes from the
-  roofline cost model (``labkit.costmodel``). It reports time to first token
-  (TTFT), the interval between tokens (ITL), throughput, cache occupancy over
-  time and the share of prompt tokens served from the prefix cache.
-
-Speed. Serving 10,000 requests takes millions of (request, step) pairs. Most
-steps are alike: the same requests each decode one token, nobody arrives or
-finishes, no request is preempted. The simulator detects such a stretch after a
-real step and applies all of its steps at once (*skip-ahead*): the same blocks
-taken from the allocator in the same order, the same full blocks registered in
-the prefix cache, the same token ids appended, the same step times. The result
-is identical to stepping (``skip_ahead=False``); the tests check it step by step,
-and check that chapter 05's engine, with a real model, plans the same steps with
-the same blocks.
+Speed. Most steps are alike: the same requests each decode one token, nobody arrives,
+finishes or is preempted. After a real step the simulator plans such a stretch and has the
+scheduler run it at once (``Scheduler.advance_decodes``, the same allocations and names in
+the same order). The result is identical to stepping (``skip_ahead=False``); the tests check it.
 """
 
 from __future__ import annotations
 
+import itertools
 import math
 from dataclasses import dataclass, field
 from typing import Sequence
@@ -422,6 +408,11 @@ def _output_id(index: int, position: int) -> int:
     return _OUTPUT_ID_BASE + index * _OUTPUT_ID_STRIDE + position
 
 
+def _output_ids(index: int, position: int, n: int) -> range:
+    """The next ``n`` synthetic outputs of request ``index`` from ``position`` on."""
+    return range(_output_id(index, position), _output_id(index, position + n))
+
+
 class _Columns:
     """Named columns filled one value at a time (real steps) or one array at a time (skipped stretches)."""
 
@@ -448,26 +439,6 @@ class _Columns:
         self._flush()
         parts = self._segments[name]
         return np.concatenate(parts).astype(dtype) if parts else np.zeros(0, dtype=dtype)
-
-
-class _UncachedFreeBlocks:
-    """How many blocks at the front of the allocator's free queue (the next ones it hands
-    out) hold no cached prefix, counted lazily up to the first one that does."""
-
-    def __init__(self, sched: Scheduler):
-        self._queue = sched.allocator.free_block_ids()  # the LRU free queue, read lazily
-        self._cache = sched.prefix_cache
-        self._count = 0
-        self._blocked = False
-
-    def at_least(self, n: int) -> bool:
-        while self._count < n and not self._blocked:
-            block_id = next(self._queue, None)
-            if block_id is None or self._cache.is_cached(block_id):
-                self._blocked = True
-            else:
-                self._count += 1
-        return self._count >= n
 
 
 class _Run:
@@ -609,10 +580,8 @@ class _Run:
         the allocator handing out a cached block (that could shrink a prefix hit).
         With nobody waiting, requests may finish inside the stretch.
 
-        First the stretch is *planned* step by step with a few counters (no request is
-        touched): who is active, how many blocks the step takes, how long it lasts.
-        Then :meth:`_apply_decode_steps` changes the requests, the allocator and the
-        prefix cache as those steps would have.
+        The scheduler's own ``advance_decodes`` runs the stretch; before each step it asks
+        ``may_run`` here, which checks the arrivals and the free queue and times the step.
         """
         sched, bs, alloc = self.sched, self.block_size, self.sched.allocator
         running = list(sched.running)
@@ -633,52 +602,32 @@ class _Run:
         k_max = min(last) if waiting else max(last) + 1
         if k_max < 1:
             return clock
-        # Position p starts a new block when p % bs == 0: in step s that is every active
-        # request with computed % bs == -s % bs. Group the requests by that phase.
-        by_phase: list[list[int]] = [[] for _ in range(bs)]
-        for j, c in enumerate(computed):
-            by_phase[c % bs].append(j)
-        phase_count = [len(group) for group in by_phase]
-        gone_at: dict[int, list[int]] = {}  # step -> requests that finished in the step before
-        for j, end_step in enumerate(last):
-            gone_at.setdefault(end_step + 1, []).append(j)
-        free_limit = alloc.num_free if not waiting else None
-        uncached = _UncachedFreeBlocks(sched) if waiting else None
-        active, history = b, sum(computed)
-        taken, now = 0, clock
-        plan_start, plan_end, plan_active, plan_history, plan_taken = [], [], [], [], []
-        for s in range(k_max):
-            for j in gone_at.get(s, ()):
-                active -= 1
-                history -= computed[j]
-                phase_count[computed[j] % bs] -= 1
+        plan_start, plan_end, plan_active, plan_history = [], [], [], []
+
+        def may_run(s: int, new_blocks: int, active: int, context: int) -> bool:
+            now = plan_end[-1] if plan_end else clock
             if now >= next_arrival:
-                break  # the request arriving by now is a candidate of this step: step normally
-            need = phase_count[-s % bs]
-            if free_limit is not None:
-                if taken + need > free_limit:
-                    break  # the scheduler would preempt
-            elif need and not uncached.at_least(taken + need):
-                break  # the allocator would evict a cached block while requests wait
-            taken += need
-            context = history + s * active
-            end = now + self.cost.time_from_sums(active, context, context + active)
+                return False  # the request arriving by now is a candidate of this step: step normally
+            front = list(itertools.islice(alloc.free_block_ids(), new_blocks))
+            if len(front) < new_blocks:
+                return False  # the scheduler would preempt
+            if waiting and any(b in alloc.names for b in front):
+                return False  # the allocator would evict a cached block while requests wait
             plan_start.append(now)
-            plan_end.append(end)
+            plan_end.append(now + self.cost.time_from_sums(active, context, context + active))
             plan_active.append(active)
             plan_history.append(context)
-            plan_taken.append(taken)
-            now = end
+            return True
+
+        stretch = sched.advance_decodes(k_max, lambda r, n: _output_ids(self.index[id(r)], len(r.output_token_ids),
+                                                                         n), may_run)
         k = len(plan_end)
         if k < 1:
             return clock
-        used_before = alloc.num_used
-        freed = self._apply_decode_steps(running, computed, last, by_phase, k, plan_end)
         starts, ends = np.array(plan_start), np.array(plan_end)
         actives = np.array(plan_active)
         self.steps.extend(start=starts, end=ends, tokens=actives, running=actives,
-                          waiting=np.full(k, len(sched.waiting)),
-                          used=used_before + np.array(plan_taken) - np.concatenate(([0], np.cumsum(freed)[:-1])),
+                          waiting=np.full(k, len(sched.waiting)), used=np.array(stretch.used_blocks),
                           live=np.array(plan_history) + actives)
         # Everyone's first interval runs from its own last token (a request the token budget
         # left out of the previous step has waited longer); later ones are the step times.
@@ -688,89 +637,18 @@ class _Run:
             self.itl_single.append(first_end - last_token[i])
             last_token[i] = plan_end[min(k, last[j] + 1) - 1]
         self.itl.extend(value=ends[1:] - starts[1:], weight=actives[1:])
-        sched.num_steps += k
-        self.skipped_steps += k
-        return plan_end[-1]
-
-    def _apply_decode_steps(self, running: list[Request], computed: list[int], last: list[int],
-                            by_phase: list[list[int]], k: int, ends: list[float]) -> list[int]:
-        """Change the scheduler's state as ``k`` decode steps would, in the same order.
-
-        In each step, stepping first allocates a block for every request crossing a
-        block boundary, in running order (``schedule``), then finishes requests in the
-        same order (``postprocess``). Only these events touch the allocator; appending
-        tokens inside a block touches nothing else, so it is batched. Stepping also
-        registers each block in the prefix cache the step it fills; here a request
-        registers its new full blocks once, before it finishes or when the stretch
-        ends. Nobody can tell the difference: the blocks stay held (never evicted)
-        until then, and their token ids are this request's own. Returns the blocks
-        freed in each step.
-        """
-        sched, bs, cache, alloc = self.sched, self.block_size, self.sched.prefix_cache, self.sched.allocator
-        commit = sched.enable_prefix_caching
-        prompt_lens = [len(r.prompt_token_ids) for r in running]
-        for j, r in enumerate(running):  # the tokens sampled in the stretch
-            first = _output_id(self.index[id(r)], len(r.output_token_ids))
-            r.output_token_ids.extend(range(first, first + min(k, last[j] + 1)))
-        finishing: dict[int, list[int]] = {}
-        for j, end_step in enumerate(last):
-            if end_step < k:
-                finishing.setdefault(end_step, []).append(j)
-        freed = [0] * k
-        final_tables: list[list[int] | None] = [None] * len(running)
-        for s in range(k):
-            for j in by_phase[-s % bs]:  # running order: the groups were filled in it
-                if s <= last[j]:
-                    self._append_up_to(running[j], prompt_lens[j], computed[j] + s + 1)
-            for j in finishing.get(s, ()):
-                r, end = running[j], computed[j] + s + 1
-                self._append_up_to(r, prompt_lens[j], end)
-                if commit and end // bs > r.block_table.num_named_blocks:
-                    cache.cache_full_blocks(r.block_table, end)
-                r.num_computed_tokens = end
-                final_tables[j] = list(r.block_table.block_ids)
-                free_before = alloc.num_free
-                sched.finish(r)  # the scheduler's own finish: release, then bookkeeping
-                freed[s] += alloc.num_free - free_before
-                self.finish[self.index[id(r)]] = ends[s]
-        for j, r in enumerate(running):
-            if last[j] >= k:
-                end = computed[j] + k
-                self._append_up_to(r, prompt_lens[j], end)
-                if commit and end // bs > r.block_table.num_named_blocks:
-                    cache.cache_full_blocks(r.block_table, end)
-                r.num_computed_tokens = end
-                final_tables[j] = list(r.block_table.block_ids)
-        done = sum(1 for end_step in last if end_step < k)
-        if self.bar is not None and done:
-            self.bar.update(done)
+        for s, finished in stretch.finished.items():
+            for r in finished:
+                self.finish[self.index[id(r)]] = plan_end[s]
+            if self.bar is not None and finished:
+                self.bar.update(len(finished))
         if self.sim.record_schedule:
             for s in range(k):
                 self.schedule.append([(r.request_id, computed[j] + s, 1,
-                                       tuple(final_tables[j][:blocks_needed(computed[j] + s + 1, bs)]))
+                                       tuple(stretch.block_tables[j][:blocks_needed(computed[j] + s + 1, bs)]))
                                       for j, r in enumerate(running) if s <= last[j]])
-        return freed
-
-    def _append_up_to(self, r: Request, prompt_len: int, end: int) -> None:
-        """Put the tokens at positions [table.num_tokens, end) into ``r``'s block table.
-
-        Only the last of them may start a new block (the events are placed so). Tokens
-        that land in blocks the table already has need no allocator and no cache work:
-        ``append`` would only extend the table's token list and count, and that is done
-        directly here, which saves a slot computation per token. A token that starts a
-        new block goes through ``PrefixCache.append``, which takes the block from the
-        allocator (evicting a cached one if that is next in the free queue).
-        """
-        table = r.block_table
-        if end <= table.num_tokens:
-            return
-        out = r.output_token_ids
-        direct_end = end - 1 if (end - 1) % self.block_size == 0 else end  # does the last token start a block?
-        if direct_end > table.num_tokens:
-            table.token_ids.extend(out[table.num_tokens - prompt_len:direct_end - prompt_len])
-            table.num_tokens = direct_end
-        if direct_end < end:
-            self.sched.prefix_cache.append(table, [out[end - 1 - prompt_len]])
+        self.skipped_steps += k
+        return plan_end[-1]
 
     # ------------------------------------------------------------ result
     def result(self) -> SimResult:

@@ -570,3 +570,69 @@ def test_two_forks_sharing_a_tail_need_one_copy_not_two():
     assert {c.request.request_id for c in step.chunks} == {parent.request_id, child.request_id}
     sched.postprocess(step, pool.execute(step))
     check_ref_counts(sched)
+
+
+def _decoding_scheduler(seed: int) -> tuple[Scheduler, list[Request]]:
+    """A scheduler whose running requests have all reached the decode phase, nobody waiting."""
+    rng = random.Random(seed)
+    sched = Scheduler(num_blocks=60, block_size=4, max_num_batched_tokens=64)
+    shared = [rng.randrange(VOCAB) for _ in range(6)]
+    requests = [sched.add_request(shared + [rng.randrange(VOCAB) for _ in range(rng.randrange(1, 9))],
+                                  rng.randrange(2, 25)) for _ in range(5)]
+    while any(r.status is RequestStatus.WAITING or not r.output_token_ids for r in requests):
+        step = sched.schedule()
+        sched.postprocess(step, [next_token(c.request.all_token_ids) for c in step.sampling_chunks])
+    assert not sched.waiting
+    return sched, requests
+
+
+def _state(sched: Scheduler, requests: list[Request]) -> tuple:
+    return (sched.num_steps, [r.status for r in requests], [list(r.output_token_ids) for r in requests],
+            [r.num_computed_tokens for r in requests],
+            [None if r.block_table is None else list(r.block_table.block_ids) for r in requests],
+            list(sched.allocator.free_block_ids()),  # names by content (content ids are numbered as named)
+            {b: (n.block_hash, n.parent_hash, n.token_ids) for b, n in sched.allocator.names.items()})
+
+
+@pytest.mark.parametrize("seed", range(6))
+@pytest.mark.parametrize("num_steps", [1, 3, 9, 40])
+def test_advance_decodes_does_what_as_many_steps_do(seed, num_steps):
+    """The simulator's skip-ahead: k decode steps at once leave the scheduler exactly as k real steps."""
+    stepped, stepped_reqs = _decoding_scheduler(seed)
+    skipped, skipped_reqs = _decoding_scheduler(seed)
+    used = []
+    for _ in range(num_steps):
+        if not stepped.running:
+            break
+        step = stepped.schedule()
+        assert not step.preempted and all(c.num_tokens == 1 for c in step.chunks)
+        used.append(step.stats.used_blocks)
+        stepped.postprocess(step, [next_token(c.request.all_token_ids) for c in step.sampling_chunks])
+
+    def next_tokens(r: Request, n: int) -> list[int]:
+        out = []
+        for _ in range(n):
+            out.append(next_token(r.all_token_ids + out))
+        return out
+
+    asked = []
+    stretch = skipped.advance_decodes(num_steps, next_tokens,
+                                      lambda s, new, active, ctx: asked.append(s) or active > 0)
+    assert stretch.used_blocks == used and asked[:len(used)] == list(range(len(used)))
+    assert _state(skipped, skipped_reqs) == _state(stepped, stepped_reqs)
+
+
+def test_advance_decodes_stops_where_may_run_says_no():
+    sched, requests = _decoding_scheduler(0)
+    before = _state(sched, requests)
+    stretch = sched.advance_decodes(10, lambda r, n: [1] * n, lambda s, new, active, ctx: False)
+    assert stretch.used_blocks == [] and _state(sched, requests) == before
+
+
+def test_advance_decodes_refuses_requests_with_an_eos_token():
+    sched = Scheduler(num_blocks=8, block_size=4)
+    sched.add_request([1, 2, 3], 5, eos_token_id=7)
+    step = sched.schedule()
+    sched.postprocess(step, [1])
+    with pytest.raises(ValueError, match="eos_token_id"):
+        sched.advance_decodes(2, lambda r, n: [1] * n, lambda *a: True)
