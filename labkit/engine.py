@@ -32,7 +32,7 @@ import torch
 from .model import Decoder
 from .cache import AttentionMetadata, KVPool
 from .prefix import CacheKey
-from .scheduler import Request, RequestStatus, Scheduler, Step, StepStats
+from .scheduler import Request, Scheduler, Step, StepStats
 
 __all__ = ["Engine"]
 
@@ -68,7 +68,6 @@ class Engine:
                                    enable_prefix_caching=enable_prefix_caching, priority=priority, cache_key=key)
         self.backend = KVPool(cfg, num_blocks, block_size, self.dtype, weight.device, use_triton)
         self.stats: list[StepStats] = []
-        self._stop_ids: dict[Request, frozenset[int]] = {}  # requests with more than one EOS id
 
     def add_request(self, prompt_token_ids: Sequence[int], max_new_tokens: int,
                     eos_token_id: int | Sequence[int] | None = None) -> Request:
@@ -76,7 +75,7 @@ class Engine:
 
         ``eos_token_id``: the id(s) that end it early; None means the model's ``config.eos_token_id``.
         """
-        return self._queue(*self._make_request(prompt_token_ids, max_new_tokens, eos_token_id))
+        return self.scheduler.add_request(self._make_request(prompt_token_ids, max_new_tokens, eos_token_id))
 
     def _eos_ids(self, eos_token_id: int | Sequence[int] | None) -> list[int]:
         """The stop ids as a checked list (empty: never stop early)."""
@@ -90,25 +89,16 @@ class Engine:
         return ids
 
     def _make_request(self, prompt_token_ids: Sequence[int], max_new_tokens: int,
-                      eos_token_id: int | Sequence[int] | None = None) -> tuple[Request, list[int]]:
-        """A checked ``Request`` (not queued yet) and its EOS ids.
-
-        The scheduler's ``Request`` stops on one EOS id; when there are more, the engine
-        keeps the whole set and finishes the request itself (see ``step``).
-        """
+                      eos_token_id: int | Sequence[int] | None = None) -> Request:
+        """A checked ``Request``, not queued yet; it stops on any of its EOS ids."""
         ids = list(prompt_token_ids) if isinstance(prompt_token_ids, (list, tuple, range)) else prompt_token_ids
         eos = self._eos_ids(eos_token_id)
-        request = Request(ids, max_new_tokens, eos[0] if eos else None)
+        request = Request(ids, max_new_tokens, eos or None)
         vocab = self.model.config.vocab_size
         if max(request.prompt_token_ids) >= vocab:
             raise ValueError(f"prompt_token_ids must lie in [0, {vocab - 1}] (vocab_size)")
         self.scheduler.check_fits(request)
-        return request, eos
-
-    def _queue(self, request: Request, eos: list[int]) -> Request:
-        if len(eos) > 1:
-            self._stop_ids[request] = frozenset(eos)
-        return self.scheduler.add_request(request)
+        return request
 
     def has_unfinished(self) -> bool:
         return self.scheduler.has_unfinished()
@@ -136,13 +126,6 @@ class Engine:
         elif self.scheduler.has_unfinished():
             raise RuntimeError("the scheduler planned nothing although requests are unfinished")
         self.scheduler.postprocess(step, sampled)
-        for chunk, token in zip(step.sampling_chunks, sampled):  # a second, third ... EOS id
-            request = chunk.request
-            if request.status is RequestStatus.RUNNING and token in self._stop_ids.get(request, ()):
-                self.scheduler.finish(request)
-                step.stats.finished += 1
-        for request in [r for r in self._stop_ids if r.status is RequestStatus.FINISHED]:
-            del self._stop_ids[request]
         self.stats.append(step.stats)
         return step
 
@@ -156,8 +139,8 @@ class Engine:
             raise ValueError("prompts must hold at least one prompt")
         # all checked before any is queued
         requests = [self._make_request(p, max_new_tokens, eos_token_id) for p in prompts]
-        for request, eos in requests:
-            self._queue(request, eos)
+        for request in requests:
+            self.scheduler.add_request(request)
         while self.has_unfinished():
             self.step()
-        return [list(r.output_token_ids) for r, _ in requests]
+        return [list(r.output_token_ids) for r in requests]

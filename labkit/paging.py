@@ -189,11 +189,3 @@ class BlockTable:
         """Drop this sequence's reference to each of its blocks, tail first; the table becomes empty."""
         allocator.free_blocks(reversed(self.block_ids))
         self.block_ids, self.num_tokens = [], 0
-
-
-def __getattr__(name: str):
-    """The tensor-backed paged caches, defined in ``labkit.cache``, are also found here (chapter 03)."""
-    if name in ("AttentionMetadata", "KVPool", "PagedKVCache", "generate_paged"):
-        from . import cache
-        return getattr(cache, name)
-    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")

@@ -468,11 +468,3 @@ def _check_token_ids(token_ids: object, min_len: int = 0) -> tuple[int, ...]:
     if len(tokens) < min_len:
         raise ValueError(f"token_ids must hold at least {min_len} token(s), got {len(tokens)}")
     return tokens
-
-
-def __getattr__(name: str):
-    """The tensor-backed prefix cache, defined in ``labkit.cache``, is also found here (chapter 04)."""
-    if name in ("PrefixKVCache", "PrefixGeneration", "generate_with_prefix_cache"):
-        from . import cache
-        return getattr(cache, name)
-    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")

@@ -61,7 +61,7 @@ class Request:
 
     prompt_token_ids: list[int]
     max_new_tokens: int
-    eos_token_id: int | None = None
+    eos_token_id: int | Sequence[int] | None = None  # one stop id or several (chat models list a few)
     request_id: Any = field(default_factory=lambda: next(_request_ids))
     output_token_ids: list[int] = field(default_factory=list)
     num_computed_tokens: int = 0
@@ -69,6 +69,7 @@ class Request:
     status: RequestStatus = RequestStatus.WAITING
     num_cached_tokens: int = 0
     num_preemptions: int = 0
+    stop_token_ids: frozenset[int] = field(init=False, repr=False)  # eos_token_id as a set
 
     def __post_init__(self) -> None:
         if not isinstance(self.prompt_token_ids, (list, tuple, range)) or len(self.prompt_token_ids) < 1:
@@ -79,8 +80,12 @@ class Request:
                 raise ValueError(f"prompt_token_ids must hold integers >= 0, found {t!r}")
         self.prompt_token_ids = list(self.prompt_token_ids)
         check_int("max_new_tokens", self.max_new_tokens, 1)
-        if self.eos_token_id is not None:
-            check_int("eos_token_id", self.eos_token_id, 0)
+        ids = () if self.eos_token_id is None else (self.eos_token_id,) if isinstance(self.eos_token_id, int) \
+            else tuple(self.eos_token_id)
+        for t in ids:
+            check_int("eos_token_id", t, 0)
+        self.eos_token_id = ids[0] if len(ids) == 1 else (ids or None)
+        self.stop_token_ids = frozenset(ids)
 
     @property
     def all_token_ids(self) -> list[int]:
@@ -316,7 +321,7 @@ class Scheduler:
         return bool(self.waiting or self.running)
 
     def add_request(self, request: Request | Sequence[int], max_new_tokens: int | None = None,
-                    eos_token_id: int | None = None) -> Request:
+                    eos_token_id: int | Sequence[int] | None = None) -> Request:
         """Queue a ``Request`` (or build one from prompt ids and ``max_new_tokens``); returns it."""
         if not isinstance(request, Request):
             if max_new_tokens is None:
@@ -399,7 +404,7 @@ class Scheduler:
         for chunk, token in zip(sampling, sampled_token_ids):
             request = chunk.request
             request.output_token_ids.append(token)
-            if len(request.output_token_ids) >= request.max_new_tokens or token == request.eos_token_id:
+            if len(request.output_token_ids) >= request.max_new_tokens or token in request.stop_token_ids:
                 self.finish(request)
                 finished.append(request)
         step.stats.finished = len(finished)

@@ -15,8 +15,8 @@ import torch
 from labkit import DEVICE
 from labkit.cache import KVCache, generate
 from labkit.model import Decoder, DecoderConfig
-from labkit.paging import (BlockAllocator, BlockTable, OutOfBlocksError, PagedKVCache, blocks_needed,
-                           generate_paged)
+from labkit.cache import PagedKVCache, generate_paged
+from labkit.paging import BlockAllocator, BlockTable, OutOfBlocksError, blocks_needed
 
 
 def snapshot(alloc: BlockAllocator) -> tuple:
@@ -291,7 +291,7 @@ def test_decode_only_means_one_new_token_per_sequence():
     """q_lens [2, 0] has as many tokens as sequences, but it is not a decode step: it must take the
     prefill kernel, and its output must match the float64 reference."""
     from labkit import kernels
-    from labkit.paging import AttentionMetadata
+    from labkit.cache import AttentionMetadata
 
     torch.manual_seed(0)
     bs, heads, kv_heads, dim = 4, 2, 1, 8
@@ -303,7 +303,7 @@ def test_decode_only_means_one_new_token_per_sequence():
     q = torch.randn(2, heads, dim, device=DEVICE)
     ref = kernels.paged_prefill_attention_ref(q.double(), k_cache.double(), v_cache.double(), meta.block_tables,
                                               meta.seq_lens, meta.cu_seqlens_q)
-    from labkit.paging import KVPool  # its attend picks the kernel from meta.decode_only
+    from labkit.cache import KVPool  # its attend picks the kernel from meta.decode_only
     cfg = DecoderConfig(vocab_size=10, hidden_size=16, intermediate_size=16, num_hidden_layers=1,
                         num_attention_heads=heads, num_key_value_heads=kv_heads, head_dim=dim)
     pool = KVPool(cfg, num_blocks=4, block_size=bs, use_triton=False)

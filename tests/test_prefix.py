@@ -428,7 +428,7 @@ def test_prefix_kv_cache_reuse_gives_the_same_tokens_and_logits():
 
     from labkit.cache import generate
     from labkit.model import Decoder, DecoderConfig
-    from labkit.prefix import PrefixKVCache, generate_with_prefix_cache
+    from labkit.cache import PrefixKVCache, generate_with_prefix_cache
 
     cfg = DecoderConfig(vocab_size=97, hidden_size=32, intermediate_size=64, num_hidden_layers=2,
                         num_attention_heads=4, num_key_value_heads=2)
@@ -457,7 +457,7 @@ def test_generate_with_prefix_cache_rejects_out_of_vocab_ids_and_changes_nothing
     import torch
 
     from labkit.model import Decoder, DecoderConfig
-    from labkit.prefix import PrefixKVCache, generate_with_prefix_cache
+    from labkit.cache import PrefixKVCache, generate_with_prefix_cache
 
     cfg = DecoderConfig(vocab_size=50, hidden_size=32, intermediate_size=64, num_hidden_layers=2,
                         num_attention_heads=4, num_key_value_heads=2)
@@ -485,7 +485,7 @@ def test_generate_with_prefix_cache_rejects_out_of_vocab_ids_and_changes_nothing
 
 def test_prefix_kv_cache_checks_its_use():
     from labkit.model import DecoderConfig
-    from labkit.prefix import PrefixKVCache
+    from labkit.cache import PrefixKVCache
 
     cfg = DecoderConfig(vocab_size=16, hidden_size=16, intermediate_size=16, num_hidden_layers=1,
                         num_attention_heads=2, num_key_value_heads=1)
@@ -556,7 +556,7 @@ def test_two_models_never_share_kv_through_one_prefix_pool():
 
     from labkit.cache import generate
     from labkit.model import Decoder, DecoderConfig
-    from labkit.prefix import PrefixKVCache, generate_with_prefix_cache
+    from labkit.cache import PrefixKVCache, generate_with_prefix_cache
 
     cfg = DecoderConfig(vocab_size=64, hidden_size=32, intermediate_size=64, num_hidden_layers=2,
                         num_attention_heads=4, num_key_value_heads=2, head_dim=8)

@@ -636,3 +636,17 @@ def test_advance_decodes_refuses_requests_with_an_eos_token():
     sched.postprocess(step, [1])
     with pytest.raises(ValueError, match="eos_token_id"):
         sched.advance_decodes(2, lambda r, n: [1] * n, lambda *a: True)
+
+
+def test_a_request_stops_on_any_of_several_eos_ids():
+    """Chat models list several stop tokens: the scheduler finishes a request on whichever comes first."""
+    sched = Scheduler(num_blocks=8, block_size=4, max_num_batched_tokens=16)
+    r = sched.add_request([1, 2, 3], 10, eos_token_id=[7, 9])
+    assert r.stop_token_ids == {7, 9}
+    step = sched.schedule()
+    sched.postprocess(step, [5])
+    step = sched.schedule()
+    sched.postprocess(step, [9])  # the second id ends it too
+    assert r.status is RequestStatus.FINISHED and r.output_token_ids == [5, 9]
+    with pytest.raises(ValueError, match="eos_token_id"):
+        Request([1], 2, eos_token_id=[7, -1])
