@@ -32,7 +32,8 @@ sys.path.insert(0, str(ROOT))
 
 import labkit  # noqa: E402,F401
 from labkit.costmodel import CostModel  # noqa: E402
-from labkit.sim import Simulator, plan_pool  # noqa: E402
+from labkit.pool import plan_pool  # noqa: E402
+from labkit.sim import Simulator  # noqa: E402
 from labkit.workloads import sharegpt_like  # noqa: E402
 
 RESULTS = ROOT / "benchmarks" / "results"

@@ -1,30 +1,31 @@
-"""Benchmark: does labkit's prefix cache find what vLLM v1's block pool finds?
+"""Benchmark: does labkit's scheduler find and place what vLLM v1's ``KVCacheManager`` would?
 
 labkit's ``Scheduler`` serves request streams (arrivals per step, synthetic output
-tokens). Every block operation its steps imply is replayed, in the same order, on vLLM
-v1's own ``BlockPool`` (``vllm/v1/core/block_pool.py``), driven the way vLLM's
-``KVCacheManager`` drives it for a full-attention model:
+tokens). Each of its steps is replayed, call for call, on vLLM v1's own
+``KVCacheManager`` (``vllm/v1/core/kv_cache_manager.py``, with its real coordinator,
+single-type manager and ``BlockPool``), the way vLLM's ``Scheduler.schedule`` calls it for
+a full-attention model:
 
-* admission (``get_computed_blocks`` + ``allocate_slots``): look the request's block
-  hashes up with ``get_cached_block`` up to ``num_tokens - 1`` tokens, ``touch`` the
-  hits, ``get_new_blocks`` for the rest, then ``cache_full_blocks`` up to the tokens
-  scheduled (``allocate_slots`` -> ``cache_blocks``);
-* a running request's chunk: ``get_new_blocks`` for new slots, ``cache_full_blocks``;
-* preemption and finishing (``KVCacheManager.free``): ``free_blocks`` of the request's
-  blocks, tail first.
+* admission: ``get_computed_blocks(request)`` (the hit, up to ``num_tokens - 1`` tokens),
+  then ``allocate_slots(request, num_new_tokens, num_new_computed_tokens,
+  new_computed_blocks)``, which also names the full blocks scheduled (``cache_blocks``);
+* a running request's chunk: ``allocate_slots(request, num_new_tokens)``;
+* preemption and finishing: ``free(request)``.
 
-Both sides get the same block hashes (labkit's chain), so only the pools' policies are
-compared: which blocks carry names, which free block is handed out next, which hit is
-found. For every admission the table reports whether vLLM found the same number of cached
-tokens, and whether both chose the same physical blocks (vLLM's ids are one higher:
-its block 0 is a reserved null block). Measured (2026-11-30, 300 requests x 5 seeds x 2 pool
-sizes per workload, 10,933 admissions): 100.0% the same hit and 100.0% the same blocks; the
-labkit before issue 11 (names given after the step, every freed block to the back, duplicates
-unnamed) agreed on 96.1% of hits and 2.2% of block choices.
+The request vLLM sees is a plain object carrying what the manager reads (ids, token counts,
+``block_hashes``); both sides hash blocks with labkit's chain, so what is compared is the
+policy: which blocks carry names, which free block is handed out next, which hit is found.
+For every admission the table reports whether vLLM found the same number of cached tokens,
+and whether both chose the same physical blocks (vLLM's ids are one higher: its block 0 is
+a reserved null block); a step vLLM could not allocate counts as a disagreement. Measured
+(2026-11-30, vLLM 0.33.0, 300 requests x 5 seeds x 2 pool sizes per workload): 10,933
+admissions, 100.0% the same hit and 100.0% the same blocks; the labkit before issue 11 (names
+given after the step, every freed block to the back, duplicates unnamed; commit ed834b2) agreed
+on 96.0% of 10,971 hits and 2.2% of block choices.
 
 vLLM is not a dependency: its sources (the vLLM 0.33.0 wheel, unzipped) are imported
-from ``--vllm-src`` with every module the block pool does not need replaced by an inert
-stand-in. Usage: ``python benchmarks/vllm_replay.py [--vllm-src /tmp/vllm_src]``.
+from ``--vllm-src`` with every module the KV cache manager does not need replaced by an
+inert stand-in. Usage: ``python benchmarks/vllm_replay.py [--vllm-src /tmp/vllm_src]``.
 Run it on an older labkit (``PYTHONPATH`` at another tree) to compare.
 """
 
@@ -43,6 +44,9 @@ if str(ROOT) not in sys.path:
     sys.path.append(str(ROOT))
 
 REAL_VLLM_MODULES = {"vllm", "vllm.v1", "vllm.v1.core", "vllm.v1.core.block_pool", "vllm.v1.core.kv_cache_utils",
+                     "vllm.v1.core.kv_cache_manager", "vllm.v1.core.kv_cache_coordinator",
+                     "vllm.v1.core.single_type_kv_cache_manager", "vllm.v1.core.kv_cache_metrics",
+                     "vllm.v1.kv_cache_interface", "vllm.v1.kv_cache_layout", "vllm.v1.kv_cache_spec_registry",
                      "vllm.utils", "vllm.utils.math_utils"}
 
 
@@ -86,57 +90,66 @@ class _StandIns(importlib.abc.MetaPathFinder, importlib.abc.Loader):
         pass
 
 
-def import_block_pool(vllm_src: str):
+def import_vllm(vllm_src: str) -> types.SimpleNamespace:
+    """vLLM's KV cache manager and what it takes, from the unzipped wheel at ``vllm_src``."""
     sys.meta_path.insert(0, _StandIns())
     sys.path.insert(0, vllm_src)
-    from vllm.v1.core.block_pool import BlockPool
+    from vllm.v1.core.kv_cache_manager import KVCacheManager
     from vllm.v1.core.kv_cache_utils import BlockHash
-    return BlockPool, BlockHash
+    from vllm.v1.kv_cache_interface import FullAttentionSpec, KVCacheConfig, KVCacheGroupSpec
+    return types.SimpleNamespace(KVCacheManager=KVCacheManager, BlockHash=BlockHash, FullAttentionSpec=FullAttentionSpec,
+                                 KVCacheConfig=KVCacheConfig, KVCacheGroupSpec=KVCacheGroupSpec)
 
 
 class VllmReplay:
-    """vLLM's BlockPool, driven as KVCacheManager drives it, one request table per request id."""
+    """vLLM's ``KVCacheManager`` for one full-attention layer group, and the requests it has seen."""
 
-    def __init__(self, BlockPool, BlockHash, num_blocks: int, block_size: int):
-        self.pool = BlockPool(num_gpu_blocks=num_blocks + 1, enable_caching=True, hash_block_size=block_size)
-        self.BlockHash = BlockHash
-        self.block_size = block_size
-        self.blocks: dict[object, list] = {}
-        self.hashes: dict[object, object] = {}
+    def __init__(self, vllm: types.SimpleNamespace, num_blocks: int, block_size: int):
+        import torch
 
-    def admit(self, request_id, hashes: list[str], num_tokens: int, computed_after: int) -> tuple[int, list[int]]:
-        req = types.SimpleNamespace(block_hashes=[self.BlockHash(h.encode()) for h in hashes])
-        hits = []
-        for h in req.block_hashes[:(num_tokens - 1) // self.block_size]:
-            found = self.pool.get_cached_block(h, [0])
-            if found is None:
-                break
-            hits.append(found[0])
-        self.pool.touch(hits)
-        blocks = hits + self.pool.get_new_blocks(-(-computed_after // self.block_size) - len(hits))
-        self.blocks[request_id], self.hashes[request_id] = blocks, req
-        req.num_named = len(hits)
-        self._cache(request_id, computed_after)
-        return len(hits) * self.block_size, [b.block_id - 1 for b in blocks]
+        spec = vllm.FullAttentionSpec(block_size=block_size, num_kv_heads=1, head_size=8, dtype=torch.float16)
+        config = vllm.KVCacheConfig(num_blocks=num_blocks + 1, kv_cache_tensors=[],  # + vLLM's null block
+                                    kv_cache_groups=[vllm.KVCacheGroupSpec(["layer.0"], spec)])
+        self.manager = vllm.KVCacheManager(config, max_model_len=1 << 20, scheduler_block_size=block_size,
+                                           hash_block_size=block_size, enable_caching=True)
+        self.BlockHash, self.block_size = vllm.BlockHash, block_size
+        self.requests: dict[object, types.SimpleNamespace] = {}  # admitted, by request id
 
-    def grow(self, request_id, hashes: list[str], computed_after: int) -> None:
-        blocks = self.blocks[request_id]
-        self.hashes[request_id].block_hashes = [self.BlockHash(h.encode()) for h in hashes]
-        blocks += self.pool.get_new_blocks(-(-computed_after // self.block_size) - len(blocks))
-        self._cache(request_id, computed_after)
+    def _sync(self, r, request) -> None:
+        """What vLLM's ``Request`` knows after its tokens were appended: counts and full-block hashes."""
+        from labkit.prefix import hash_chain
 
-    def _cache(self, request_id, computed_after: int) -> None:
-        """cache_full_blocks from the request's named blocks up to its full ones (vLLM's cache_blocks)."""
-        num_full = computed_after // self.block_size
-        done = self.hashes[request_id].num_named
-        if num_full > done:
-            self.pool.cache_full_blocks(self.hashes[request_id], self.blocks[request_id], done, num_full,
-                                        self.block_size, 0)
-            self.hashes[request_id].num_named = num_full
+        tokens = r.all_token_ids
+        request.num_tokens, request.all_token_ids = len(tokens), tokens
+        if len(tokens) // self.block_size > len(request.block_hashes):
+            request.block_hashes = [self.BlockHash(h.encode()) for h in hash_chain(tokens, self.block_size)]
+
+    def admit(self, r, end: int) -> tuple[int, list[int]] | None:
+        """A waiting request scheduled up to token ``end``: (cached tokens, block ids), or None if refused."""
+        request = types.SimpleNamespace(
+            request_id=r.request_id, num_prompt_tokens=len(r.prompt_token_ids), num_computed_tokens=0,
+            num_in_flight_tokens=0, num_preemptions=r.num_preemptions, status=None, block_hashes=[],
+            lora_request=None, lora_name=None, lora_path=None, cache_salt=None, mm_features=[], prompt_embeds=None,
+            skip_reading_prefix_cache=False, shared_prefix_boundary=0, session_id=None)
+        self._sync(r, request)
+        blocks, num_hit, _ = self.manager.get_computed_blocks(request)
+        if self.manager.allocate_slots(request, end - num_hit, num_hit, blocks) is None:
+            return None
+        request.num_computed_tokens = end
+        self.requests[r.request_id] = request
+        return num_hit, [b - 1 for b in self.manager.get_block_ids(r.request_id)[0]]
+
+    def grow(self, r, num_new_tokens: int) -> bool:
+        """A running request's chunk of ``num_new_tokens``; False if vLLM could not allocate it."""
+        request = self.requests[r.request_id]
+        self._sync(r, request)
+        if self.manager.allocate_slots(request, num_new_tokens) is None:
+            return False
+        request.num_computed_tokens += num_new_tokens
+        return True
 
     def free(self, request_id) -> None:
-        self.pool.free_blocks(reversed(self.blocks.pop(request_id)))
-        del self.hashes[request_id]
+        self.manager.free(self.requests.pop(request_id))
 
 
 def workload(kind: str, rng: random.Random, num_requests: int) -> list[tuple[int, list[int], int]]:
@@ -160,13 +173,12 @@ def workload(kind: str, rng: random.Random, num_requests: int) -> list[tuple[int
 
 
 def replay(kind: str, seed: int, num_requests: int, num_blocks: int, block_size: int, budget: int,
-           BlockPool, BlockHash) -> tuple[int, int, int, int]:
-    from labkit.prefix import hash_chain
+           vllm: types.SimpleNamespace) -> tuple[int, int, int, int]:
     from labkit.scheduler import Request, Scheduler
 
     rng = random.Random(seed)
     sched = Scheduler(num_blocks, block_size, budget)
-    vllm = VllmReplay(BlockPool, BlockHash, num_blocks, block_size)
+    mirror = VllmReplay(vllm, num_blocks, block_size)
     arrivals: dict[int, list] = {}
     for i, (t, prompt, new) in enumerate(workload(kind, rng, num_requests)):
         arrivals.setdefault(t, []).append(Request(prompt, new, request_id=i))
@@ -178,21 +190,20 @@ def replay(kind: str, seed: int, num_requests: int, num_blocks: int, block_size:
         t += 1
         step = sched.schedule()
         for r in step.preempted:
-            vllm.free(r.request_id)
+            mirror.free(r.request_id)
             preemptions += 1
         for c in step.chunks:
-            r, end = c.request, c.start + c.num_tokens
-            hashes = hash_chain(r.all_token_ids[:end], block_size)
-            if r.request_id not in vllm.blocks:
-                hit, blocks = vllm.admit(r.request_id, hashes, len(r.all_token_ids), end)
+            r = c.request
+            if r.request_id not in mirror.requests:
+                got = mirror.admit(r, c.start + c.num_tokens)
                 admissions += 1
-                same_hit += hit == c.num_cached_tokens
-                same_blocks += blocks == list(c.block_table)
-            else:
-                vllm.grow(r.request_id, hashes, end)
+                same_hit += got is not None and got[0] == c.num_cached_tokens
+                same_blocks += got is not None and got[1] == list(c.block_table)
+            elif not mirror.grow(r, c.num_tokens):
+                raise RuntimeError(f"vLLM could not allocate a chunk labkit scheduled (request {r.request_id})")
         sampled = [rng.randrange(1000) for _ in step.sampling_chunks]
         for r in sched.postprocess(step, sampled):
-            vllm.free(r.request_id)
+            mirror.free(r.request_id)
     return admissions, same_hit, same_blocks, preemptions
 
 
@@ -202,7 +213,7 @@ def main() -> None:
     parser.add_argument("--requests", type=int, default=300)
     parser.add_argument("--seeds", type=int, default=5)
     args = parser.parse_args()
-    BlockPool, BlockHash = import_block_pool(args.vllm_src)
+    vllm = import_vllm(args.vllm_src)
     import labkit  # noqa: F401  (after the stand-ins: labkit itself never imports vllm)
 
     rows = []
@@ -210,7 +221,7 @@ def main() -> None:
         totals = [0, 0, 0, 0]
         for seed in range(args.seeds):
             for num_blocks in (48, 160):
-                result = replay(kind, seed, args.requests, num_blocks, 16, 256, BlockPool, BlockHash)
+                result = replay(kind, seed, args.requests, num_blocks, 16, 256, vllm)
                 totals = [a + b for a, b in zip(totals, result)]
         rows.append((kind, *totals))
     print(f"{'workload':<18} {'admissions':>10} {'preemptions':>11} {'same hit':>9} {'same blocks':>12}")

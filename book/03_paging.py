@@ -127,7 +127,7 @@ assert allocator.num_free == 8
 # ShareGPT conversations used in the PagedAttention paper (161 prompt tokens and 338 output tokens
 # on average), each side capped at 1,024 tokens, so no request exceeds a 2,048-token limit.
 # Each request is looked at during every decode step of its life: after step `t` it holds
-# `prompt + t` live tokens. `labkit.sim.reservation_shares` divides the live tokens by what the
+# `prompt + t` live tokens. `labkit.pool.reservation_shares` divides the live tokens by what the
 # request has reserved meanwhile, summed over all requests and steps, under the four policies of
 # the paper's Figure 2 (chapter 06 redoes that figure with the same function):
 #
@@ -138,7 +138,7 @@ assert allocator.num_free == 8
 # - **paged**: only the 16-token blocks its live tokens occupy.
 
 # %%
-from labkit.sim import reservation_shares
+from labkit.pool import reservation_shares
 from labkit.workloads import SHAREGPT, sharegpt_like
 
 MAX_LEN = SHAREGPT.max_prompt_len + SHAREGPT.max_output_len

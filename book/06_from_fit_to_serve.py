@@ -46,7 +46,8 @@ from labkit import workloads
 from labkit.capacity import GiB, TEACHING_MODEL, format_bytes
 from labkit.costmodel import DEVICES, MODEL_COSTS, CostModel
 from labkit.paging import blocks_needed
-from labkit.sim import PAPER_FIG2, Simulator, plan_pool, reservation_shares
+from labkit.pool import PAPER_FIG2, plan_pool, reservation_shares
+from labkit.sim import Simulator
 
 print(labkit.describe())
 

@@ -33,10 +33,10 @@ from typing import Sequence
 
 import torch
 
-from .checks import check_int
+from .checks import check_int, check_token_ids
 from .model import Decoder, DecoderConfig, causal_attention
 from .paging import BlockAllocator, BlockTable, OutOfBlocksError, blocks_needed
-from .prefix import CacheKey, CachedBlockTable, PrefixCache, _check_token_ids
+from .prefix import CacheKey, CachedBlockTable, PrefixCache
 
 
 class KVCache:
@@ -482,7 +482,7 @@ def generate_with_prefix_cache(model, kv: PrefixKVCache, prompt_ids: Sequence[in
     ``kv.key(model=model)``) and names its own full blocks for later ones.
     """
     check_int("max_new_tokens", max_new_tokens, 1)
-    prompt = _check_token_ids(prompt_ids, min_len=1)
+    prompt = check_token_ids("prompt_ids", prompt_ids, 1)
     _check_vocab(prompt, model.config.vocab_size)  # before begin(): a bad id must change nothing
     device = model.lm_head.weight.device
     num_cached = kv.begin(prompt, key or kv.key(model=model))

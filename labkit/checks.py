@@ -26,3 +26,18 @@ def check_number(name: str, value: object, minimum: float, *, strict: bool = Fal
     if not ok:
         raise ValueError(f"{name} must be a number {'>' if strict else '>='} {minimum}, got {value!r}")
     return float(value)
+
+
+def check_token_ids(name: str, value: object, min_len: int = 0) -> tuple[int, ...]:
+    """``value`` (a list, tuple or range) as a tuple of ints >= 0, at least ``min_len`` long, else ValueError."""
+    if not isinstance(value, (list, tuple, range)):
+        raise ValueError(f"{name} must be a list or tuple of integers >= 0, got {type(value).__name__} "
+                         "(convert a tensor with .tolist())")
+    tokens = tuple(value)
+    # Exactly int (a bool is a subclass of int, and is refused), then min() for the sign; both run in C.
+    if tokens and (set(map(type, tokens)) != {int} or min(tokens) < 0):
+        bad = next(t for t in tokens if type(t) is not int or t < 0)
+        raise ValueError(f"{name} must hold integers >= 0, found {bad!r}")
+    if len(tokens) < min_len:
+        raise ValueError(f"{name} must hold at least {min_len} token(s), got {len(tokens)}")
+    return tokens

@@ -1,22 +1,17 @@
 """The prefix cache: share the K/V blocks of a common prompt prefix (chapter 04).
 
-The K/V of a prompt's first tokens depend only on those tokens (causal attention)
-and on the computation, so requests that start alike (a system prompt, one long
-report asked several questions) can point their block tables at the same blocks.
+The K/V of a prompt's first tokens depend only on those tokens (causal attention) and on
+the computation, so requests that start alike (a system prompt, one long report asked
+several questions) can point their block tables at the same blocks. Only *full* blocks are
+cached, each named by a hash chain ``hash_i = H(hash_{i-1}, token ids of block i, extra
+keys)``: the parent makes the name depend on the whole prefix, the extra keys (``CacheKey``)
+on everything else that changes the numbers. A hit is verified against the stored tokens,
+key and parent, so a hash collision can cause a miss, never a wrong reuse.
 
-Only *full* blocks are cached, each named by a hash chain
-``hash_i = H(hash_{i-1}, token ids of block i, extra keys)``: the parent hash makes the
-name depend on the whole prefix, and the extra keys (``CacheKey``) on everything else
-that changes the numbers. A hash is only an index: a hit is verified against the stored
-token ids, key and parent, so a collision can cause a miss, never a wrong reuse.
-
-A full block gets its name as soon as its tokens are scheduled (``cache_full_blocks``; vLLM:
-``KVCacheManager.allocate_slots`` calls ``cache_blocks``), identical twins included. When
-the last table holding it ends, it returns to the free queue *still named*, where a later
-request can revive it; only when the allocator hands it out again is the name dropped
-(an eviction, least recently used first). ``fork`` shares a table's blocks (parallel
-sampling); the first writer into a shared, partly filled tail block gets a private copy
-(copy-on-write: ``append`` reports the ``(src, dst)`` pair).
+As in vLLM v1, a full block is named as soon as its tokens are scheduled, identical twins
+included, and a freed block keeps its name in the free queue until the allocator hands it
+out again (an eviction, least recently used first). ``fork`` shares a table's blocks
+(parallel sampling); the first writer into a shared, partly filled tail gets a private copy.
 
 Typical use, with K/V written by the caller::
 
@@ -33,10 +28,10 @@ import hashlib
 import itertools
 import json
 import math
-from dataclasses import astuple, dataclass
+from dataclasses import astuple, dataclass, fields
 from typing import Callable, Sequence
 
-from .checks import check_int
+from .checks import check_int, check_token_ids
 from .paging import BlockAllocator, BlockTable, OutOfBlocksError, blocks_needed
 
 __all__ = ["CacheKey", "block_hash", "hash_chain", "PrefixMatch", "AppendResult", "PrefixCacheStats", "CachedBlock",
@@ -62,18 +57,14 @@ class CacheKey:
     salt: str | None = None
 
     def __post_init__(self) -> None:
-        for name in ("model", "cache_dtype", "cache_layout", "attention"):
-            if not isinstance(getattr(self, name), str):
-                raise ValueError(f"{name} must be a string, got {getattr(self, name)!r}")
-        for name in ("adapter", "rope_scaling", "salt"):
-            value = getattr(self, name)
-            if value is not None and not isinstance(value, str):
-                raise ValueError(f"{name} must be a string or None, got {value!r}")
+        for f in fields(self):
+            value, optional = getattr(self, f.name), f.default is None
+            if f.name != "rope_theta" and not (isinstance(value, str) or (optional and value is None)):
+                raise ValueError(f"{f.name} must be a string{' or None' if optional else ''}, got {value!r}")
         theta = self.rope_theta
         if isinstance(theta, bool) or not isinstance(theta, (int, float)) or not (math.isfinite(theta) and theta > 0):
-            raise ValueError(f"rope_theta must be a finite number > 0, got {self.rope_theta!r}")
-        # 10000 and 10000.0 must give the same hash; JSON would spell them differently.
-        object.__setattr__(self, "rope_theta", float(self.rope_theta))
+            raise ValueError(f"rope_theta must be a finite number > 0, got {theta!r}")
+        object.__setattr__(self, "rope_theta", float(theta))  # 10000 and 10000.0: one name
 
 
 HashFn = Callable[["str | None", "tuple[int, ...]", CacheKey], str]
@@ -95,7 +86,7 @@ def hash_chain(token_ids: Sequence[int], block_size: int, key: CacheKey = CacheK
                hash_fn: HashFn = block_hash) -> list[str]:
     """The hash of every *full* block of ``token_ids``; a partial last block has no name."""
     check_int("block_size", block_size, 1)
-    tokens = _check_token_ids(token_ids)
+    tokens = check_token_ids("token_ids", token_ids)
     _check_key(key)
     hashes: list[str] = []
     parent = None
@@ -267,7 +258,7 @@ class PrefixCache:
         At least one token is left to compute: the last prompt token's logits give the first
         output token (vLLM's ``KVCacheManager.get_computed_blocks``: ``max_cache_hit_length = num_tokens - 1``).
         """
-        tokens = _check_token_ids(token_ids, min_len=1)
+        tokens = check_token_ids("token_ids", token_ids, 1)
         _check_key(key)
         hashes, bs = hash_chain(tokens, self.block_size, key, self.hash_fn), self.block_size
         block_ids: list[int] = []
@@ -307,7 +298,7 @@ class PrefixCache:
         ``token_ids[num_cached_tokens:]`` only. ``lookup=False``: no hit (prefix caching off).
         All-or-nothing: on ``OutOfBlocksError`` nothing changed.
         """
-        tokens = _check_token_ids(token_ids, min_len=1)
+        tokens = check_token_ids("token_ids", token_ids, 1)
         _check_key(key)
         m = self.match(tokens, key) if lookup else PrefixMatch((), 0, ())
         needed = self.hit_extra_blocks(m, len(tokens) - m.num_cached_tokens)
@@ -336,7 +327,7 @@ class PrefixCache:
         """Reserve slots for ``token_ids`` at the end of ``table``, a private copy of a shared tail
         first (reported in ``copies``). All-or-nothing on ``OutOfBlocksError``."""
         self._check_table(table)
-        tokens = _check_token_ids(token_ids)
+        tokens = check_token_ids("token_ids", token_ids)
         start = table.num_tokens
         copies = self.grow(table, tokens)
         return AppendResult(table.slots(start, table.num_tokens), copies)
@@ -453,18 +444,3 @@ class PrefixCache:
 def _check_key(key: object) -> None:
     if not isinstance(key, CacheKey):
         raise ValueError(f"key must be a labkit.prefix.CacheKey, got {type(key).__name__}")
-
-
-def _check_token_ids(token_ids: object, min_len: int = 0) -> tuple[int, ...]:
-    """``token_ids`` as a tuple of ints >= 0, or ValueError naming the parameter."""
-    if not isinstance(token_ids, (list, tuple, range)):
-        raise ValueError(f"token_ids must be a list or tuple of integers >= 0, got {type(token_ids).__name__} "
-                         "(convert a tensor with .tolist())")
-    tokens = tuple(token_ids)
-    # Exactly int (a bool is a subclass of int, and is refused), then min() for the sign; both run in C.
-    if tokens and (set(map(type, tokens)) != {int} or min(tokens) < 0):
-        bad = next(t for t in tokens if type(t) is not int or t < 0)
-        raise ValueError(f"token_ids must hold integers >= 0, found {bad!r}")
-    if len(tokens) < min_len:
-        raise ValueError(f"token_ids must hold at least {min_len} token(s), got {len(tokens)}")
-    return tokens

@@ -1,27 +1,18 @@
 """Capacity in the scheduler: which requests run in the next step, and with how many tokens (chapter 05).
 
-An engine runs in *steps*: each step the scheduler picks requests and a number of tokens
-for each, and the model computes them in one batched pass. Two budgets bound a step: the
-**token budget** (``max_num_batched_tokens``, the compute of one pass) and the **free
-blocks** of the KV pool (every computed token's K/V need a slot in a block the request
-holds before the pass writes it). ``plan_iteration`` is the article's budget pass, line for
-line: a prompt longer than the budget is split over steps (chunked prefill), a decoding
-request asks for one token per step. What a turn takes from the pool is ``extra_blocks``
-(written once, in ``labkit.prefix`` beside the copy-on-write test, and re-exported here).
+An engine runs in *steps*: each step the scheduler picks requests and a number of tokens for
+each, and the model computes them in one batched pass. Two budgets bound a step: the **token
+budget** (``max_num_batched_tokens``) and the **free blocks** of the KV pool (every computed
+token's K/V need a slot before the pass writes it). ``plan_iteration`` is the article's budget
+pass, line for line: a prompt longer than the budget is split over steps (chunked prefill), a
+decoding request asks for one token. What a turn takes from the pool is ``extra_blocks``.
 
-``Scheduler`` keeps the state around that pass (no tensors) and follows vLLM v1
-(``vllm/v1/core/sched/scheduler.py``, ``Scheduler.schedule``, vLLM 0.33.0): running requests
-(oldest first) come before waiting ones (first come, first served), at most ``max_num_seqs``
-run at once; once a waiting request does not get its blocks nobody behind it is admitted
-(``head_of_line``); a waiting request's prefix hit is looked up just before its turn and
-full blocks are named when allocated, so a request admitted later in the same step shares
-them; when the running requests cannot all grow, the newest is **preempted by recompute**
-(its blocks go back, it returns to the front of the queue) and nobody is admitted that step.
-
-``schedule()`` returns a ``Step`` (a ``ScheduledChunk`` per request: token ids, positions,
-slot mapping, block table; the copy-on-write pairs; the preempted requests; statistics).
-After the model ran, ``postprocess(step, sampled_token_ids)`` appends the sampled tokens,
-finishes requests and releases their blocks.
+``Scheduler`` keeps the state around that pass and follows vLLM v1 (``vllm/v1/core/sched/
+scheduler.py``, ``Scheduler.schedule``, vLLM 0.33.0): running requests first, oldest first, then
+waiting ones in order, at most ``max_num_seqs`` running; nobody is admitted behind a waiting
+request that did not get its blocks; full blocks are named when allocated, so a request admitted
+later in the same step shares them; when the running requests cannot all grow, the newest is
+**preempted by recompute** (its blocks go back, it returns to the front of the queue).
 """
 
 from __future__ import annotations
@@ -32,12 +23,12 @@ from collections import Counter, deque
 from dataclasses import dataclass, field
 from typing import Any, Callable, Iterable, Iterator, Sequence
 
-from .checks import check_int
+from .checks import check_int, check_token_ids
 from .paging import BlockAllocator, blocks_needed
 from .prefix import CachedBlockTable, CacheKey, PrefixCache, PrefixMatch, extra_blocks
 
 __all__ = ["RequestStatus", "Request", "extra_blocks", "plan_iteration", "Decision", "ScheduledChunk",
-           "StepStats", "Step", "DecodeStretch", "Scheduler"]
+           "StepStats", "Step", "Scheduler", "DecodeStretch", "advance_decodes"]
 
 
 class RequestStatus(enum.Enum):
@@ -72,16 +63,10 @@ class Request:
     stop_token_ids: frozenset[int] = field(init=False, repr=False)  # eos_token_id as a set
 
     def __post_init__(self) -> None:
-        if not isinstance(self.prompt_token_ids, (list, tuple, range)) or len(self.prompt_token_ids) < 1:
-            raise ValueError(f"prompt_token_ids must be a non-empty list of token ids >= 0, "
-                             f"got {self.prompt_token_ids!r}")
-        for t in self.prompt_token_ids:
-            if type(t) is not int or t < 0:
-                raise ValueError(f"prompt_token_ids must hold integers >= 0, found {t!r}")
-        self.prompt_token_ids = list(self.prompt_token_ids)
+        self.prompt_token_ids = list(check_token_ids("prompt_token_ids", self.prompt_token_ids, 1))
         check_int("max_new_tokens", self.max_new_tokens, 1)
-        ids = () if self.eos_token_id is None else (self.eos_token_id,) if isinstance(self.eos_token_id, int) \
-            else tuple(self.eos_token_id)
+        eos = self.eos_token_id
+        ids = () if eos is None else (eos,) if isinstance(eos, int) else tuple(eos)
         for t in ids:
             check_int("eos_token_id", t, 0)
         self.eos_token_id = ids[0] if len(ids) == 1 else (ids or None)
@@ -112,17 +97,11 @@ class Request:
         return self.status is RequestStatus.FINISHED
 
 
-def _own_blocks(request: Request, tokens: int, block_size: int) -> int:
-    """``extra_blocks`` of a request judged on its own: no sharing, no revival."""
-    held = len(request.block_table.block_ids) if request.block_table is not None else 0
-    return extra_blocks(request.num_computed_tokens, held, tokens, block_size)
-
-
 @dataclass
 class DecodeStretch:
-    """What ``Scheduler.advance_decodes`` did: per step, the blocks in use after its reservations;
-    the requests finished, by step; each running request's block table at the end or at its finish
-    (the table's own list: read it before the next step)."""
+    """What ``advance_decodes`` did: per step, the blocks in use after its reservations;
+    the requests finished, by step; each running request's block table (its own list: read it
+    before the next step)."""
 
     used_blocks: list[int]
     finished: dict[int, list[Request]]
@@ -170,7 +149,13 @@ def plan_iteration(candidates: Iterable[Request], free_blocks: int, token_budget
     plan = []
     for request in candidates:
         tokens = min(request.num_new_tokens, token_budget)
-        blocks = 0 if tokens == 0 else needed(request, tokens) if needed else _own_blocks(request, tokens, block_size)
+        if tokens == 0:
+            blocks = 0
+        elif needed is not None:
+            blocks = needed(request, tokens)
+        else:  # judged on its own: no sharing, no revival
+            held = len(request.block_table.block_ids) if request.block_table is not None else 0
+            blocks = extra_blocks(request.num_computed_tokens, held, tokens, block_size)
         if decisions is not None:
             outcome = "stop" if tokens == 0 else "skipped" if blocks > free_blocks else "planned"
             decisions.append(Decision(request, request.status is RequestStatus.WAITING, request.num_new_tokens,
@@ -269,37 +254,30 @@ class Step:
 class Scheduler:
     """Continuous batching over a paged KV pool with a prefix cache (no tensors).
 
-    ``num_blocks``: the pool size, or pass ``allocator`` or ``prefix_cache`` to share one.
+    ``num_blocks``: the pool size, or pass a ``prefix_cache`` (and its allocator) to share one.
     ``max_num_batched_tokens``: the token budget of a step; ``max_num_seqs``: the most requests
     running at once (vLLM's default, 256). ``enable_prefix_caching``: look up and name full blocks.
-    ``priority``: ``None`` serves the queue first come, first served; a key function reorders it
-    before each step (smaller first). ``cache_key``: the computation identity for prefix hashing.
+    ``priority``: ``None`` is first come, first served; a key function reorders the queue before
+    each step (smaller first). ``cache_key``: the computation identity for prefix hashing.
     ``head_of_line``: ``True`` (as vLLM) admits nobody behind a waiting request that did not get
-    its blocks; ``False`` is the article's rule, a later, smaller request may pass it.
-
-    Use: ``add_request`` any time; each step ``step = schedule()``, run the model on
-    ``step.chunks``, then ``postprocess(step, sampled_token_ids)``.
+    its blocks; ``False`` is the article's rule, a later, smaller request may pass it. Each step:
+    ``step = schedule()``, run the model on ``step.chunks``, ``postprocess(step, sampled_token_ids)``.
     """
 
     def __init__(self, num_blocks: int | None = None, block_size: int = 16, max_num_batched_tokens: int = 256,
-                 *, max_num_seqs: int = 256, enable_prefix_caching: bool = True,
-                 allocator: BlockAllocator | None = None, prefix_cache: PrefixCache | None = None,
+                 *, max_num_seqs: int = 256, enable_prefix_caching: bool = True, prefix_cache: PrefixCache | None = None,
                  priority: Callable[[Request], Any] | None = None, cache_key: CacheKey = CacheKey(),
                  head_of_line: bool = True):
         check_int("block_size", block_size, 1)
         check_int("max_num_batched_tokens", max_num_batched_tokens, 1)
         check_int("max_num_seqs", max_num_seqs, 1)
-        if prefix_cache is not None:
-            if not isinstance(prefix_cache, PrefixCache) or prefix_cache.block_size != block_size:
-                raise ValueError(f"prefix_cache must be a PrefixCache with block_size {block_size}")
-            allocator = prefix_cache.allocator
-        if allocator is None:
-            allocator = BlockAllocator(check_int("num_blocks", num_blocks, 1))
-        elif not isinstance(allocator, BlockAllocator):
-            raise ValueError(f"allocator must be a labkit.paging.BlockAllocator, got {type(allocator).__name__}")
+        if prefix_cache is None:
+            prefix_cache = PrefixCache(BlockAllocator(check_int("num_blocks", num_blocks, 1)), block_size)
+        elif not isinstance(prefix_cache, PrefixCache) or prefix_cache.block_size != block_size:
+            raise ValueError(f"prefix_cache must be a PrefixCache with block_size {block_size}")
         if priority is not None and not callable(priority):
             raise ValueError("priority must be None (first come, first served) or a key function of a Request")
-        self.allocator, self.prefix_cache = allocator, prefix_cache or PrefixCache(allocator, block_size)
+        self.prefix_cache, self.allocator = prefix_cache, prefix_cache.allocator
         self.block_size, self.max_num_seqs = block_size, max_num_seqs
         self.max_num_batched_tokens = max_num_batched_tokens
         self.enable_prefix_caching, self.head_of_line = bool(enable_prefix_caching), bool(head_of_line)
@@ -309,13 +287,12 @@ class Scheduler:
         self.finished: list[Request] = []
         self.requests: dict[Any, Request] = {}  # unfinished requests by request_id
         self.num_steps = 0
-        self._hits: dict[int, PrefixMatch] = {}  # during one schedule(): id(request) -> its prefix hit,
-        self._chunks: list[ScheduledChunk] = []  # the chunks reserved so far
-        self._copies: list[tuple[int, int]] = []  # and the copy-on-write pairs
+        # During one schedule(): id(request) -> its prefix hit; the chunks and copy-on-write pairs so far.
+        self._hits: dict[int, PrefixMatch] = {}
+        self._chunks: list[ScheduledChunk] = []
+        self._copies: list[tuple[int, int]] = []
 
-    @property
-    def num_blocks(self) -> int:
-        return self.allocator.num_blocks
+    num_blocks = property(lambda self: self.allocator.num_blocks)
 
     def has_unfinished(self) -> bool:
         return bool(self.waiting or self.running)
@@ -350,8 +327,7 @@ class Scheduler:
                              f"more than the pool's {self.num_blocks}")
 
     def fork(self, request: Request) -> Request:
-        """A twin of a running request sharing all its blocks (parallel sampling). The first of the two
-        to write into their shared, partly filled tail gets a private copy then (copy-on-write)."""
+        """A twin of a running request sharing all its blocks (parallel sampling; copy-on-write later)."""
         if not isinstance(request, Request) or request.status is not RequestStatus.RUNNING \
                 or self.requests.get(request.request_id) is not request:
             raise ValueError("request must be a running request of this scheduler")
@@ -367,25 +343,25 @@ class Scheduler:
 
     # ------------------------------------------------------------------ one step
     def schedule(self) -> Step:
-        """Plan the next step: preempt if the running requests cannot grow, then the budget pass."""
+        """Plan the next step: preempt if the running requests cannot grow, then the budget pass
+        (after a preemption nobody is admitted, as in vLLM: the freed blocks go to the running)."""
         self.num_steps += 1
         self._chunks, self._copies, self._hits = [], [], {}
         preempted = self._preempt_until_running_fit()
         if self.priority is not None:
             self.waiting = deque(sorted(self.waiting, key=self.priority))
-        # After a preemption nobody is admitted this step (as in vLLM): the blocks just freed go
-        # to the running requests that needed them.
         decisions: list[Decision] = []
         plan_iteration(self._candidates(include_waiting=not preempted), self.allocator.num_free,
                        self.max_num_batched_tokens, self.block_size, self._reserve, self._extra_blocks, decisions)
         for request in self.waiting:  # those not admitted: drop their tentative prefix hit
             request.num_computed_tokens = 0
-        chunks, copies, self._chunks, self._copies, self._hits = self._chunks, self._copies, [], [], {}
-        total, decode = sum(c.num_tokens for c in chunks), sum(1 for c in chunks if c.num_tokens == 1 and c.samples)
+        chunks, copies = self._chunks, self._copies
+        decode = sum(1 for c in chunks if c.num_tokens == 1 and c.samples)
+        total = sum(c.num_tokens for c in chunks)
         stats = StepStats(step=self.num_steps, scheduled_tokens=total, prefill_tokens=total - decode,
-                          decode_tokens=decode, num_scheduled=len(chunks),
-                          prefix_hit_tokens=sum(c.num_cached_tokens for c in chunks), preemptions=len(preempted),
-                          copies=len(copies), free_blocks=self.allocator.num_free, used_blocks=self.allocator.num_used,
+                          decode_tokens=decode, num_scheduled=len(chunks), preemptions=len(preempted),
+                          prefix_hit_tokens=sum(c.num_cached_tokens for c in chunks), copies=len(copies),
+                          free_blocks=self.allocator.num_free, used_blocks=self.allocator.num_used,
                           cached_blocks=self.prefix_cache.num_cached_blocks, num_running=len(self.running),
                           num_waiting=len(self.waiting))
         return Step(self.num_steps, chunks, copies, preempted, stats, decisions)
@@ -397,9 +373,7 @@ class Scheduler:
         if len(sampled_token_ids) != len(sampling):
             raise ValueError(f"sampled_token_ids must hold one id per sampling chunk ({len(sampling)}), "
                              f"got {len(sampled_token_ids)}")
-        for t in sampled_token_ids:
-            if type(t) is not int or t < 0:
-                raise ValueError(f"sampled_token_ids must hold integers >= 0, found {t!r}")
+        check_token_ids("sampled_token_ids", sampled_token_ids)
         finished = []
         for chunk, token in zip(sampling, sampled_token_ids):
             request = chunk.request
@@ -419,63 +393,6 @@ class Scheduler:
         request.status = RequestStatus.FINISHED
         del self.requests[request.request_id]
         self.finished.append(request)
-
-    def advance_decodes(self, max_steps: int, next_tokens: Callable[[Request, int], Sequence[int]],
-                        may_run: Callable[[int, int, int, int], bool]) -> DecodeStretch:
-        """Up to ``max_steps`` pure-decode steps at once: what as many ``schedule()`` + ``postprocess()`` do.
-
-        For chapter 06's simulator, which checks that the steps are pure decode (every running
-        request, none with an ``eos_token_id``, computes one token per step; nobody waiting can be
-        admitted). ``next_tokens(request, n)``: the next ``n`` tokens it samples. Before step ``s``,
-        ``may_run(s, new_blocks, active, context)`` is asked (the blocks the step takes, the requests
-        still running and their tokens computed so far); the stretch ends at the first no. The
-        allocator sees the same events in the same order as when stepping: each step, the requests
-        that start a new block, in running order, then the finishing ones release theirs. Tokens
-        landing in a block a request holds touch nothing shared, so each request's are appended in
-        one ``_append`` (the stepping code) at its next new block, its finish or the end.
-        """
-        check_int("max_steps", max_steps, 0)
-        bs, running = self.block_size, list(self.running)
-        if any(r.eos_token_id is not None for r in running):
-            raise ValueError("running requests must have no eos_token_id: their last step must be known ahead")
-        computed = [r.num_computed_tokens for r in running]
-        sampled = [len(r.output_token_ids) for r in running]
-        last = [r.max_new_tokens - n - 1 for r, n in zip(running, sampled)]  # the step of its last token
-        new_block: list[list[int]] = [[] for _ in range(bs)]  # request j starts a block in step s
-        for j, c in enumerate(computed):                      # when (c + s) % bs == 0
-            new_block[c % bs].append(j)
-        num_new_block = [len(group) for group in new_block]  # of them, those still running
-        finishing: dict[int, list[int]] = {}
-        for j, end in enumerate(last):
-            finishing.setdefault(end, []).append(j)
-        # The tables' lists grow in place; releasing a table gives it a new, empty one.
-        stretch = DecodeStretch([], {}, [r.block_table.block_ids for r in running])
-
-        def catch_up(j: int, steps: int) -> None:  # request j after `steps` steps: its tokens sampled, computed
-            r, stop = running[j], computed[j] + steps
-            r.output_token_ids.extend(next_tokens(r, sampled[j] + steps - len(r.output_token_ids)))
-            if stop > r.num_computed_tokens:
-                self._append(r, r.token_ids(r.num_computed_tokens, stop))
-
-        active, context, s = len(running), sum(computed), 0
-        while s < max_steps and may_run(s, num_new_block[-s % bs], active, context):
-            for j in new_block[-s % bs]:
-                if s <= last[j]:
-                    catch_up(j, s + 1)
-            stretch.used_blocks.append(self.allocator.num_used)
-            context += active
-            for j in finishing.get(s, ()):
-                catch_up(j, s + 1)
-                self.finish(running[j])
-                stretch.finished.setdefault(s, []).append(running[j])
-                active, context = active - 1, context - computed[j] - s - 1
-                num_new_block[computed[j] % bs] -= 1
-            s += 1
-        for j, end in enumerate(last):
-            if end >= s:
-                catch_up(j, s)
-        self.num_steps += s
-        return stretch
 
     # ------------------------------------------------------------------ helpers
     def _candidates(self, include_waiting: bool = True) -> Iterator[Request]:
@@ -535,12 +452,9 @@ class Scheduler:
             self.prefix_cache.cache_full_blocks(table, request.num_computed_tokens)
 
     def _preempt_until_running_fit(self) -> list[Request]:
-        """vLLM's rule: while the running requests' next tokens do not fit, preempt the newest.
-
-        The budget pass itself, as a dry run: if it would skip a running request, they do not fit.
-        (Skipping is no answer for a request that holds blocks: if each waited for another's
-        blocks, none would ever move.)
-        """
+        """vLLM's rule: while the running requests' next tokens do not fit, preempt the newest. The
+        budget pass as a dry run: if it would skip a running request, they do not fit (a request
+        holding blocks cannot just wait: if each waited for another's, none would move)."""
         preempted: list[Request] = []
         while self.running:
             released: Counter = Counter()  # tail references that the copies counted so far drop
@@ -571,3 +485,65 @@ class Scheduler:
         if request.block_table is not None:
             self.prefix_cache.release(request.block_table)
         request.block_table, request.num_computed_tokens = None, 0
+
+
+def advance_decodes(sched: Scheduler, max_steps: int, next_tokens: Callable[[Request, int], Sequence[int]],
+                    may_run: Callable[[int, int, int, int], bool]) -> DecodeStretch:
+    """Up to ``max_steps`` pure-decode steps of ``sched`` at once: what as many ``schedule()`` + ``postprocess()`` do.
+
+    For chapter 06's simulator, which checks that the steps are pure decode (every running
+    request computes one token per step, nobody waiting can be admitted). ``next_tokens(request,
+    n)``: the next ``n`` tokens it samples (asked ahead for a request with stop ids, to find its
+    last step). Before step ``s``, ``may_run(s, new_blocks, active, context)`` is asked (the blocks
+    the step takes, the requests still running, their tokens computed so far); the stretch ends
+    at the first no. The allocator sees the same events in the same order as when stepping: each
+    step, the requests that start a new block, in running order, then the finishing ones release
+    theirs. Each request's tokens are appended with ``_append`` (``Scheduler``'s own stepping code) at its next
+    new block, its finish or the end: in between they touch nothing shared.
+    """
+    check_int("max_steps", max_steps, 0)
+    bs, running = sched.block_size, list(sched.running)
+    computed = [r.num_computed_tokens for r in running]
+    sampled = [len(r.output_token_ids) for r in running]
+    last = [r.max_new_tokens - n - 1 for r, n in zip(running, sampled)]  # the step of its last token
+    ahead: dict[int, Sequence[int]] = {}  # tokens asked ahead, for requests that stop on a token
+    for j, r in enumerate(running):
+        if r.stop_token_ids:
+            ahead[j] = next_tokens(r, last[j] + 1)
+            last[j] = next((s for s, t in enumerate(ahead[j]) if t in r.stop_token_ids), last[j])
+    new_block: list[list[int]] = [[] for _ in range(bs)]  # request j starts a block in step s
+    for j, c in enumerate(computed):                      # when (c + s) % bs == 0
+        new_block[c % bs].append(j)
+    num_new_block = [len(group) for group in new_block]  # of them, those still running
+    finishing: dict[int, list[int]] = {}
+    for j, end in enumerate(last):
+        finishing.setdefault(end, []).append(j)
+    # The tables' lists grow in place; releasing a table gives it a new, empty one.
+    stretch = DecodeStretch([], {}, [r.block_table.block_ids for r in running])
+
+    def catch_up(j: int, steps: int) -> None:  # request j after `steps` steps: its tokens sampled, computed
+        r, stop, have = running[j], computed[j] + steps, len(running[j].output_token_ids) - sampled[j]
+        r.output_token_ids.extend(ahead[j][have:steps] if j in ahead else next_tokens(r, steps - have))
+        if stop > r.num_computed_tokens:
+            sched._append(r, r.token_ids(r.num_computed_tokens, stop))
+
+    active, context, s = len(running), sum(computed), 0
+    while s < max_steps and may_run(s, num_new_block[-s % bs], active, context):
+        for j in new_block[-s % bs]:
+            if s <= last[j]:
+                catch_up(j, s + 1)
+        stretch.used_blocks.append(sched.allocator.num_used)
+        context += active
+        for j in finishing.get(s, ()):
+            catch_up(j, s + 1)
+            sched.finish(running[j])
+            stretch.finished.setdefault(s, []).append(running[j])
+            active, context = active - 1, context - computed[j] - s - 1
+            num_new_block[computed[j] % bs] -= 1
+        s += 1
+    for j, end in enumerate(last):
+        if end >= s:
+            catch_up(j, s)
+    sched.num_steps += s
+    return stretch
+

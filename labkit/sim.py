@@ -1,16 +1,14 @@
-"""From fitting to serving: the KV pool of a device, and a serving simulator (chapter 06).
+"""From fitting to serving: a serving simulator (chapter 06).
 
-Chapter 02's formula says how many sequences *fit*; whether they are *served* well is
-answered here by simulation. :func:`plan_pool` carves a device's memory into a KV pool of
-blocks and counts the bookkeeping (§06's 24 GiB example). :func:`reservation_shares` redoes
-the PagedAttention paper's Fig. 2 (how much reserved memory holds live token states).
-:class:`Simulator` serves a workload with **labkit's own scheduler** (chapter 05), allocator
-and prefix cache: no tensors and no model, synthetic output ids, and each step timed by the
-roofline cost model (``labkit.costmodel``). It reports TTFT, ITL, throughput, occupancy and reuse.
+Chapter 02's formula and ``labkit.pool`` say how many sequences *fit*; whether they are
+*served* well is answered here by simulation. :class:`Simulator` serves a workload with
+**labkit's own scheduler** (chapter 05), allocator and prefix cache: no tensors and no
+model, synthetic output ids, and each step timed by the roofline cost model
+(``labkit.costmodel``). It reports TTFT, ITL, throughput, occupancy and reuse.
 
 Speed. Most steps are alike: the same requests each decode one token, nobody arrives,
 finishes or is preempted. After a real step the simulator plans such a stretch and has the
-scheduler run it at once (``Scheduler.advance_decodes``, the same allocations and names in
+scheduler run it at once (``labkit.scheduler.advance_decodes``, the same allocations and names in
 the same order). The result is identical to stepping (``skip_ahead=False``); the tests check it.
 """
 
@@ -23,178 +21,15 @@ from typing import Sequence
 
 import numpy as np
 
-from .capacity import GiB, TEACHING_MODEL, ModelShape, format_bytes
 from .checks import check_int, check_number
 from .costmodel import CostModel
 from .paging import BlockAllocator, blocks_needed
 from .prefix import PrefixCache, tail_is_shared
-from .scheduler import Request, Scheduler, Step
+from .scheduler import Request, Scheduler, Step, advance_decodes
+from .units import format_bytes
 from .workloads import RequestSpec
 
-__all__ = ["PoolPlan", "plan_pool", "reservation_shares", "RESERVATION_POLICIES", "PAPER_FIG2",
-           "Simulator", "SimResult", "simulate", "weighted_percentile"]
-
-
-# =========================================================================== the pool of one device
-
-
-@dataclass(frozen=True)
-class PoolPlan:
-    """A device's memory turned into a KV pool, with the bookkeeping counted.
-
-    ``management`` lists the device-side tensors an engine keeps *besides* the
-    K/V blocks, sized for its limits: the block tables (one int32 entry per
-    block a sequence may hold, for every sequence slot), the sequence lengths
-    (int32) and the slot mapping of one step (int64 per scheduled token). If they
-    come out of the pool, the pool loses whole blocks.
-    """
-
-    model: ModelShape
-    device_bytes: float
-    set_aside_bytes: float
-    block_size: int
-    max_num_seqs: int
-    max_model_len: int
-    max_num_batched_tokens: int
-
-    @property
-    def pool_bytes(self) -> float:
-        return self.device_bytes - self.set_aside_bytes
-
-    @property
-    def block_bytes(self) -> int:
-        return self.model.block_bytes(self.block_size)
-
-    @property
-    def num_blocks(self) -> int:
-        """Blocks in the pool, before any bookkeeping."""
-        return int(self.pool_bytes // self.block_bytes)
-
-    @property
-    def blocks_per_sequence(self) -> int:
-        """Blocks one sequence of ``max_model_len`` tokens holds."""
-        return blocks_needed(self.max_model_len, self.block_size)
-
-    @property
-    def sequences_that_fit(self) -> int:
-        """Sequences of ``max_model_len`` tokens the bare pool holds (the formula's answer)."""
-        return self.num_blocks // self.blocks_per_sequence
-
-    @property
-    def management(self) -> dict[str, int]:
-        """Bytes of each device-side bookkeeping tensor."""
-        return {
-            "block tables (int32)": 4 * self.max_num_seqs * self.blocks_per_sequence,
-            "sequence lengths (int32)": 4 * self.max_num_seqs,
-            "slot mapping (int64)": 8 * self.max_num_batched_tokens,
-        }
-
-    @property
-    def management_bytes(self) -> int:
-        return sum(self.management.values())
-
-    @property
-    def num_blocks_after_management(self) -> int:
-        """Whole blocks left when the bookkeeping is paid out of the pool."""
-        return int((self.pool_bytes - self.management_bytes) // self.block_bytes)
-
-    @property
-    def sequences_after_management(self) -> int:
-        return self.num_blocks_after_management // self.blocks_per_sequence
-
-    def host_metadata_bytes(self, bytes_per_block: int = 48) -> int:
-        """Host (CPU) memory for per-block metadata: reference count, hash, free-queue links...
-
-        ``bytes_per_block`` is an estimate (4 ref count + 32 hash + 8 links + 4 id):
-        host memory, so it does not shrink the pool, but it grows with the pool.
-        """
-        return bytes_per_block * self.num_blocks
-
-    def describe(self) -> str:
-        lines = [
-            f"device {format_bytes(self.device_bytes)} - set aside {format_bytes(self.set_aside_bytes)} "
-            f"= pool {format_bytes(self.pool_bytes)}",
-            f"block of {self.block_size} tokens = {format_bytes(self.block_bytes)}: {self.num_blocks:,} blocks",
-            f"one sequence of {self.max_model_len:,} tokens = {self.blocks_per_sequence:,} blocks "
-            f"= {format_bytes(self.blocks_per_sequence * self.block_bytes)}: "
-            f"{self.sequences_that_fit} sequences fit",
-        ]
-        return "\n".join(lines)
-
-
-def plan_pool(device_bytes: float = 24 * GiB, set_aside_bytes: float = 17 * GiB, model: ModelShape = TEACHING_MODEL,
-              block_size: int = 16, max_num_seqs: int = 256, max_model_len: int = 8192,
-              max_num_batched_tokens: int = 8192) -> PoolPlan:
-    """The KV pool left on a device after the weights, the workspace and a reserve (``set_aside_bytes``).
-
-    Defaults are §06's example: a 24 GiB device, 17 GiB set aside, the teaching
-    model, 16-token blocks; the engine limits (256 sequence slots, 8,192-token
-    sequences and steps) are typical engine defaults, not from the article.
-    """
-    check_number("device_bytes", device_bytes, 0)
-    check_number("set_aside_bytes", set_aside_bytes, 0)
-    if set_aside_bytes > device_bytes:
-        raise ValueError(f"set_aside_bytes must be in [0, device_bytes = {format_bytes(device_bytes)}], "
-                         f"got {format_bytes(set_aside_bytes)}")
-    for name, value in (("block_size", block_size), ("max_num_seqs", max_num_seqs),
-                        ("max_model_len", max_model_len), ("max_num_batched_tokens", max_num_batched_tokens)):
-        check_int(name, value, 1)
-    plan = PoolPlan(model, device_bytes, set_aside_bytes, block_size, max_num_seqs, max_model_len,
-                    max_num_batched_tokens)
-    if plan.num_blocks < 1:
-        raise ValueError(f"set_aside_bytes leaves a pool of {format_bytes(plan.pool_bytes)}, smaller than one "
-                         f"block ({format_bytes(plan.block_bytes)}): it must leave at least one block")
-    return plan
-
-
-# =========================================================================== the paper's Fig. 2
-
-# Share of KV memory holding token states in the PagedAttention paper's Fig. 2 (Kwon et al. 2023).
-PAPER_FIG2 = {"reserve max length": 0.204, "reserve power of two": 0.268, "reserve exact length (oracle)": 0.382,
-              "paged, 16-token blocks": 0.963}
-RESERVATION_POLICIES = tuple(PAPER_FIG2)
-
-
-def reservation_shares(requests: Sequence[RequestSpec], max_len: int = 2048, block_size: int = 16) -> dict[str, float]:
-    """The share of reserved KV slots that hold live token states, under four policies.
-
-    Every request is looked at during each of its decode steps: after step ``t``
-    (``t = 1 .. output_len``) it holds ``prompt_len + t`` live tokens. What it has
-    reserved meanwhile depends on the policy:
-
-    * **max length**: ``max_len`` slots, whatever the request (Orca (Max));
-    * **power of two**: the next power of two at or above its final length
-      (a length known within a factor of 2: Orca (Pow2));
-    * **oracle**: exactly its final length ``prompt_len + output_len`` (Orca (Oracle));
-    * **paged**: only the blocks its live tokens occupy, ``ceil(live / block_size)``
-      blocks (vLLM): waste is at most one partly filled block.
-
-    The share is Σ live / Σ reserved over all (request, step) pairs, i.e. the
-    average over time when requests run side by side. External fragmentation
-    (holes between contiguous reservations) is not modelled, so the three
-    reservation policies come out *higher* here than in a real system.
-    """
-    if not requests:
-        raise ValueError("requests must hold at least one request")
-    check_int("max_len", max_len, 1)
-    check_int("block_size", block_size, 1)
-    prompt = np.array([r.prompt_len for r in requests], dtype=np.float64)
-    output = np.array([r.output_len for r in requests], dtype=np.float64)
-    total = prompt + output
-    if total.max() > max_len:
-        raise ValueError(f"max_len must be at least the longest request ({int(total.max())} tokens), got {max_len}")
-    live = (output * prompt + output * (output + 1) / 2).sum()  # Σ_r Σ_t (prompt + t)
-    pow2 = 2.0 ** np.ceil(np.log2(total))
-    # Paged: every live length the requests pass through, rounded up to whole blocks.
-    lengths = np.concatenate([np.arange(p + 1, p + o + 1) for p, o in zip(prompt.astype(np.int64),
-                                                                           output.astype(np.int64))])
-    paged = (np.ceil(lengths / block_size) * block_size).sum()
-    return {
-        "reserve max length": live / (output * max_len).sum(),
-        "reserve power of two": live / (output * pow2).sum(),
-        "reserve exact length (oracle)": live / (output * total).sum(),
-        "paged, 16-token blocks" if block_size == 16 else f"paged, {block_size}-token blocks": live / paged,
-    }
+__all__ = ["Simulator", "SimResult", "weighted_percentile"]
 
 
 # =========================================================================== results
@@ -393,11 +228,6 @@ class Simulator:
         return _Run(self, requests, progress).result()
 
 
-def simulate(requests: Sequence[RequestSpec], cost_model: CostModel | None = None, **settings) -> SimResult:
-    """``Simulator(cost_model, **settings).run(requests)`` in one call."""
-    return Simulator(cost_model, **settings).run(requests)
-
-
 # Synthetic output ids: unique per (request, position), above any vocabulary, so no two
 # requests ever produce the same full block by accident.
 _OUTPUT_ID_BASE = 1 << 20
@@ -441,47 +271,46 @@ class _Columns:
         return np.concatenate(parts).astype(dtype) if parts else np.zeros(0, dtype=dtype)
 
 
+def _requests(specs: Sequence[RequestSpec], sched: Scheduler) -> list[Request]:
+    """One scheduler ``Request`` per spec, every spec checked before any is served."""
+    if len({getattr(s, "request_id", None) for s in specs}) != len(specs):
+        raise ValueError("requests must have distinct request_id values")
+    requests = []
+    for spec in specs:
+        if not isinstance(spec, RequestSpec):
+            raise ValueError(f"requests must hold RequestSpec objects, got {type(spec).__name__}")
+        if not math.isfinite(spec.arrival_time):
+            raise ValueError(f"arrival_time must be a finite number of seconds, got {spec.arrival_time!r} "
+                             f"(request {spec.request_id})")
+        if spec.output_len >= _OUTPUT_ID_STRIDE:
+            raise ValueError(f"output_len must be < {_OUTPUT_ID_STRIDE}, got {spec.output_len}")
+        requests.append(Request(spec.prompt_token_ids, spec.output_len, request_id=spec.request_id))
+        sched.check_fits(requests[-1])
+    return requests
+
+
 class _Run:
     """One simulated run: the event loop, the records, and the skip-ahead."""
 
     def __init__(self, sim: Simulator, specs: Sequence[RequestSpec], progress: bool):
         if len(specs) == 0:
             raise ValueError("requests must hold at least one RequestSpec")
-        self.sim = sim
-        self.cost = sim.cost_model
-        self.sched = sim.new_scheduler()
-        self.block_size = sim.block_size
-        self.specs = sorted(specs, key=lambda s: (s.arrival_time, s.request_id))
+        self.sim, self.cost, self.sched = sim, sim.cost_model, sim.new_scheduler()
+        self.specs = sorted(specs, key=lambda s: (s.arrival_time, getattr(s, "request_id", 0)))
+        self.requests = _requests(self.specs, self.sched)
+        self.index = {id(r): i for i, r in enumerate(self.requests)}  # id(Request) -> position in specs
         n = len(self.specs)
-        self.requests: list[Request] = []
-        self.index: dict[int, int] = {}  # id(Request) -> position in self.specs
-        if len({getattr(s, "request_id", None) for s in self.specs}) != n:
-            raise ValueError("requests must have distinct request_id values")
-        for i, spec in enumerate(self.specs):  # check every request before serving any
-            if not isinstance(spec, RequestSpec):
-                raise ValueError(f"requests must hold RequestSpec objects, got {type(spec).__name__}")
-            if not math.isfinite(spec.arrival_time):
-                raise ValueError(f"arrival_time must be a finite number of seconds, got {spec.arrival_time!r} "
-                                 f"(request {spec.request_id})")
-            if spec.output_len >= _OUTPUT_ID_STRIDE:
-                raise ValueError(f"output_len must be < {_OUTPUT_ID_STRIDE}, got {spec.output_len}")
-            request = Request(spec.prompt_token_ids, spec.output_len, request_id=spec.request_id)
-            self.sched.check_fits(request)
-            self.index[id(request)] = i
-            self.requests.append(request)
         # Plain lists while running (cheaper than numpy scalars one at a time); arrays at the end.
         self.first_token: list[float | None] = [None] * n
         self.finish: list[float | None] = [None] * n
-        self.last_token: list[float] = [0.0] * n
-        self.hit_tokens = np.zeros(n, dtype=np.int64)
-        self.admitted = np.zeros(n, dtype=bool)
+        self.last_token = [0.0] * n
+        self.hit_tokens = np.full(n, -1, dtype=np.int64)  # -1 until first admitted
         self.queued_at_step = np.zeros(n, dtype=np.int64)
         self.steps = _Columns("start", "end", "tokens", "running", "waiting", "used", "live")
-        self.itl = _Columns("value", "weight")
-        self.itl_single: list[float] = []  # intervals of real steps, one token each
+        self.itl_single: list[float] = []  # intervals standing for one token each
+        self.itl = _Columns("value", "weight")  # skipped stretches: one interval for all running requests
         self.schedule: list = []
-        self.skipped_steps = 0
-        self._first_tokens_this_step = 0
+        self.skipped_steps = self._first_tokens = 0
         self.bar = None
         if progress:
             from tqdm.auto import tqdm
@@ -492,7 +321,6 @@ class _Run:
             if self.bar is not None:
                 self.bar.close()
 
-    # ------------------------------------------------------------ main loop
     def _loop(self) -> None:
         sched, specs = self.sched, self.specs
         n, nxt = len(specs), 0
@@ -526,20 +354,17 @@ class _Run:
         return self.cost.time_from_sums(new, ctx, pairs)
 
     def _record_step(self, step: Step, start: float, end: float) -> None:
-        sched, index = self.sched, self.index
-        sampled = []
-        self._first_tokens_this_step = 0
+        sampled, self._first_tokens = [], 0
         for c in step.chunks:
             r = c.request
-            i = index[id(r)]
-            if not self.admitted[i]:
-                self.admitted[i] = True
+            i = self.index[id(r)]
+            if self.hit_tokens[i] < 0:
                 self.hit_tokens[i] = c.num_cached_tokens
             if c.samples:
                 sampled.append(_output_id(i, len(r.output_token_ids)))
                 if self.first_token[i] is None:
                     self.first_token[i] = end
-                    self._first_tokens_this_step += 1
+                    self._first_tokens += 1
                 else:
                     self.itl_single.append(end - self.last_token[i])
                 self.last_token[i] = end
@@ -549,22 +374,14 @@ class _Run:
         stats = step.stats
         self.steps.add(start=start, end=end, tokens=stats.scheduled_tokens, running=stats.num_running,
                        waiting=stats.num_waiting, used=stats.used_blocks,
-                       live=sum(r.num_computed_tokens for r in sched.running))
-        finished = sched.postprocess(step, sampled)
-        for r in finished:
-            self.finish[index[id(r)]] = end
-        if self.bar is not None and finished:
-            self.bar.update(len(finished))
+                       live=sum(r.num_computed_tokens for r in self.sched.running))
+        self._finished(self.sched.postprocess(step, sampled), end)
 
-    # ------------------------------------------------------------ skip-ahead
-    def _pure_decode(self, step: Step) -> bool:
-        """The step just done had every running request decode one token, and nothing else happened:
-        no admission, no first token, no preemption, no copy, no request finished."""
-        if step.preempted or step.copies or self._first_tokens_this_step:
-            return False
-        if len(step.chunks) != len(self.sched.running):
-            return False  # someone finished, or was not scheduled
-        return all(c.num_tokens == 1 and c.samples for c in step.chunks)
+    def _finished(self, requests: list[Request], at: float) -> None:
+        for r in requests:
+            self.finish[self.index[id(r)]] = at
+        if self.bar is not None and requests:
+            self.bar.update(len(requests))
 
     def _skip(self, clock: float, next_arrival: float, step: Step) -> float:
         """Apply the coming pure-decode steps at once; returns the clock after them.
@@ -574,23 +391,23 @@ class _Run:
         request is decoding (its prompt done), the token budget covers them all, the
         free blocks cover their new blocks (else the scheduler would preempt), and no
         waiting request can be admitted. That last point is easy when nobody waits.
-        When requests wait, the step just done must itself have been pure decode (so
-        the scheduler just judged them inadmissible), and the stretch ends before
-        anything could change that judgement: a request finishing (it frees blocks) or
-        the allocator handing out a cached block (that could shrink a prefix hit).
-        With nobody waiting, requests may finish inside the stretch.
-
-        The scheduler's own ``advance_decodes`` runs the stretch; before each step it asks
-        ``may_run`` here, which checks the arrivals and the free queue and times the step.
+        When requests wait, the step just done must itself have been pure decode (no
+        admission, first token, preemption, copy or finish: the scheduler just judged
+        them inadmissible), and the stretch ends before anything could change that
+        judgement: a request finishing (it frees blocks) or the allocator handing out a
+        cached block (that could shrink a prefix hit). With nobody waiting, requests may
+        finish inside the stretch. ``labkit.scheduler.advance_decodes`` runs the stretch; before
+        each step it asks ``may_run`` here, which checks the arrivals and the free queue
+        and times the step.
         """
-        sched, bs, alloc = self.sched, self.block_size, self.sched.allocator
+        sched, alloc = self.sched, self.sched.allocator
         running = list(sched.running)
-        b = len(running)
-        if b == 0 or b > sched.max_num_batched_tokens:
+        if not running or len(running) > sched.max_num_batched_tokens:
             return clock
         waiting = bool(sched.waiting)
-        if waiting and not self._pure_decode(step):
-            return clock
+        if waiting and (step.preempted or step.copies or self._first_tokens or len(step.chunks) != len(running)
+                        or any(c.num_tokens != 1 or not c.samples for c in step.chunks)):
+            return clock  # the step just done was not pure decode
         for r in running:
             if r.num_computed_tokens != r.num_tokens - 1 or not r.output_token_ids:
                 return clock  # still prefilling (its last prompt token would give its first token)
@@ -602,10 +419,10 @@ class _Run:
         k_max = min(last) if waiting else max(last) + 1
         if k_max < 1:
             return clock
-        plan_start, plan_end, plan_active, plan_history = [], [], [], []
+        starts, ends, actives, history = [], [], [], []
 
         def may_run(s: int, new_blocks: int, active: int, context: int) -> bool:
-            now = plan_end[-1] if plan_end else clock
+            now = ends[-1] if ends else clock
             if now >= next_arrival:
                 return False  # the request arriving by now is a candidate of this step: step normally
             front = list(itertools.islice(alloc.free_block_ids(), new_blocks))
@@ -613,64 +430,57 @@ class _Run:
                 return False  # the scheduler would preempt
             if waiting and any(b in alloc.names for b in front):
                 return False  # the allocator would evict a cached block while requests wait
-            plan_start.append(now)
-            plan_end.append(now + self.cost.time_from_sums(active, context, context + active))
-            plan_active.append(active)
-            plan_history.append(context)
+            starts.append(now)
+            ends.append(now + self.cost.time_from_sums(active, context, context + active))
+            actives.append(active)
+            history.append(context)
             return True
 
-        stretch = sched.advance_decodes(k_max, lambda r, n: _output_ids(self.index[id(r)], len(r.output_token_ids),
-                                                                         n), may_run)
-        k = len(plan_end)
+        stretch = advance_decodes(
+            sched, k_max, lambda r, n: _output_ids(self.index[id(r)], len(r.output_token_ids), n), may_run)
+        k = len(ends)
         if k < 1:
             return clock
-        starts, ends = np.array(plan_start), np.array(plan_end)
-        actives = np.array(plan_active)
         self.steps.extend(start=starts, end=ends, tokens=actives, running=actives,
-                          waiting=np.full(k, len(sched.waiting)), used=np.array(stretch.used_blocks),
-                          live=np.array(plan_history) + actives)
+                          waiting=np.full(k, len(sched.waiting)), used=stretch.used_blocks,
+                          live=np.add(history, actives))
         # Everyone's first interval runs from its own last token (a request the token budget
         # left out of the previous step has waited longer); later ones are the step times.
-        last_token, first_end = self.last_token, plan_end[0]
         for j, r in enumerate(running):
             i = self.index[id(r)]
-            self.itl_single.append(first_end - last_token[i])
-            last_token[i] = plan_end[min(k, last[j] + 1) - 1]
-        self.itl.extend(value=ends[1:] - starts[1:], weight=actives[1:])
+            self.itl_single.append(ends[0] - self.last_token[i])
+            self.last_token[i] = ends[min(k, last[j] + 1) - 1]
+        self.itl.extend(value=np.subtract(ends[1:], starts[1:]), weight=actives[1:])
         for s, finished in stretch.finished.items():
-            for r in finished:
-                self.finish[self.index[id(r)]] = plan_end[s]
-            if self.bar is not None and finished:
-                self.bar.update(len(finished))
+            self._finished(finished, ends[s])
         if self.sim.record_schedule:
+            bs = self.sim.block_size
             for s in range(k):
                 self.schedule.append([(r.request_id, computed[j] + s, 1,
                                        tuple(stretch.block_tables[j][:blocks_needed(computed[j] + s + 1, bs)]))
                                       for j, r in enumerate(running) if s <= last[j]])
         self.skipped_steps += k
-        return plan_end[-1]
+        return ends[-1]
 
-    # ------------------------------------------------------------ result
     def result(self) -> SimResult:
-        steps = self.steps
-        prompt_len = np.array([sp.prompt_len for sp in self.specs])
-        output_len = np.array([sp.output_len for sp in self.specs])
+        steps, specs = self.steps, self.specs
+        prompt_len = np.array([sp.prompt_len for sp in specs])
+        output_len = np.array([sp.output_len for sp in specs])
         step_tokens = steps.array("tokens", np.int64)
         # Every prompt token not found in the cache is computed once, every output but the
         # last once; anything beyond that was computed again after a preemption.
         useful = int((prompt_len - self.hit_tokens).sum() + (output_len - 1).sum())
         return SimResult(
             num_blocks=self.sim.num_blocks, block_size=self.sim.block_size,
-            arrival=np.array([sp.arrival_time for sp in self.specs]),
+            arrival=np.array([sp.arrival_time for sp in specs]),
             first_token=np.array(self.first_token, dtype=np.float64), finish=np.array(self.finish, dtype=np.float64),
-            prompt_len=prompt_len, output_len=output_len,
-            hit_tokens=self.hit_tokens, shared_prefix_len=np.array([sp.prefix_len for sp in self.specs]),
+            prompt_len=prompt_len, output_len=output_len, hit_tokens=self.hit_tokens,
+            shared_prefix_len=np.array([sp.prefix_len for sp in specs]),
             preemptions=np.array([r.num_preemptions for r in self.requests]),
             step_start=steps.array("start"), step_end=steps.array("end"), step_tokens=step_tokens,
             num_running=steps.array("running", np.int64), num_waiting=steps.array("waiting", np.int64),
             used_blocks=steps.array("used", np.int64), live_tokens=steps.array("live", np.int64),
-            itl=np.concatenate((np.array(self.itl_single), self.itl.array("value"))),
+            itl=np.concatenate((self.itl_single, self.itl.array("value"))),
             itl_weight=np.concatenate((np.ones(len(self.itl_single)), self.itl.array("weight"))),
             recomputed_tokens=int(step_tokens.sum()) - useful, schedule=self.schedule,
-            skipped_steps=self.skipped_steps, queued_at_step=self.queued_at_step, scheduler=self.sched,
-        )
+            skipped_steps=self.skipped_steps, queued_at_step=self.queued_at_step, scheduler=self.sched)

@@ -18,7 +18,7 @@ from hypothesis import strategies as st
 
 from labkit.paging import BlockAllocator, blocks_needed
 from labkit.prefix import PrefixCache
-from labkit.scheduler import Request, RequestStatus, Scheduler, extra_blocks, plan_iteration
+from labkit.scheduler import Request, RequestStatus, Scheduler, advance_decodes, extra_blocks, plan_iteration
 
 VOCAB = 50
 
@@ -269,12 +269,12 @@ def test_bad_input_names_the_parameter():
         Scheduler(0, 4, 16)
     with pytest.raises(ValueError, match="block_size"):
         Scheduler(block_size=8, prefix_cache=PrefixCache(BlockAllocator(4), 4))
-    with pytest.raises(ValueError, match="allocator"):
-        Scheduler(block_size=4, allocator="not an allocator")
+    with pytest.raises(ValueError, match="prefix_cache"):
+        Scheduler(block_size=4, prefix_cache="not a prefix cache")
     with pytest.raises(ValueError, match="priority"):
         Scheduler(4, 4, 16, priority=3)
-    shared = BlockAllocator(6)
-    assert Scheduler(block_size=4, allocator=shared).num_blocks == 6
+    shared = PrefixCache(BlockAllocator(6), 4)
+    assert Scheduler(block_size=4, prefix_cache=shared).num_blocks == 6
     sched = Scheduler(4, 4, 16)
     with pytest.raises(ValueError, match="max_new_tokens"):  # 14 + 4 - 1 slots need 5 blocks of 4 > 4
         sched.add_request(list(range(14)), 4)
@@ -572,13 +572,13 @@ def test_two_forks_sharing_a_tail_need_one_copy_not_two():
     check_ref_counts(sched)
 
 
-def _decoding_scheduler(seed: int) -> tuple[Scheduler, list[Request]]:
+def _decoding_scheduler(seed: int, stop_ids: list[int] | None = None) -> tuple[Scheduler, list[Request]]:
     """A scheduler whose running requests have all reached the decode phase, nobody waiting."""
     rng = random.Random(seed)
     sched = Scheduler(num_blocks=60, block_size=4, max_num_batched_tokens=64)
     shared = [rng.randrange(VOCAB) for _ in range(6)]
     requests = [sched.add_request(shared + [rng.randrange(VOCAB) for _ in range(rng.randrange(1, 9))],
-                                  rng.randrange(2, 25)) for _ in range(5)]
+                                  rng.randrange(2, 25), stop_ids) for _ in range(5)]
     while any(r.status is RequestStatus.WAITING or not r.output_token_ids for r in requests):
         step = sched.schedule()
         sched.postprocess(step, [next_token(c.request.all_token_ids) for c in step.sampling_chunks])
@@ -596,10 +596,12 @@ def _state(sched: Scheduler, requests: list[Request]) -> tuple:
 
 @pytest.mark.parametrize("seed", range(6))
 @pytest.mark.parametrize("num_steps", [1, 3, 9, 40])
-def test_advance_decodes_does_what_as_many_steps_do(seed, num_steps):
-    """The simulator's skip-ahead: k decode steps at once leave the scheduler exactly as k real steps."""
-    stepped, stepped_reqs = _decoding_scheduler(seed)
-    skipped, skipped_reqs = _decoding_scheduler(seed)
+@pytest.mark.parametrize("stop_ids", [None, list(range(0, VOCAB, 6))], ids=["no-eos", "eos"])
+def test_advance_decodes_does_what_as_many_steps_do(seed, num_steps, stop_ids):
+    """The simulator's skip-ahead: k decode steps at once leave the scheduler exactly as k real steps,
+    also when requests stop on a sampled token (one in six ids is a stop id)."""
+    stepped, stepped_reqs = _decoding_scheduler(seed, stop_ids)
+    skipped, skipped_reqs = _decoding_scheduler(seed, stop_ids)
     used = []
     for _ in range(num_steps):
         if not stepped.running:
@@ -616,8 +618,8 @@ def test_advance_decodes_does_what_as_many_steps_do(seed, num_steps):
         return out
 
     asked = []
-    stretch = skipped.advance_decodes(num_steps, next_tokens,
-                                      lambda s, new, active, ctx: asked.append(s) or active > 0)
+    stretch = advance_decodes(skipped, num_steps, next_tokens,
+                              lambda s, new, active, ctx: asked.append(s) or active > 0)
     assert stretch.used_blocks == used and asked[:len(used)] == list(range(len(used)))
     assert _state(skipped, skipped_reqs) == _state(stepped, stepped_reqs)
 
@@ -625,17 +627,8 @@ def test_advance_decodes_does_what_as_many_steps_do(seed, num_steps):
 def test_advance_decodes_stops_where_may_run_says_no():
     sched, requests = _decoding_scheduler(0)
     before = _state(sched, requests)
-    stretch = sched.advance_decodes(10, lambda r, n: [1] * n, lambda s, new, active, ctx: False)
+    stretch = advance_decodes(sched, 10, lambda r, n: [1] * n, lambda s, new, active, ctx: False)
     assert stretch.used_blocks == [] and _state(sched, requests) == before
-
-
-def test_advance_decodes_refuses_requests_with_an_eos_token():
-    sched = Scheduler(num_blocks=8, block_size=4)
-    sched.add_request([1, 2, 3], 5, eos_token_id=7)
-    step = sched.schedule()
-    sched.postprocess(step, [1])
-    with pytest.raises(ValueError, match="eos_token_id"):
-        sched.advance_decodes(2, lambda r, n: [1] * n, lambda *a: True)
 
 
 def test_a_request_stops_on_any_of_several_eos_ids():

@@ -21,7 +21,8 @@ from labkit.costmodel import DEVICES, CostModel, ModelCost, get_device, get_mode
 from labkit.engine import Engine
 from labkit.model import Decoder, DecoderConfig
 from labkit.scheduler import Scheduler
-from labkit.sim import Simulator, plan_pool, reservation_shares, weighted_percentile
+from labkit.pool import plan_pool, reservation_shares
+from labkit.sim import Simulator, weighted_percentile
 from labkit.workloads import (ALPACA, SHAREGPT, RequestSpec, long_document_questions, make_workload,
                               poisson_arrivals, sharegpt_like)
 
