@@ -138,6 +138,14 @@ class PrefixCacheStats:
         total = self.hit_tokens + self.miss_tokens
         return self.hit_tokens / total if total else 0.0
 
+    def record(self, hit: PrefixMatch, num_tokens: int, num_fresh_blocks: int) -> None:
+        """One request of ``num_tokens`` prompt tokens admitted with prefix ``hit``."""
+        self.requests += 1
+        self.hit_tokens += hit.num_cached_tokens
+        self.miss_tokens += num_tokens - hit.num_cached_tokens
+        self.hit_blocks += hit.num_cached_blocks
+        self.miss_blocks += num_fresh_blocks
+
 
 @dataclass(frozen=True)
 class CachedBlock:
@@ -190,13 +198,11 @@ class CachedBlockTable(BlockTable):
     """A ``BlockTable`` that remembers its ``token_ids`` and ``key``, and the hashes and content ids
     of its leading named blocks. Made by ``PrefixCache.allocate`` or ``fork``; grown by its ``append``."""
 
-    def __init__(self, block_size: int, key: CacheKey, owner: "PrefixCache"):
-        super().__init__(block_size)
-        self.key = key
-        self.token_ids: list[int] = []
-        self.block_hashes: list[str] = []
-        self.entry_ids: list[int] = []
-        self.owner = owner
+    def __init__(self, owner: "PrefixCache", key: CacheKey, block_ids: Sequence[int], token_ids: Sequence[int],
+                 block_hashes: Sequence[str] = (), entry_ids: Sequence[int] = ()):
+        super().__init__(owner.block_size)
+        self.owner, self.key, self.block_ids, self.num_tokens = owner, key, list(block_ids), len(token_ids)
+        self.token_ids, self.block_hashes, self.entry_ids = list(token_ids), list(block_hashes), list(entry_ids)
 
     @property
     def num_named_blocks(self) -> int:
@@ -311,16 +317,10 @@ class PrefixCache:
             else:
                 self.allocator.incref(b)
         num_fresh = blocks_needed(len(tokens), self.block_size) - m.num_cached_blocks
-        table = CachedBlockTable(self.block_size, key, self)
-        table.block_ids, table.num_tokens = list(m.block_ids) + self.allocator.allocate_many(num_fresh), len(tokens)
-        table.token_ids, table.block_hashes = list(tokens), list(m.block_hashes[:m.num_cached_blocks])
-        table.entry_ids = list(m.entry_ids)
-        st = self.stats
-        st.requests += 1
-        st.hit_tokens += m.num_cached_tokens
-        st.miss_tokens += len(tokens) - m.num_cached_tokens
-        st.hit_blocks += m.num_cached_blocks
-        st.miss_blocks += num_fresh
+        fresh = self.allocator.allocate_many(num_fresh)
+        table = CachedBlockTable(self, key, list(m.block_ids) + fresh, tokens,
+                                 m.block_hashes[:m.num_cached_blocks], m.entry_ids)
+        self.stats.record(m, len(tokens), num_fresh)
         return table, m.num_cached_tokens
 
     def append(self, table: CachedBlockTable, token_ids: Sequence[int]) -> AppendResult:
@@ -355,21 +355,17 @@ class PrefixCache:
     def cache_full_blocks(self, table: CachedBlockTable, num_computed_tokens: int | None = None) -> int:
         """Name the full blocks among the first ``num_computed_tokens`` (default: all) tokens; returns how many.
 
-        vLLM names a block as soon as its tokens are scheduled (``KVCacheManager.allocate_slots``
-        calls ``cache_blocks``): a request admitted later in the same step may share it, since
-        the pass writes every chunk's K/V before any chunk attends.
+        vLLM names a block as soon as its tokens are scheduled (``KVCacheManager.allocate_slots`` calls
+        ``cache_blocks``), so a request admitted later in the same step may share it: the model's
+        pass writes every chunk's K/V before any chunk attends.
         """
         self._check_table(table)
-        if num_computed_tokens is None:
-            num_computed_tokens = table.num_tokens
-        if type(num_computed_tokens) is not int or not 0 <= num_computed_tokens <= table.num_tokens:
-            raise ValueError(f"num_computed_tokens must be an integer in [0, {table.num_tokens}], "
-                             f"got {num_computed_tokens!r}")
-        bs, names = self.block_size, self.allocator.names
-        first = table.num_named_blocks
-        for i in range(first, num_computed_tokens // bs):
-            parent_hash = table.block_hashes[-1] if table.block_hashes else None
-            parent_entry = table.entry_ids[-1] if table.entry_ids else None
+        n = table.num_tokens if num_computed_tokens is None else num_computed_tokens
+        if type(n) is not int or not 0 <= n <= table.num_tokens:
+            raise ValueError(f"num_computed_tokens must be an integer in [0, {table.num_tokens}], got {n!r}")
+        bs, names, first = self.block_size, self.allocator.names, table.num_named_blocks
+        for i in range(first, n // bs):
+            parent_hash, parent_entry = (table.block_hashes[-1], table.entry_ids[-1]) if i else (None, None)
             tokens = tuple(table.token_ids[i * bs:(i + 1) * bs])
             h = self.hash_fn(parent_hash, tokens, table.key)
             twin = self._lookup(h, tokens, table.key, parent_entry)  # an identical block: same content id
@@ -379,18 +375,14 @@ class PrefixCache:
             self._by_hash.setdefault(h, {})[block_id] = None
             table.block_hashes.append(h)
             table.entry_ids.append(entry_id)
-        return max(0, num_computed_tokens // bs - first)
+        return max(0, n // bs - first)
 
     def fork(self, table: CachedBlockTable) -> CachedBlockTable:
         """A second table holding the same blocks (one more reference each): parallel sampling."""
         self._check_table(table)
-        child = CachedBlockTable(self.block_size, table.key, self)
         for b in table.block_ids:
             self.allocator.incref(b)
-        child.block_ids, child.num_tokens = list(table.block_ids), table.num_tokens
-        child.token_ids, child.block_hashes, child.entry_ids = (list(table.token_ids), list(table.block_hashes),
-                                                                list(table.entry_ids))
-        return child
+        return CachedBlockTable(self, table.key, table.block_ids, table.token_ids, table.block_hashes, table.entry_ids)
 
     def release(self, table: CachedBlockTable) -> None:
         """The sequence ended: drop its references, tail first. Named blocks stay cached."""
@@ -432,13 +424,9 @@ class PrefixCache:
         self.stats.evicted_blocks += 1
 
     def _check_table(self, table: object) -> None:
-        if not isinstance(table, CachedBlockTable):
-            raise ValueError(f"table must be a CachedBlockTable made by PrefixCache.allocate or fork, "
-                             f"got {type(table).__name__}")
-        if table.block_size != self.block_size:
-            raise ValueError(f"table.block_size must be {self.block_size} (this cache's), got {table.block_size}")
-        if table.owner is not self:
-            raise ValueError("table must have been made by this PrefixCache (allocate or fork)")
+        if not isinstance(table, CachedBlockTable) or table.owner is not self:
+            got = "one made by another PrefixCache" if isinstance(table, CachedBlockTable) else type(table).__name__
+            raise ValueError(f"table must be a CachedBlockTable made by this PrefixCache (allocate or fork), got {got}")
 
 
 def _check_key(key: object) -> None:

@@ -265,9 +265,9 @@ class Scheduler:
     """
 
     def __init__(self, num_blocks: int | None = None, block_size: int = 16, max_num_batched_tokens: int = 256,
-                 *, max_num_seqs: int = 256, enable_prefix_caching: bool = True, prefix_cache: PrefixCache | None = None,
-                 priority: Callable[[Request], Any] | None = None, cache_key: CacheKey = CacheKey(),
-                 head_of_line: bool = True):
+                 *, max_num_seqs: int = 256, enable_prefix_caching: bool = True,
+                 prefix_cache: PrefixCache | None = None, priority: Callable[[Request], Any] | None = None,
+                 cache_key: CacheKey = CacheKey(), head_of_line: bool = True):
         check_int("block_size", block_size, 1)
         check_int("max_num_batched_tokens", max_num_batched_tokens, 1)
         check_int("max_num_seqs", max_num_seqs, 1)
@@ -489,7 +489,7 @@ class Scheduler:
 
 def advance_decodes(sched: Scheduler, max_steps: int, next_tokens: Callable[[Request, int], Sequence[int]],
                     may_run: Callable[[int, int, int, int], bool]) -> DecodeStretch:
-    """Up to ``max_steps`` pure-decode steps of ``sched`` at once: what as many ``schedule()`` + ``postprocess()`` do.
+    """Up to ``max_steps`` pure-decode steps of ``sched`` at once, as many ``schedule()`` + ``postprocess()`` would.
 
     For chapter 06's simulator, which checks that the steps are pure decode (every running
     request computes one token per step, nobody waiting can be admitted). ``next_tokens(request,
@@ -498,8 +498,8 @@ def advance_decodes(sched: Scheduler, max_steps: int, next_tokens: Callable[[Req
     the step takes, the requests still running, their tokens computed so far); the stretch ends
     at the first no. The allocator sees the same events in the same order as when stepping: each
     step, the requests that start a new block, in running order, then the finishing ones release
-    theirs. Each request's tokens are appended with ``_append`` (``Scheduler``'s own stepping code) at its next
-    new block, its finish or the end: in between they touch nothing shared.
+    theirs. Each request's tokens are appended by ``Scheduler._append`` (the stepping code) at its
+    next new block, its finish or the end: in between they touch nothing shared.
     """
     check_int("max_steps", max_steps, 0)
     bs, running = sched.block_size, list(sched.running)
