@@ -98,17 +98,6 @@ class Request:
 
 
 @dataclass
-class DecodeStretch:
-    """What ``advance_decodes`` did: per step, the blocks in use after its reservations;
-    the requests finished, by step; each running request's block table (its own list: read it
-    before the next step)."""
-
-    used_blocks: list[int]
-    finished: dict[int, list[Request]]
-    block_tables: list[list[int]]
-
-
-@dataclass
 class Decision:
     """One candidate's turn in a step's budget pass, as ``plan_iteration`` saw it.
 
@@ -223,6 +212,17 @@ class StepStats:
     num_running: int = 0
     num_waiting: int = 0
     finished: int = 0                  # requests finished by this step (set by postprocess)
+
+    def count(self, step: "Step", scheduler: "Scheduler") -> None:
+        """Fill in what ``step`` plans, and the scheduler's pool and queues once it was planned."""
+        decode = sum(1 for c in step.chunks if c.num_tokens == 1 and c.samples)
+        self.scheduled_tokens = step.num_tokens
+        self.prefill_tokens, self.decode_tokens = step.num_tokens - decode, decode
+        self.num_scheduled, self.preemptions, self.copies = len(step.chunks), len(step.preempted), len(step.copies)
+        self.prefix_hit_tokens = sum(c.num_cached_tokens for c in step.chunks)
+        self.free_blocks, self.used_blocks = scheduler.allocator.num_free, scheduler.allocator.num_used
+        self.cached_blocks = scheduler.prefix_cache.num_cached_blocks
+        self.num_running, self.num_waiting = len(scheduler.running), len(scheduler.waiting)
 
 
 @dataclass
@@ -355,16 +355,9 @@ class Scheduler:
                        self.max_num_batched_tokens, self.block_size, self._reserve, self._extra_blocks, decisions)
         for request in self.waiting:  # those not admitted: drop their tentative prefix hit
             request.num_computed_tokens = 0
-        chunks, copies = self._chunks, self._copies
-        decode = sum(1 for c in chunks if c.num_tokens == 1 and c.samples)
-        total = sum(c.num_tokens for c in chunks)
-        stats = StepStats(step=self.num_steps, scheduled_tokens=total, prefill_tokens=total - decode,
-                          decode_tokens=decode, num_scheduled=len(chunks), preemptions=len(preempted),
-                          prefix_hit_tokens=sum(c.num_cached_tokens for c in chunks), copies=len(copies),
-                          free_blocks=self.allocator.num_free, used_blocks=self.allocator.num_used,
-                          cached_blocks=self.prefix_cache.num_cached_blocks, num_running=len(self.running),
-                          num_waiting=len(self.waiting))
-        return Step(self.num_steps, chunks, copies, preempted, stats, decisions)
+        step = Step(self.num_steps, self._chunks, self._copies, preempted, StepStats(self.num_steps), decisions)
+        step.stats.count(step, self)
+        return step
 
     def postprocess(self, step: Step, sampled_token_ids: Sequence[int]) -> list[Request]:
         """After the model ran: append one sampled token per chunk of ``step.sampling_chunks``, in
@@ -485,6 +478,17 @@ class Scheduler:
         if request.block_table is not None:
             self.prefix_cache.release(request.block_table)
         request.block_table, request.num_computed_tokens = None, 0
+
+
+@dataclass
+class DecodeStretch:
+    """What ``advance_decodes`` did: per step, the blocks in use after its reservations;
+    the requests finished, by step; each running request's block table (its own list: read it
+    before the next step)."""
+
+    used_blocks: list[int]
+    finished: dict[int, list[Request]]
+    block_tables: list[list[int]]
 
 
 def advance_decodes(sched: Scheduler, max_steps: int, next_tokens: Callable[[Request, int], Sequence[int]],
