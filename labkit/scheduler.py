@@ -215,9 +215,8 @@ class StepStats:
 
     def count(self, step: "Step", scheduler: "Scheduler") -> None:
         """Fill in what ``step`` plans, and the scheduler's pool and queues once it was planned."""
-        decode = sum(1 for c in step.chunks if c.num_tokens == 1 and c.samples)
-        self.scheduled_tokens = step.num_tokens
-        self.prefill_tokens, self.decode_tokens = step.num_tokens - decode, decode
+        total, decode = step.num_tokens, sum(1 for c in step.chunks if c.num_tokens == 1 and c.samples)
+        self.scheduled_tokens, self.prefill_tokens, self.decode_tokens = total, total - decode, decode
         self.num_scheduled, self.preemptions, self.copies = len(step.chunks), len(step.preempted), len(step.copies)
         self.prefix_hit_tokens = sum(c.num_cached_tokens for c in step.chunks)
         self.free_blocks, self.used_blocks = scheduler.allocator.num_free, scheduler.allocator.num_used
