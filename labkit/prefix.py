@@ -336,7 +336,8 @@ class PrefixCache:
         """``append`` without the checks and the slot mapping (the scheduler's checked, hot path);
         returns the copy-on-write pairs."""
         n = len(tokens)
-        new, copy = table.new_blocks_for(n), n > 0 and tail_is_shared(table, self.allocator)
+        new = blocks_needed(table.num_tokens + n, self.block_size) - len(table.block_ids)
+        copy = n > 0 and tail_is_shared(table, self.allocator)
         if new + copy > self.allocator.num_free:
             raise OutOfBlocksError(f"appending {n} tokens needs {new + copy} free blocks, "
                                    f"{self.allocator.num_free} of {self.allocator.num_blocks} are free")
