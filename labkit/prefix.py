@@ -28,7 +28,7 @@ import hashlib
 import itertools
 import json
 import math
-from dataclasses import astuple, dataclass, fields
+from dataclasses import astuple, dataclass
 from typing import Callable, Sequence
 
 from .checks import check_int, check_token_ids
@@ -57,10 +57,12 @@ class CacheKey:
     salt: str | None = None
 
     def __post_init__(self) -> None:
-        for f in fields(self):
-            value, optional = getattr(self, f.name), f.default is None
-            if f.name != "rope_theta" and not (isinstance(value, str) or (optional and value is None)):
-                raise ValueError(f"{f.name} must be a string{' or None' if optional else ''}, got {value!r}")
+        for name in ("model", "cache_dtype", "cache_layout", "attention"):
+            if not isinstance(getattr(self, name), str):
+                raise ValueError(f"{name} must be a string, got {getattr(self, name)!r}")
+        for name in ("adapter", "rope_scaling", "salt"):
+            if getattr(self, name) is not None and not isinstance(getattr(self, name), str):
+                raise ValueError(f"{name} must be a string or None, got {getattr(self, name)!r}")
         theta = self.rope_theta
         if isinstance(theta, bool) or not isinstance(theta, (int, float)) or not (math.isfinite(theta) and theta > 0):
             raise ValueError(f"rope_theta must be a finite number > 0, got {theta!r}")

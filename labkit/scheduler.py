@@ -5,7 +5,8 @@ each, and the model computes them in one batched pass. Two budgets bound a step:
 budget** (``max_num_batched_tokens``) and the **free blocks** of the KV pool (every computed
 token's K/V need a slot before the pass writes it). ``plan_iteration`` is the article's budget
 pass, line for line: a prompt longer than the budget is split over steps (chunked prefill), a
-decoding request asks for one token. What a turn takes from the pool is ``extra_blocks``.
+decoding request asks for one token. What a turn takes from the pool is ``extra_blocks``
+(in ``labkit.prefix``, beside the copy-on-write test it counts).
 
 ``Scheduler`` keeps the state around that pass and follows vLLM v1 (``vllm/v1/core/sched/
 scheduler.py``, ``Scheduler.schedule``, vLLM 0.33.0): running requests first, oldest first, then
@@ -291,7 +292,9 @@ class Scheduler:
         self._chunks: list[ScheduledChunk] = []
         self._copies: list[tuple[int, int]] = []
 
-    num_blocks = property(lambda self: self.allocator.num_blocks)
+    @property
+    def num_blocks(self) -> int:
+        return self.allocator.num_blocks
 
     def has_unfinished(self) -> bool:
         return bool(self.waiting or self.running)
