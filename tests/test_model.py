@@ -163,3 +163,13 @@ def test_bad_input_ids(bad, name):
 def test_bad_positions_shape():
     with pytest.raises(ValueError, match="positions"):
         Decoder.random(TINY)(torch.zeros(1, 4, dtype=torch.long), positions=torch.arange(3)[None])
+
+
+def test_logits_indices_give_the_same_logits_as_the_full_pass():
+    model = Decoder.random(DecoderConfig(), seed=3)
+    ids = torch.randint(0, model.config.vocab_size, (2, 11), generator=torch.Generator().manual_seed(0))
+    wanted = torch.tensor([0, 4, 10])
+    with torch.no_grad():
+        full, some = model(ids), model(ids, logits_indices=wanted)
+    assert some.shape == (2, 3, model.config.vocab_size)
+    torch.testing.assert_close(some, full[:, wanted], rtol=1e-5, atol=1e-5)

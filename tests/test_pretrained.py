@@ -1,7 +1,7 @@
 """labkit.pretrained: real checkpoints load into the Decoder and give transformers' logits and tokens.
 
 Everything is offline. transformers builds small random models of each supported variant
-and writes them with ``save_pretrained`` (one sharded); ``Decoder.from_pretrained`` reads the
+and writes them with ``save_pretrained`` (one sharded); ``from_pretrained`` reads the
 folder back and must give transformers' own logits, 300 tokens long, within 1e-4 in float32.
 The tokenizer is trained here with the ``tokenizers`` library. A Hub id with
 ``HF_HUB_OFFLINE=1`` must fail at once with an error that names the local-folder alternative.
@@ -23,7 +23,7 @@ import torch
 import labkit  # first: sets up Triton's interpreter without a GPU
 from labkit.engine import Engine
 from labkit.model import Decoder
-from labkit.pretrained import hub_reachable, load_tokenizer, read_safetensors
+from labkit.pretrained import from_pretrained, hub_reachable, load_tokenizer, read_safetensors
 
 transformers = pytest.importorskip("transformers")
 safetensors_torch = pytest.importorskip("safetensors.torch")
@@ -67,7 +67,7 @@ def checkpoints(tmp_path_factory) -> dict[str, tuple[Path, object]]:
 
 def logits_difference(path: Path, hf, seed: int = 1) -> float:
     ids = torch.randint(0, SHAPE["vocab_size"], (2, SEQ), generator=torch.Generator().manual_seed(seed))
-    ours = Decoder.from_pretrained(path, dtype=torch.float32)
+    ours = from_pretrained(path, dtype=torch.float32)
     with torch.no_grad():
         return (ours(ids) - hf(ids).logits).abs().max().item()
 
@@ -83,9 +83,9 @@ def test_the_variants_are_what_they_claim(checkpoints):
     shards = sorted(p.name for p in checkpoints["llama"][0].glob("*.safetensors"))
     assert len(shards) > 1 and (checkpoints["llama"][0] / "model.safetensors.index.json").is_file()
 
-    llama3 = Decoder.from_pretrained(checkpoints["llama3_rope"][0])
+    llama3 = from_pretrained(checkpoints["llama3_rope"][0])
     assert llama3.config.rope_scaling["factor"] == 8.0
-    plain = Decoder.from_pretrained(checkpoints["llama3_rope"][0])
+    plain = from_pretrained(checkpoints["llama3_rope"][0])
     plain.config.rope_scaling = None  # the same weights with unscaled RoPE: clearly different logits
     ids = torch.randint(0, SHAPE["vocab_size"], (1, SEQ), generator=torch.Generator().manual_seed(2))
     with torch.no_grad():
@@ -93,19 +93,19 @@ def test_the_variants_are_what_they_claim(checkpoints):
 
     tied_path = checkpoints["tied"][0]
     assert "lm_head.weight" not in read_safetensors(tied_path)  # stored once
-    tied = Decoder.from_pretrained(tied_path)
+    tied = from_pretrained(tied_path)
     assert tied.lm_head.weight is tied.model.embed_tokens.weight
 
-    qwen = Decoder.from_pretrained(checkpoints["qwen2_bias"][0])
+    qwen = from_pretrained(checkpoints["qwen2_bias"][0])
     assert qwen.config.qkv_bias and qwen.model.layers[0].self_attn.k_proj.bias.abs().sum() > 0
 
 
 def test_dtype_and_device(checkpoints):
-    model = Decoder.from_pretrained(checkpoints["tied"][0], dtype=torch.bfloat16, device="cpu")
+    model = from_pretrained(checkpoints["tied"][0], dtype=torch.bfloat16, device="cpu")
     assert {p.dtype for p in model.parameters()} == {torch.bfloat16}
     assert model.lm_head.weight is model.model.embed_tokens.weight
     with pytest.raises(ValueError, match="dtype"):
-        Decoder.from_pretrained(checkpoints["tied"][0], dtype=torch.int8)
+        from_pretrained(checkpoints["tied"][0], dtype=torch.int8)
 
 
 def hf_greedy(hf, prompt: list[int], max_new_tokens: int, eos: list[int] | None) -> list[int]:
@@ -118,7 +118,7 @@ def hf_greedy(hf, prompt: list[int], max_new_tokens: int, eos: list[int] | None)
 def test_engine_greedy_tokens_equal_transformers_generate(checkpoints, name):
     """The engine (paged Triton kernels, prefix cache, chunked prefill) serves the loaded model unchanged."""
     path, hf = checkpoints[name]
-    model = Decoder.from_pretrained(path, dtype=torch.float32).to(labkit.DEVICE)
+    model = from_pretrained(path, dtype=torch.float32).to(labkit.DEVICE)
     shared = [7, 3, 91, 45, 12, 60, 8, 33]
     prompts = [shared + [5, 17], shared + [99], [4, 4, 2]]
     engine = Engine(model, num_blocks=24, block_size=4, max_num_batched_tokens=16)
@@ -142,7 +142,7 @@ def test_engine_greedy_tokens_equal_transformers_generate(checkpoints, name):
 
 def test_engine_stops_on_the_config_eos_by_default(checkpoints):
     path, hf = checkpoints["tied"]
-    model = Decoder.from_pretrained(path)
+    model = from_pretrained(path)
     free_run = Engine(model, num_blocks=16, block_size=4, use_triton=False).generate([[1, 2, 3]], 6, eos_token_id=())[0]
     model.config.eos_token_id = free_run[1]  # as if config.json said so
     stopped = Engine(model, num_blocks=16, block_size=4, use_triton=False).generate([[1, 2, 3]], 6)[0]
@@ -182,30 +182,29 @@ def edited_copy(src: Path, dst: Path, config_edit: dict | None = None, drop: str
 def test_unsupported_configs_name_the_field(checkpoints, tmp_path, edit, field):
     path = edited_copy(checkpoints["qwen2_bias"][0], tmp_path / "edited", edit)
     with pytest.raises(ValueError, match=field):
-        Decoder.from_pretrained(path)
+        from_pretrained(path)
 
 
 def test_missing_or_unknown_tensors_are_named(checkpoints, tmp_path):
     src = checkpoints["qwen2_bias"][0]
     key = "model.layers.1.self_attn.v_proj.bias"
     with pytest.raises(ValueError, match=key.replace(".", r"\.")):
-        Decoder.from_pretrained(edited_copy(src, tmp_path / "missing", drop=key))
+        from_pretrained(edited_copy(src, tmp_path / "missing", drop=key))
     with pytest.raises(ValueError, match=r"q_norm"):  # Qwen3 normalises q and k: not computed here
-        Decoder.from_pretrained(edited_copy(src, tmp_path / "unknown", add="model.layers.0.self_attn.q_norm.weight"))
+        from_pretrained(edited_copy(src, tmp_path / "unknown", add="model.layers.0.self_attn.q_norm.weight"))
     with pytest.raises(ValueError, match="path_or_repo_id"):
-        Decoder.from_pretrained(tmp_path / "no such folder")
+        from_pretrained(tmp_path / "no such folder")
     (tmp_path / "empty").mkdir()
     with pytest.raises(ValueError, match="config.json"):
-        Decoder.from_pretrained(tmp_path / "empty")
+        from_pretrained(tmp_path / "empty")
 
 
 def test_a_hub_id_offline_fails_fast_and_names_the_local_alternative(tmp_path):
     """In a fresh process with HF_HUB_OFFLINE=1 and an empty cache: a clear error, no waiting on a network."""
     code = textwrap.dedent("""
         import time
-        from labkit.model import Decoder
-        from labkit.pretrained import load_tokenizer
-        for load in (Decoder.from_pretrained, load_tokenizer):
+        from labkit.pretrained import from_pretrained, load_tokenizer
+        for load in (from_pretrained, load_tokenizer):
             start = time.time()
             try:
                 load("HuggingFaceTB/SmolLM2-135M-Instruct")
