@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import functools
 import http.server
+import importlib.util
 import json
 import os
 import re
@@ -80,27 +81,30 @@ def badge_link(notebook: Path) -> str:
     return link
 
 
+def site_options() -> list[str]:
+    """The sphinx-build options of `make site`, read from the Makefile so that the two cannot drift."""
+    text = (ROOT / "Makefile").read_text()
+    (options,) = re.findall(r"^SITE_OPTS\s*:?=\s*(.+)$", text, re.M)
+    return options.split()
+
+
 @pytest.fixture(scope="module")
 def site(tmp_path_factory) -> Path:
     """The site, built as `make site` builds it, offline, into a temporary folder."""
+    if importlib.util.find_spec("sphinx") is None or importlib.util.find_spec("myst_nb") is None:
+        pytest.fail("the website's builder is missing: `make setup` installs it (requirements/site.txt)")
     out = tmp_path_factory.mktemp("site")
     env = dict(os.environ)
     for var in ["http_proxy", "https_proxy", "HTTP_PROXY", "HTTPS_PROXY", "all_proxy", "ALL_PROXY"]:
         env[var] = "http://127.0.0.1:9"  # the discard port: any download fails at once
-    env.pop("no_proxy", None), env.pop("NO_PROXY", None)
+    for var in ["no_proxy", "NO_PROXY"]:
+        env.pop(var, None)
     result = subprocess.run([sys.executable, "-m", "sphinx", *site_options(), "-d", str(out / "doctrees"),
                              str(ROOT / "site"), str(out / "html")],
                             capture_output=True, text=True, env=env, cwd=ROOT)
     assert result.returncode == 0, f"the site did not build:\n{result.stdout[-3000:]}\n{result.stderr}"
     assert "WARNING" not in result.stderr, result.stderr
     return out / "html"
-
-
-def site_options() -> list[str]:
-    """The sphinx-build options of `make site`, read from the Makefile so that the two cannot drift."""
-    text = (ROOT / "Makefile").read_text()
-    (options,) = re.findall(r"^SITE_OPTS\s*:?=\s*(.+)$", text, re.M)
-    return options.split()
 
 
 def test_site_options_fail_on_any_warning():
@@ -119,6 +123,7 @@ def test_pages_workflow_runs_make_site_and_readme_links_its_address():
     assert f"**Read online:** <https://{owner}.github.io/{name}/>" in (ROOT / "README.md").read_text()
 
 
+@pytest.mark.browser  # builds the site: left out of `make test-fast`, as the browser tests are
 def test_site_has_a_page_per_notebook_and_lists_every_chapter(site):
     index = (site / "index.html").read_text()
     solutions = (site / "solutions.html").read_text()
@@ -170,6 +175,7 @@ def code_lines(notebook: Path) -> set[str]:
     return {line.strip() for c in cells(notebook) if c["cell_type"] == "code" for line in "".join(c["source"]).split("\n")}
 
 
+@pytest.mark.browser  # builds the site: left out of `make test-fast`, as the browser tests are
 def test_solutions_are_apart_from_the_chapters(site):
     """A chapter page's code shows no line of a solution; the solutions page of that chapter shows them all."""
     shown = 0
@@ -184,6 +190,7 @@ def test_solutions_are_apart_from_the_chapters(site):
     assert shown, "no chapter has a solution line to hide"
 
 
+@pytest.mark.browser  # builds the site: left out of `make test-fast`, as the browser tests are
 def test_pages_show_the_stored_figures_and_no_widget_json(site):
     for notebook in NOTEBOOKS:
         html = (site / page_of(notebook)).read_text()
