@@ -306,7 +306,8 @@ def test_site_in_chromium(site, served, tmp_path):
                 for i in range(notes.count()):
                     assert "runs in JupyterLab, Binder or Colab" in notes.nth(i).inner_text(), rel
                 assert page.locator(".jupyter-widgets, .widget-subarea, script[type*='jupyter.widget']").count() == 0
-                assert "widget-view+json" not in page.content() and "model_id" not in page.content(), rel
+                content = page.content()
+                assert "widget-view+json" not in content and "model_id" not in content, rel
 
                 # No internal link leads nowhere, anchors included.
                 hrefs = page.locator("a[href]").evaluate_all("links => links.map(a => a.href)")
