@@ -62,10 +62,8 @@ class RequestSpec:
     prefix_len: int = 0
 
     def __post_init__(self) -> None:
+        # arrival_time is checked where it is used (Simulator.run refuses NaN, negative or infinite times).
         check_int("request_id", self.request_id, 0)
-        check_number("arrival_time", self.arrival_time, 0)
-        if not math.isfinite(self.arrival_time):
-            raise ValueError(f"arrival_time must be a finite number of seconds >= 0, got {self.arrival_time!r}")
         check_token_ids("prompt_token_ids", self.prompt_token_ids, min_len=1)
         check_int("output_len", self.output_len, 1)
         if check_int("prefix_len", self.prefix_len, 0) > len(self.prompt_token_ids):
