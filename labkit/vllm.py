@@ -6,8 +6,10 @@ left inside its memory budget to the KV cache. Then it logs three figures::
     Available KV cache memory: 7.0 GiB
     GPU KV cache size: 57,344 tokens, Maximum concurrency for 8,192 tokens per request: 7.00x
 
-or refuses to start because one request of ``max_model_len`` tokens would not fit.
-This module predicts those lines from a model's shape, following vLLM's own code
+or refuses to start: because one request of ``max_model_len`` tokens would not fit, because
+nothing is left for the cache at all, or, earlier, because ``max_model_len`` is past the
+model's own limit, the tensor-parallel size does not divide the heads, or the cache dtype has
+no attention backend. This module predicts those lines from a model's shape, following vLLM's own code
 rather than the book's formula (:mod:`labkit.capacity` keeps the physics; this
 module keeps vLLM's bookkeeping, which reserves more in places).
 
@@ -109,7 +111,7 @@ def available_kv_bytes(gpu_total_bytes: float, gpu_memory_utilization: float, no
     "No available memory for the cache blocks".
 
     ``gpu_total_bytes`` is the total *CUDA reports* (``torch.cuda.mem_get_info``), which is
-    below the datasheet figure: an "80 GB" H100 reports about 79.1 GiB. This is an
+    below the datasheet figure (the driver, and ECC where it is on, take a share). This is an
     idealised device: on a real GPU, ``request_memory`` first refuses to start unless the
     *free* memory covers the budget ("Free memory on device ... is less than desired GPU
     memory utilization"), and free memory is always below the total once the CUDA context
@@ -369,8 +371,7 @@ def kv_cache_report(model: str | ModelShape | dict[str, Any], available_kv_bytes
     if attention_heads is not None and attention_heads % tp:  # config/model.py: verify_with_parallel_config
         raise ValueError(f"tensor_parallel_size must divide the number of attention heads ({attention_heads}), "
                          f"got {tp}")
-    if pp > shape.num_layers:
-        raise ValueError(f"pipeline_parallel_size must be in [1, {shape.num_layers}] (the layers), got {pp}")
+    stages = pipeline_stages(shape.num_layers, pp)  # get_pp_indices' split, checked before anything else
     batches = pp + 1 if batches_in_flight is None else check_int("batches_in_flight", batches_in_flight, 1)
     if isinstance(available_kv_bytes, Sequence):
         if len(available_kv_bytes) != pp:
@@ -388,9 +389,8 @@ def kv_cache_report(model: str | ModelShape | dict[str, Any], available_kv_bytes
         return sum(_blocks_per_request(w, block_size, model_len, in_flight) for w, _ in groups)
 
     bytes_per_block, num_blocks = [], []
-    for rank, available in enumerate(per_worker):
-        start, end = get_pp_indices(shape.num_layers, rank, pp)
-        block_bytes = max(sum(start <= i < end for i in layers) for _, layers in groups) * page
+    for stage, available in zip(stages, per_worker):
+        block_bytes = max(sum(i in stage for i in layers) for _, layers in groups) * page
         _check_enough_memory(available - block_bytes, block_bytes, max_model_len, blocks_per_request)
         bytes_per_block.append(block_bytes)
         num_blocks.append(available // block_bytes)

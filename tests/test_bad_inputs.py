@@ -12,7 +12,12 @@ object it acts on and every argument it was given are exactly as they were befor
 (a deep snapshot: tensors element by element, objects attribute by attribute).
 
 Run ``python tests/test_bad_inputs.py`` for the count of rows refused correctly, without
-pytest (the issue's "before and after" figure).
+pytest (the issue's "before and after" figure). Issue 20's note: against the code before it
+(commit d847dcb), 146 of these 193 rows were refused correctly; 9 of the other 47 only because
+a parameter was renamed (``tensor_parallel`` became ``tensor_parallel_size``, ``pipeline_parallel``
+``pipeline_parallel_size``) or a function is new (``checks.check_bytes``, ``vllm.check_max_model_len``),
+and 38 were real faults: accepted, a wrong exception type, or a message naming another parameter.
+After it, 193 of 193.
 """
 
 from __future__ import annotations
