@@ -438,8 +438,9 @@ assert fit == 7
 # the number of sequences that fit; the plot shows that number against the context length, with
 # your request count as a dashed line. (The explorer applies the article's formula: no windows.)
 # Below the table, **vLLM would print** the two start-up lines vLLM computes for the same device
-# (`labkit.vllm`, chapter 06): the pool is device − set aside times `gpu_memory_utilization`
-# (its own slider), cut into 16-token blocks, with `max_model_len` = the context length. For
+# (`labkit.vllm`, chapter 06): the pool is device × `gpu_memory_utilization` (its own slider) −
+# set aside, cut into 16-token blocks (a utilization of 1.0 is the article's idealised device: a
+# real GPU refuses it, as chapter 06 explains), with `max_model_len` = the context length. For
 # Mistral and Gemma 2 it budgets the windows as vLLM does, so its concurrency differs from
 # "sequences that fit"; when one request would not fit, it shows vLLM's refusal instead.
 # Lengths past the preset's `max_position_embeddings` get a warning, and the plot draws them dotted;

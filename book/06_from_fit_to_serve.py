@@ -158,9 +158,8 @@ assert too_long.estimated_max_model_len == 41_584 and too_long.needed_bytes == 8
 # %% [markdown]
 # The second call asks for 65,536-token requests, and vLLM refuses to start: one such request
 # needs 4,096 blocks, 8 GiB, and only 5.08 GiB are there. (The teaching model states no context
-# limit, so only memory stands in the way.) (vLLM checks against the pool minus one
-# block, the *null block* its block pool keeps back, so a pool of exactly one request is refused
-# too.) The message carries the fix: the longest `max_model_len` that fits, found by a binary
+# limit, so only memory stands in the way. vLLM checks against the pool minus one block, the
+# *null block* its block pool keeps back, so a pool of exactly one request is refused too.) The message carries the fix: the longest `max_model_len` that fits, found by a binary
 # search, is 41,584 tokens. Three ways out, each computed. The second, raising the utilization to
 # 1.0, is arithmetic on the idealised device only: a real GPU refuses 1.0 before this check is
 # reached, as said above.
