@@ -122,9 +122,9 @@ REPORT = dict(max_model_len=8192)
 nan, inf = math.nan, math.inf
 
 
-def tmp_folder_without_config() -> str:
-    import tempfile
-    return tempfile.mkdtemp(prefix="labkit_no_config_")
+def folder_without_config() -> str:
+    """A folder that exists and holds no config.json: this test's own."""
+    return str(__import__("pathlib").Path(__file__).resolve().parent)
 
 
 # ---------------------------------------------------------------------------------------------- the table
@@ -380,7 +380,7 @@ CASES: list[tuple[str, Any, tuple, dict, type, str]] = [
      "input_ids"),
     ("from_pretrained int dtype", model.Decoder.from_pretrained, ("unused",), {"dtype": torch.int8}, ValueError,
      "dtype"),
-    ("from_pretrained no config.json", model.Decoder.from_pretrained, (tmp_folder_without_config(),), {},
+    ("from_pretrained no config.json", model.Decoder.from_pretrained, (folder_without_config(),), {},
      ValueError, "path_or_repo_id"),
     # ---- cache, prefix, scheduler, sim, engine: rows their current code already refuses correctly
     ("generate no prompt", cache.generate, (tiny_decoder(), [], 2), {}, ValueError, "prompt_ids"),
