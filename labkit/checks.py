@@ -1,7 +1,7 @@
 """Argument checks shared by every labkit module.
 
 The book's rule for bad input: raise ``ValueError`` naming the parameter and the
-allowed range, *before* any state changes. These two functions say it once.
+allowed range, *before* any state changes. These functions say it once.
 """
 
 from __future__ import annotations
@@ -26,6 +26,18 @@ def check_number(name: str, value: object, minimum: float, *, strict: bool = Fal
     if not ok:
         raise ValueError(f"{name} must be a number {'>' if strict else '>='} {minimum}, got {value!r}")
     return float(value)
+
+
+def check_bytes(name: str, value: object, *, positive: bool = False) -> float:
+    """A memory size in bytes: a finite real number >= 0 (> 0 with ``positive``); need not be whole (1.5 GiB).
+
+    NaN, infinities and bool are refused: an infinite device would make every capacity infinite.
+    """
+    ok = not isinstance(value, bool) and isinstance(value, numbers.Real) and math.isfinite(value) \
+        and (value > 0 if positive else value >= 0)
+    if not ok:
+        raise ValueError(f"{name} must be a finite number of bytes {'>' if positive else '>='} 0, got {value!r}")
+    return value
 
 
 def check_token_ids(name: str, value: object, min_len: int = 0) -> tuple[int, ...]:

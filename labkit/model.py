@@ -336,7 +336,9 @@ class Decoder(nn.Module):
                         device: torch.device | str | None = None) -> "Decoder":
         """Real weights: a Hugging Face Llama or Qwen2 checkpoint, from a folder or a Hub id.
 
-        ``dtype``: None keeps the dtype stored in the checkpoint (bfloat16 for most);
+        ``dtype``: None takes the checkpoint's one dtype as transformers does (config.json's
+        ``torch_dtype``, else the first floating-point tensor's; bfloat16 for most), and casts
+        every weight to it;
         ``device``: None is the CPU. See ``labkit.pretrained`` for what is read and refused.
         """
         from .pretrained import load_decoder  # there: files, shards and the Hub
