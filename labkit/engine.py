@@ -32,7 +32,7 @@ import torch
 from .model import Decoder
 from .cache import AttentionMetadata, KVPool
 from .prefix import CacheKey
-from .scheduler import Request, Scheduler, Step, StepStats
+from .scheduler import Request, Scheduler, Step, StepStats, parse_stop_token_ids
 
 __all__ = ["Engine"]
 
@@ -43,7 +43,8 @@ class Engine:
     ``model``: a ``labkit.model.Decoder``. ``num_blocks`` blocks of ``block_size`` tokens
     form the K/V pool; ``max_num_batched_tokens`` is the token budget of a step and
     ``max_num_seqs`` the most requests running at once.
-    ``enable_prefix_caching``, ``priority``: passed to the ``Scheduler``. ``dtype``: of the
+    ``enable_prefix_caching``, ``priority``, ``full_sequence_must_fit`` (vLLM's admission gate, on
+    by default): passed to the ``Scheduler``. ``dtype``: of the
     K/V pool (default: the model's). ``use_triton``: the Triton kernels (default) or their
     PyTorch references. Greedy decoding; ``stats`` holds one ``StepStats`` per step.
 
@@ -54,7 +55,7 @@ class Engine:
 
     def __init__(self, model: Decoder, num_blocks: int, block_size: int = 16, max_num_batched_tokens: int = 256,
                  *, max_num_seqs: int = 256, enable_prefix_caching: bool = True,
-                 priority: Callable[[Request], Any] | None = None,
+                 priority: Callable[[Request], Any] | None = None, full_sequence_must_fit: bool = True,
                  dtype: torch.dtype | None = None, use_triton: bool = True):
         if not isinstance(model, Decoder):
             raise ValueError(f"model must be a labkit.model.Decoder, got {type(model).__name__}")
@@ -65,7 +66,8 @@ class Engine:
         key = CacheKey(model=f"labkit Decoder {id(model):#x}",  # these weights, in this process
                        cache_dtype=str(self.dtype).removeprefix("torch."), rope_theta=float(cfg.rope_theta))
         self.scheduler = Scheduler(num_blocks, block_size, max_num_batched_tokens, max_num_seqs=max_num_seqs,
-                                   enable_prefix_caching=enable_prefix_caching, priority=priority, cache_key=key)
+                                   enable_prefix_caching=enable_prefix_caching, priority=priority, cache_key=key,
+                                   full_sequence_must_fit=full_sequence_must_fit)
         self.backend = KVPool(cfg, num_blocks, block_size, self.dtype, weight.device, use_triton)
         self.stats: list[StepStats] = []
 
@@ -77,16 +79,11 @@ class Engine:
         """
         return self.scheduler.add_request(self._make_request(prompt_token_ids, max_new_tokens, eos_token_id))
 
-    def _eos_ids(self, eos_token_id: int | Sequence[int] | None) -> list[int]:
-        """The stop ids as a checked list (empty: never stop early)."""
+    def _eos_ids(self, eos_token_id: int | Sequence[int] | None) -> tuple[int, ...]:
+        """The stop ids, checked against the vocabulary (empty: never stop early)."""
         if eos_token_id is None:
             eos_token_id = self.model.config.eos_token_id
-        ids = [] if eos_token_id is None else [eos_token_id] if isinstance(eos_token_id, int) else list(eos_token_id)
-        vocab = self.model.config.vocab_size
-        if not all(isinstance(t, int) and not isinstance(t, bool) and 0 <= t < vocab for t in ids):
-            raise ValueError(f"eos_token_id must be None, a token id in [0, {vocab - 1}] or a list of them, "
-                             f"got {eos_token_id!r}")
-        return ids
+        return parse_stop_token_ids(eos_token_id, vocab_size=self.model.config.vocab_size)
 
     def _make_request(self, prompt_token_ids: Sequence[int], max_new_tokens: int,
                       eos_token_id: int | Sequence[int] | None = None) -> Request:
