@@ -29,6 +29,8 @@
 #   about priority;
 # - what an engine does when blocks run out: preemption by recompute, and swapping as the
 #   alternative;
+# - why vLLM admits a waiting request only when its whole prompt fits, not just its first chunk,
+#   and how close labkit's scheduler comes to vLLM's own (step for step, on the same workloads);
 # - how chapters 01 to 04 become one engine (decoder, paged cache, prefix cache, scheduler, Triton
 #   kernels), and a proof that batching, chunking, reuse and preemption change no token.
 
@@ -69,7 +71,8 @@ print(labkit.describe())
 # The article's §05 puts both budgets into one pass over the candidates. Here it is, as
 # `labkit.scheduler` has it (the `reserve` hook is where the article reserves the blocks; without
 # it the function only plans; `needed` lets the scheduler count a request's blocks with what it
-# knows about sharing, and `decisions` records every turn for the tables below):
+# knows about sharing, `make_room` lets it preempt (a section below), and `decisions` records every
+# turn for the tables below):
 
 # %%
 def show_source(obj) -> None:
@@ -87,7 +90,8 @@ show_source(plan_iteration)
 #
 # 1. each candidate asks for `min(num_new_tokens, token_budget)` tokens, where `num_new_tokens` counts
 #    the tokens it still has to compute: the rest of its prompt while prefilling, one while decoding;
-# 2. when the token budget is spent (`tokens == 0`), the pass **stops**;
+# 2. when the token budget is spent (`tokens == 0`), the pass **stops** (a candidate with nothing
+#    to compute *now*, whose last token is still being sampled, is merely passed over);
 # 3. a candidate whose blocks do not fit is **skipped** (`continue`), and a later, smaller
 #    candidate may still get in.
 #
@@ -174,7 +178,7 @@ def named_requests(specs):
 
 def show_step(step):
     preempted = ", ".join(r.request_id for r in step.preempted) or "-"
-    print(f"step {step.index}   (preempted before the pass: {preempted})")
+    print(f"step {step.index}   (preempted in this step: {preempted})")
     print(f"  {'req':<4}{'queue':<9}{'num_new_tokens':>15}{'tokens':>8}{'needed':>8}{'free':>6}{'budget':>8}  outcome")
     for d in step.decisions:
         print(f"  {d.request.request_id:<4}{'waiting' if d.waiting else 'running':<9}{d.num_new_tokens:>15}"
@@ -462,12 +466,13 @@ assert reasons_f["token budget spent"] > 0 and reasons_f["blocks did not fit"] >
 #
 # A request that is already running holds blocks and needs one more every `block_size` tokens.
 # Skipping it is not enough: if every running request waited for a block that only another
-# running request could free, none would ever move. Engines **preempt**. Before the pass, the
-# scheduler runs the same budget arithmetic over the running requests alone; if one of them would
-# not fit, the *newest* running request gives back all its blocks and goes to the *front* of the
-# waiting queue. Its K/V are simply dropped: when it comes back, its prompt and the tokens it had
-# already generated are computed again (**recompute**, what vLLM does). In the same step no waiting
-# request is admitted, so the freed blocks go to the requests that needed them.
+# running request could free, none would ever move. Engines **preempt**. When a running request's
+# turn comes and its blocks do not fit, the *newest* running request gives back all its blocks and
+# goes to the *front* of the waiting queue, again until the request fits or was itself the newest
+# (the `make_room` hook of `plan_iteration`; its turn is then recorded as `preempted`). The victim's
+# K/V are simply dropped: when it comes back, its prompt and the tokens it had already generated
+# are computed again (**recompute**, what vLLM does). In the same step no waiting request is
+# admitted, so the freed blocks go to the requests that needed them.
 #
 # Three requests, 6 blocks of 4 tokens: A and B (6-token prompts, 6 new tokens each) need 3 blocks
 # apiece at full length, so C (3 + 4 tokens) cannot stay.
@@ -739,7 +744,7 @@ else:
 #   admitted in the same step already shares it; finished requests release their blocks, and
 #   blocks still shared, or cached, stay.
 # - The candidate order decides who gets memory first; paging has no notion of priority.
-# - When running requests cannot grow, the newest is preempted and recomputed later (vLLM v1 does
+# - When a running request cannot grow, the newest is preempted and recomputed later (vLLM v1 does
 #   the same). With caching off the recompute shows in the tokens computed; with caching on, the
 #   prefix cache absorbs most of it. Swapping to CPU memory is the alternative: on datasheet figures
 #   it takes under a tenth of the recompute's time for the teaching model, but holds CPU memory.
