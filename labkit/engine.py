@@ -1,12 +1,18 @@
 """A small serving engine: the book's pieces in one loop (chapter 05).
 
-Each ``Engine.step()`` does what vLLM v1 does each iteration (``vllm/v1/engine/core.py``,
+Each ``Engine.step()`` follows what vLLM v1 does each iteration (``vllm/v1/engine/core.py``,
 ``EngineCore.step``: schedule, execute the model, update from the output):
 
 1. ``Scheduler.schedule()`` (chapter 05) picks requests and token counts within the
    token budget and the free blocks, admits waiting requests with their prefix-cache
    hits (chapter 04), preempts when blocks run out, and assigns every new token a slot.
-2. Copy-on-write pairs are applied to the K/V pools (block ``src`` -> ``dst``, all layers).
+2. labkit only: copy-on-write pairs are applied to the K/V pools (block ``src`` -> ``dst``,
+   all layers). They come from ``Scheduler.fork``, chapter 04's way to sample several
+   answers from one prompt: the twins share every block, and the first to write into a
+   shared, partly filled tail gets a private copy. vLLM v1 does no such copy: its parallel
+   sampling makes independent child requests (``vllm/v1/engine/parallel_sampling.py``),
+   which share the prompt's full blocks through the prefix cache (when it is on) and each
+   compute their own last, partial block.
 3. The step's tokens from *all* requests are flattened into one batch ``[1, total_tokens]``
    with explicit positions: prompt chunks and single decode tokens side by side, as vLLM v1
    batches them. (nano-vllm does not mix them: each of its steps is prefill only or decode only.)
