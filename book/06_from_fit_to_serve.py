@@ -667,7 +667,7 @@ assert max(itl_p50) < 1.5 * min(itl_p50)  # the median interval hardly moves
 #
 # First one setting, the memory the KV pool gets: each workload is served with a 2 GiB pool and
 # with §06's 7 GiB pool, everything else equal (a 1,024-token budget per step, and at most 256
-# requests running at once, vLLM's default `max_num_seqs`: the `seqs` column).
+# requests running at once, the `max_num_seqs` vLLM picks on GPUs under 70 GiB: the `seqs` column).
 
 # %%
 docs = workloads.long_document_questions(100, arrival_rate=3.0, num_documents=4, seed=3)
