@@ -335,7 +335,9 @@ assert by_budget[8192].blocks_per_request == -(-(4095 + 2 * 8192) // 16) + 1 == 
 # %% [markdown]
 # ## Fitting is not serving
 #
-# Suppose the six sequences fit and run. Every decode step must read all of the weights once and
+# Suppose the six sequences fit and run. (Six, although vLLM's log above says 7.00x: its block pool
+# holds block 0 back as the null block, so of its 3,584 blocks 3,583 can be handed out, one short of
+# seven full sequences; the "Maximum concurrency" line divides all 3,584 by 512.) Every decode step must read all of the weights once and
 # the whole history of every sequence, and a new request must wait until one of them finishes. A
 # roofline model prices this. For one step on a device with memory bandwidth $W$ and peak
 # arithmetic rate $P$:
@@ -556,8 +558,11 @@ assert abs((1 - shares["reserve max length"]) - 4 / 5) < 0.03  # "four fifths" w
 # stretch at once; the tests check that this gives exactly what stepping through every iteration
 # gives, and that chapter 05's real engine plans the same steps with the same blocks.
 #
-# Here: 400 ShareGPT-like requests at 4 per second, on the teaching model with §06's 7 GiB pool. Like
-# vLLM, the scheduler runs at most `max_num_seqs` requests at once (default 256); the others wait.
+# Here: 400 ShareGPT-like requests at 4 per second, on the teaching model with §06's 7 GiB pool, given
+# as the blocks vLLM's block pool could hand out: 3,583 of the 3,584, since vLLM keeps block 0 back as
+# its null block (`vllm/v1/core/block_pool.py`). Like vLLM, the scheduler runs at most `max_num_seqs`
+# requests at once (labkit's default, 256); the others wait. Also like vLLM, a waiting request is
+# admitted only when blocks for its whole prompt are free, not just for its first chunk (chapter 05).
 #
 # ### Three latencies: TTFT, TPOT and ITL
 #
@@ -581,8 +586,9 @@ assert abs((1 - shares["reserve max length"]) - 4 / 5) < 0.03  # "four fifths" w
 # a weight when the simulator applies several identical steps at once), so both can be computed.
 
 # %%
-serve = Simulator(cost, num_blocks=pool.num_blocks, block_size=16, max_num_batched_tokens=2048)
-print(serve)
+serve = Simulator(cost, num_blocks=report.num_gpu_blocks - 1, block_size=16, max_num_batched_tokens=2048)
+print(serve)  # vLLM's num_gpu_blocks less its null block
+assert serve.num_blocks == 3583
 chat_run = serve.run(workloads.sharegpt_like(400, arrival_rate=4.0, seed=1))
 
 # %%
@@ -728,7 +734,7 @@ assert max(itl_p50) < 1.5 * min(itl_p50)  # the median interval hardly moves
 #
 # First one setting, the memory the KV pool gets: each workload is served with a 2 GiB pool and
 # with §06's 7 GiB pool, everything else equal (a 1,024-token budget per step, and at most 256
-# requests running at once, vLLM's default `max_num_seqs`: the `seqs` column).
+# requests running at once, the `max_num_seqs` vLLM picks on GPUs under 70 GiB: the `seqs` column).
 
 # %%
 docs = workloads.long_document_questions(100, arrival_rate=3.0, num_documents=4, seed=3)
@@ -763,7 +769,7 @@ assert np.array_equal(short_small.ttft, short_big.ttft) and np.array_equal(short
 assert short_small.preemptions.sum() == 0 and short_small.used_blocks.max() < short_small.num_blocks
 assert docs_small.ttft_percentiles()["p90"] > 10 * docs_big.ttft_percentiles()["p90"]     # 2 GiB is not enough
 assert docs_small.ttft_percentiles()["p50"] > 10 * docs_big.ttft_percentiles()["p50"]
-assert docs_small.reuse_ratio < docs_big.reuse_ratio and docs_small.preemptions.sum() > 0
+assert docs_small.reuse_ratio < docs_big.reuse_ratio and docs_small.preemptions.sum() == 0  # vLLM's gate
 doc_bytes = 4 * 4096 * TEACHING_MODEL.bytes_per_token()
 print(f"four documents of 4,096 tokens: {format_bytes(doc_bytes)} of K/V")
 assert doc_bytes == 2 * GiB
@@ -773,8 +779,9 @@ assert doc_bytes == 2 * GiB
 # (every TTFT and every interval, checked above), because even the small pool never ran out of
 # blocks, so the memory could go to something else. For long-document questions the same 2 GiB
 # breaks the service. The four documents alone take all of it; with questions running on top, the
-# pool evicts documents that the next question needs, reuse falls, requests are preempted and
-# recomputed, and TTFT goes from tens of milliseconds to seconds, at the median and in the tail.
+# pool evicts documents that the next question needs, reuse falls, questions wait in the queue until
+# their whole prompt fits (vLLM's admission gate, chapter 05: nobody is preempted), and TTFT goes from
+# tens of milliseconds to seconds, at the median and in the tail.
 #
 # The pool size is a setting that one workload needs and the other does not care about. Is there
 # one that helps one and *hurts* the other? The token budget of a step, measured in the 2 GiB pool:
@@ -790,7 +797,7 @@ for label, base, small in (("long-document questions", docs_small, docs_128),
           f"p90 {t0['p90'] * 1e3:.0f} -> {t1['p90'] * 1e3:.0f} ms, reuse {base.reuse_ratio:.1%} -> "
           f"{small.reuse_ratio:.1%}")
 # a budget of 128 is better for long-document questions in this pool...
-assert docs_128.ttft_percentiles()["p50"] < 0.8 * docs_small.ttft_percentiles()["p50"]
+assert docs_128.ttft_percentiles()["p50"] < docs_small.ttft_percentiles()["p50"]
 assert docs_128.ttft_percentiles()["p90"] < docs_small.ttft_percentiles()["p90"]
 assert docs_128.reuse_ratio > docs_small.reuse_ratio
 # ...and worse for distinct short requests
@@ -804,9 +811,9 @@ print(f"distinct short requests: {running:.0f} requests running on average, step
 assert 128 - running < 2 * np.percentile(short_small.prompt_len, 99)  # a burst of prompts overflows the budget
 
 # %% [markdown]
-# A small budget (128 tokens per step) helps the long-document questions in the tight pool: a new
-# document enters the pool a little at a time, cached documents survive longer (the reuse ratio
-# rises), and TTFT falls at the median and at p90. For distinct short requests the same budget
+# A small budget (128 tokens per step) helps the long-document questions in the tight pool: TTFT
+# falls at the median and at p90, while the reuse ratio hardly moves (why, below). For distinct
+# short requests the same budget
 # hurts: the decode tokens of the running requests take a large share of the 128 tokens, what is
 # left does not cover a burst of new prompts, and they queue for the next steps: TTFT at p50, p90
 # and p99 grows. (The small budget does smooth the ITL tail of both workloads, since no long prompt
@@ -858,15 +865,15 @@ for (kind, b), rs in budget_runs.items():
 pairs = {kind: list(zip(budget_runs[kind, 1024], budget_runs[kind, 128])) for kind in seeds}
 docs_p99 = {b: np.array([r.ttft_percentiles()["p99"] for r in budget_runs["docs", b]]) for b in (1024, 128)}
 assert docs_p99[1024].max() / docs_p99[1024].min() > 1.5 > np.median(docs_p99[1024]) / np.median(docs_p99[128])
-# Documents: in every draw, the small budget gives lower TTFT, higher reuse and fewer evictions,
-# while preempting far more often.
+# Documents: in every draw, the small budget gives lower TTFT; nobody is preempted with either budget,
+# and the cache's measures move by a few percent, either way.
 for big, small in pairs["docs"]:
     assert small.ttft_percentiles()["p50"] < big.ttft_percentiles()["p50"]
     assert small.ttft_percentiles()["p99"] < big.ttft_percentiles()["p99"]
-    assert small.reuse_ratio > big.reuse_ratio
-    assert small.scheduler.prefix_cache.stats.evicted_blocks < big.scheduler.prefix_cache.stats.evicted_blocks
-    assert small.preemptions.sum() > 5 * big.preemptions.sum()
-    assert small.recomputed_tokens < 0.05 * small.prompt_len.sum()
+    assert small.preemptions.sum() == big.preemptions.sum() == 0 == small.recomputed_tokens
+    assert abs(small.reuse_ratio - big.reuse_ratio) < 0.01
+    assert abs(np.log(small.scheduler.prefix_cache.stats.evicted_blocks / big.scheduler.prefix_cache.stats.evicted_blocks)) < 0.05
+assert any(s.reuse_ratio > b.reuse_ratio for b, s in pairs["docs"]) and any(s.reuse_ratio < b.reuse_ratio for b, s in pairs["docs"])
 # Short requests: in every draw the small budget is spent to the last token in many steps, requests
 # queue, and TTFT grows; the large budget never fills and nobody waits.
 for big, small in pairs["short"]:
@@ -874,18 +881,27 @@ for big, small in pairs["short"]:
     assert small.ttft_percentiles()["p99"] > 2 * big.ttft_percentiles()["p99"]
     assert np.mean(small.step_tokens == 128) > 0.35 and np.mean(big.step_tokens == 1024) == 0
     assert np.average(small.num_waiting, weights=small.step_time) > 1 > np.average(big.num_waiting, weights=big.step_time)
+# The step in flight when a question arrives: at a random moment, a step of length d is hit with weight d.
+in_flight = {b: float((r.step_time ** 2).sum() / r.step_time.sum()) for b, r in ((1024, docs_small), (128, docs_128))}
+print(f"documents, seed 3: the step in flight at a random moment lasts {in_flight[1024] * 1e3:.0f} ms on average "
+      f"with a budget of 1,024 and {in_flight[128] * 1e3:.0f} ms with 128")
+assert in_flight[128] < in_flight[1024]
 
 # %% [markdown]
 # The direction holds in all five draws of each workload, and the spread says how much one draw
 # can move the tail: the documents' TTFT p99 varies by a factor of about two across seeds,
 # more than the budget changes it, which is why one seed could not settle the question.
 #
-# The mechanism, shown rather than asserted. For the documents, the small budget evicts fewer
-# cached blocks and reuses more of the documents. It also preempts many times more often: with
-# 128 tokens a step, a 4,096-token document takes 32 steps to prefill, so more requests are in
-# flight at once, each holding its blocks, and the tight pool runs out more often. Those
-# preemptions are cheap here, because a preempted question finds its document still cached when
-# it returns: the tokens recomputed stay a few percent of the prompt tokens. For the short
+# The mechanism, shown rather than asserted. For the documents, the cache does not explain it: the
+# evicted blocks and the reuse ratio move by about a percent, in either direction from seed to
+# seed, and nothing is preempted with either budget, because a question is admitted only when its
+# whole prompt fits in the pool (vLLM's admission gate, chapter 05; under the article's chunk-only
+# admission the small budget let documents in 128 tokens at a time and then preempted them when
+# the pool ran dry). What the small budget changes is the step: no step carries more than 128
+# tokens of a document, so steps are shorter (the step in flight at a random moment, printed above
+# for the first seed). The gain in TTFT is larger than that difference, since a question also waits
+# behind the questions ahead of it; these measurements show the shorter steps, not how the gain
+# builds up in the queue. For the short
 # requests, the small budget is spent to the last token in a large share of the steps, and the
 # waiting queue that
 # is empty with 1,024 tokens holds requests on average: they wait for budget, not for memory.
@@ -1023,7 +1039,7 @@ assert short_128.ttft_percentiles()["p50"] > short_small.ttft_percentiles()["p50
 # - Reserving memory up front holds live tokens in 21.5% to 61.3% of it on a ShareGPT-like workload
 #   (the paper measured 20.4% to 38.2% with fragmentation); 16-token pages hold 98% (paper: 96.3%).
 # - The same pool size can be plenty for distinct short requests and break long-document
-#   questions; in that tight pool a small token budget (128) helps the documents (higher reuse,
+#   questions; in that tight pool a small token budget (128) helps the documents (shorter steps,
 #   lower TTFT) and hurts the short requests (higher TTFT). Capacity formulas say what fits;
 #   workload experiments say how fast it is served, and for whom.
 # - The reusable-token ratio bounds the reuse ratio from above; first reads and evictions make
