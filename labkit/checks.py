@@ -53,3 +53,18 @@ def check_token_ids(name: str, value: object, min_len: int = 0) -> tuple[int, ..
     if len(tokens) < min_len:
         raise ValueError(f"{name} must hold at least {min_len} token(s), got {len(tokens)}")
     return tokens
+
+
+def parse_stop_token_ids(value: object, name: str = "eos_token_id", vocab_size: int | None = None) -> tuple[int, ...]:
+    """Stop ids as a tuple: ``None`` (none), one token id, or a list or tuple of them (chat models list a few).
+
+    The one parser of stop ids in labkit (``Request``, ``Engine``, ``DecoderConfig``). Python and NumPy
+    integers are accepted, ``bool`` is not; ids must be >= 0 and, given ``vocab_size``, below it.
+    """
+    ids = () if value is None else (value,) if isinstance(value, numbers.Integral) else value
+    top = "" if vocab_size is None else f" and < {vocab_size} (vocab_size)"
+    if not isinstance(ids, (tuple, list, range)) or not all(
+            isinstance(t, numbers.Integral) and not isinstance(t, bool) and t >= 0
+            and (vocab_size is None or t < vocab_size) for t in ids):
+        raise ValueError(f"{name} must be None, a token id >= 0{top}, or a list of them, got {value!r}")
+    return tuple(int(t) for t in ids)

@@ -38,7 +38,8 @@ import torch
 from .model import Decoder
 from .cache import AttentionMetadata, KVPool
 from .prefix import CacheKey
-from .scheduler import Request, Scheduler, Step, StepStats, parse_stop_token_ids
+from .checks import parse_stop_token_ids
+from .scheduler import Request, Scheduler, Step, StepStats
 
 __all__ = ["Engine"]
 

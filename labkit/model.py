@@ -35,8 +35,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from .checks import check_int
-from .scheduler import parse_stop_token_ids
+from .checks import check_int, parse_stop_token_ids
 
 
 @dataclass

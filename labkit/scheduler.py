@@ -21,16 +21,15 @@ from __future__ import annotations
 
 import enum
 import itertools
-import numbers
 from collections import deque
 from dataclasses import dataclass, field
 from typing import Any, Callable, Iterable, Iterator, Sequence
 
-from .checks import check_int, check_token_ids
+from .checks import check_int, check_token_ids, parse_stop_token_ids
 from .paging import BlockAllocator, blocks_needed
 from .prefix import CachedBlockTable, CacheKey, PrefixCache, PrefixMatch, extra_blocks
 
-__all__ = ["RequestStatus", "Request", "parse_stop_token_ids", "extra_blocks", "plan_iteration", "Decision", "ScheduledChunk",
+__all__ = ["RequestStatus", "Request", "extra_blocks", "plan_iteration", "Decision", "ScheduledChunk",
            "StepStats", "Step", "Scheduler", "DecodeStretch", "advance_decodes"]
 
 
@@ -42,21 +41,6 @@ class RequestStatus(enum.Enum):
 
 _request_ids = itertools.count()
 _NO_HIT = PrefixMatch((), 0, ())
-
-
-def parse_stop_token_ids(value: object, name: str = "eos_token_id", vocab_size: int | None = None) -> tuple[int, ...]:
-    """Stop ids as a tuple: ``None`` (none), one token id, or a list or tuple of them (chat models list a few).
-
-    The one parser of stop ids in labkit (``Request``, ``Engine``, ``DecoderConfig``). Python and NumPy
-    integers are accepted, ``bool`` is not; ids must be >= 0 and, given ``vocab_size``, below it.
-    """
-    ids = () if value is None else (value,) if isinstance(value, numbers.Integral) else value
-    top = "" if vocab_size is None else f" and < {vocab_size} (vocab_size)"
-    if not isinstance(ids, (tuple, list, range)) or not all(
-            isinstance(t, numbers.Integral) and not isinstance(t, bool) and t >= 0
-            and (vocab_size is None or t < vocab_size) for t in ids):
-        raise ValueError(f"{name} must be None, a token id >= 0{top}, or a list of them, got {value!r}")
-    return tuple(int(t) for t in ids)
 
 
 def _check_flag(name: str, value: object) -> bool:
