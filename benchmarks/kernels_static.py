@@ -58,6 +58,7 @@ sys.path.insert(0, str(ROOT))
 
 import torch  # noqa: E402
 import triton  # noqa: E402
+import triton.language as tl  # noqa: E402
 
 import labkit  # noqa: E402,F401
 from labkit import kernels  # noqa: E402
@@ -336,6 +337,57 @@ def verdict(result: dict, gpu: Gpu) -> list[str]:
 
 
 # ----------------------------------------------------------------------------------------------
+# 2b. A bare tl.dot: what Triton itself does on sm75, without labkit's upcast
+# ----------------------------------------------------------------------------------------------
+
+@triton.jit
+def _bare_dot_kernel(a_ptr, b_ptr, c_ptr, M: tl.constexpr, N: tl.constexpr, K: tl.constexpr):
+    """C = A @ B for one 16-bit tile, straight into tl.dot: no conversion to float32 first."""
+    rm, rn, rk = tl.arange(0, M), tl.arange(0, N), tl.arange(0, K)
+    a = tl.load(a_ptr + rm[:, None] * K + rk[None, :])
+    b = tl.load(b_ptr + rk[:, None] * N + rn[None, :])
+    tl.store(c_ptr + rm[:, None] * N + rn[None, :], tl.dot(a, b))  # float32 accumulation
+
+
+BARE_DOT_TILE = 32  # M = N = K: one 32 x 32 x 32 product, 32,768 multiply-adds
+
+
+def bare_dot(gpu: str, dtype: str) -> dict:
+    """Compile one 16-bit ``tl.dot`` for ``gpu``; count float32 FMAs and tensor-core instructions.
+
+    labkit's launches on sm75 upcast every load (``LaunchSettings.upcast``), so their zero
+    tensor-core count says nothing about Triton. This kernel does not upcast: whatever the
+    PTX and SASS hold is Triton's own choice for a float16 (or bfloat16) product on that GPU.
+    PTX: ``fma.rn.f32`` against ``mma``; SASS (``cuobjdump -sass``): ``FFMA`` against ``HMMA``.
+    """
+    from triton.backends.compiler import GPUTarget
+    from triton.compiler import ASTSource
+
+    cc = GPUS[gpu].capability[0] * 10 + GPUS[gpu].capability[1]
+    element = {"fp16": "*fp16", "bf16": "*bf16"}[dtype]
+    src = ASTSource(fn=_bare_dot_kernel,
+                    signature={"a_ptr": element, "b_ptr": element, "c_ptr": "*fp32",
+                               "M": "constexpr", "N": "constexpr", "K": "constexpr"},
+                    constexprs={"M": BARE_DOT_TILE, "N": BARE_DOT_TILE, "K": BARE_DOT_TILE})
+    compiled = triton.compile(src, target=GPUTarget("cuda", cc, 32), options={"num_warps": 4})
+    ptx = compiled.asm["ptx"]
+    with tempfile.NamedTemporaryFile(suffix=".cubin") as cubin:
+        cubin.write(compiled.asm["cubin"])
+        cubin.flush()
+        sass = subprocess.run([str(CUOBJDUMP), "-sass", cubin.name], capture_output=True, text=True,
+                              check=True).stdout
+    return {"gpu": gpu, "dtype": dtype, "tile": BARE_DOT_TILE,
+            "ptx_fma_f32": len(re.findall(r"\bfma\.rn\.f32\b", ptx)),
+            "ptx_mma": len(re.findall(r"\bw?mma\.", ptx)),
+            "sass_ffma": len(re.findall(r"\bFFMA\b", sass)),
+            "sass_hmma": len(re.findall(r"\bHMMA\b", sass))}
+
+
+def bare_dot_table(gpus: tuple[str, ...] = ("sm75", "sm80"), dtypes: tuple[str, ...] = ("fp16", "bf16")) -> list[dict]:
+    return [bare_dot(gpu, dtype) for gpu in gpus for dtype in dtypes]
+
+
+# ----------------------------------------------------------------------------------------------
 # 3. The grids
 # ----------------------------------------------------------------------------------------------
 
@@ -480,7 +532,23 @@ def main() -> int:
     parser.add_argument("--gpus", nargs="+", default=list(GPUS), choices=list(GPUS))
     parser.add_argument("--workers", type=int, default=min(2, os.cpu_count() or 1))
     parser.add_argument("--json", type=Path, help="where to write the results (default: results/ for the full grid)")
+    parser.add_argument("--bare-dot", action="store_true",
+                        help="only compile one 16-bit tl.dot for sm75 and sm80 and count its instructions "
+                             "(default output: results/bare_dot.json)")
     args = parser.parse_args()
+    if args.bare_dot:
+        rows = bare_dot_table()
+        print(f"{'GPU':5s} {'dtype':5s} {'PTX fma.rn.f32':>14s} {'PTX mma':>7s} {'SASS FFMA':>9s} {'SASS HMMA':>9s}")
+        for r in rows:
+            print(f"{r['gpu']:5s} {r['dtype']:5s} {r['ptx_fma_f32']:14d} {r['ptx_mma']:7d} {r['sass_ffma']:9d} "
+                  f"{r['sass_hmma']:9d}")
+        path = args.json or RESULTS / "bare_dot.json"
+        meta = {"triton": triton.__version__, "command": "python benchmarks/kernels_static.py --bare-dot",
+                "date": time.strftime("%Y-%m-%d")}
+        path.parent.mkdir(parents=True, exist_ok=True)
+        path.write_text(json.dumps({"meta": meta, "rows": rows}, indent=1) + "\n")
+        print(f"wrote {path}")
+        return 0
     grid = SUBSET if args.subset else FULL_GRID
     start = time.perf_counter()
     rows = analyse(grid, args.gpus, args.workers)

@@ -309,7 +309,11 @@ assert PRESETS["Gemma-2-9B"].bytes_per_token() == 6 * PRESETS["Qwen2.5-7B"].byte
 #
 # - **tensor parallelism** (TP) gives each device a share of the attention heads, and with them
 #   a share of the KV heads. When there are more devices than KV heads, a head cannot be cut:
-#   each device keeps one whole KV head, and heads are *replicated*;
+#   each device keeps one whole KV head, and heads are *replicated*. Either way the numbers must
+#   divide: the devices divide the KV heads, or the KV heads divide the devices. vLLM builds its
+#   K and V projections that way (`vllm/model_executor/layers/linear.py: QKVParallelLinear`) and
+#   refuses to start otherwise, so 8 KV heads on 5 devices are refused, here as there
+#   (`capacity.kv_heads_per_device`, the one rule both this chapter and chapter 06 use);
 # - **pipeline parallelism** (PP) gives each device (stage) a range of layers, and the cache of
 #   only those layers. When the layers do not divide evenly, vLLM gives the extra layers to the
 #   stages *before* the last (`vllm/distributed/utils.py: get_pp_indices`), and so does
@@ -324,7 +328,7 @@ big = PRESETS["Llama-3-70B"]
 print(f"{'TP':>3}{'PP':>4}{'devices':>9}{'KV heads/dev':>14}{'layers/dev':>12}{'per token/dev':>15}{'all devices':>13}")
 per_device = {}
 for tp, pp in [(1, 1), (2, 1), (4, 1), (8, 1), (16, 1), (1, 2), (1, 4), (8, 2)]:
-    dev = capacity.shard(big, tensor_parallel=tp, pipeline_parallel=pp)
+    dev = capacity.shard(big, tensor_parallel_size=tp, pipeline_parallel_size=pp)
     per_device[tp, pp] = dev.bytes_per_token()
     print(f"{tp:>3}{pp:>4}{tp * pp:>9}{dev.num_kv_heads:>14}{dev.num_layers:>12}"
           f"{format_bytes(dev.bytes_per_token()):>15}{format_bytes(tp * pp * dev.bytes_per_token()):>13}")
@@ -335,6 +339,10 @@ for tp in [1, 2, 4, 8]:  # only divided: the total stays at the model's per-toke
     assert tp * per_device[tp, 1] == big.bytes_per_token() == 320 * KiB
 assert per_device[16, 1] == 40 * KiB and 16 * per_device[16, 1] == 2 * big.bytes_per_token() == 640 * KiB
 assert [len(s) for s in capacity.pipeline_stages(61, 4)] == [15, 15, 16, 15]
+try:
+    capacity.shard(big, tensor_parallel_size=5)  # 8 KV heads on 5 devices: neither divides the other
+except ValueError as refusal:
+    print(f"\nTP=5: ValueError: {refusal}")
 
 # %% [markdown]
 # Read the last column. Up to TP=8 the total over all devices stays at the model's per-token cost:
@@ -406,7 +414,7 @@ print(f"DeepSeek-V3 latent cache: {mla.bytes_per_token():,} bytes = {format_byte
 print(f"full K ({k_dim} dims) and V ({v_dim} dims) for {heads} heads: {format_bytes(full_mha)} per token, "
       f"{full_mha / mla.bytes_per_token():.0f}x more")
 assert mla.bytes_per_token() == layers * latent_dim * b  # no factor 2
-assert capacity.shard(mla, tensor_parallel=8).bytes_per_token() == mla.bytes_per_token()  # replicated
+assert capacity.shard(mla, tensor_parallel_size=8).bytes_per_token() == mla.bytes_per_token()  # replicated
 
 # %% [markdown]
 # ## 8. From bytes to capacity
@@ -430,11 +438,13 @@ assert fit == 7
 # the number of sequences that fit; the plot shows that number against the context length, with
 # your request count as a dashed line. (The explorer applies the article's formula: no windows.)
 # Below the table, **vLLM would print** the two start-up lines vLLM computes for the same device
-# (`labkit.vllm`, chapter 06): the pool is device − set aside times `gpu_memory_utilization`
-# (its own slider), cut into 16-token blocks, with `max_model_len` = the context length. For
+# (`labkit.vllm`, chapter 06): the pool is device × `gpu_memory_utilization` (its own slider) −
+# set aside, cut into 16-token blocks (a utilization of 1.0 is the article's idealised device: a
+# real GPU refuses it, as chapter 06 explains), with `max_model_len` = the context length. For
 # Mistral and Gemma 2 it budgets the windows as vLLM does, so its concurrency differs from
 # "sequences that fit"; when one request would not fit, it shows vLLM's refusal instead.
-# Lengths past the preset's `max_position_embeddings` get a warning, and the plot draws them dotted.
+# Lengths past the preset's `max_position_embeddings` get a warning, and the plot draws them dotted;
+# vLLM refuses such a `max_model_len` outright (chapter 06), and the box says so.
 # Try: Qwen2.5-7B at its limit of 131,072 tokens on an 80 GiB device with 20 GiB set aside; then
 # switch the element size to 1 byte; then pick Llama-3-8B, whose limit is far shorter; then set
 # aside more than the device has.
@@ -619,7 +629,7 @@ answer_4 = None  # replace None with your expression
 # END STUB
 assert PRESETS["Gemma-2-9B"].num_kv_heads == 8  # as the exercise says
 ex.check("Exercise 4", answer_4,
-         expected=capacity.shard(PRESETS["Gemma-2-9B"], tensor_parallel=16).bytes_per_token(),
+         expected=capacity.shard(PRESETS["Gemma-2-9B"], tensor_parallel_size=16).bytes_per_token(),
          hint="each device keeps one whole KV head of every layer")
 
 # %% [markdown]

@@ -693,8 +693,32 @@ else:
 #
 # **Tensor cores, or not.** On the H100, float16 and bfloat16 tiles go to the tensor cores
 # (the `mma`/`wgmma` instructions counted in the last column) with float32 accumulation. On the
-# T4 that column is zero for every dtype: Triton 3.9 turns each `tl.dot` there into float32
-# FMAs, float16 included. So labkit runs bfloat16 on a T4 too: it loads bfloat16 (two bytes an
+# T4 that column is zero for every dtype, but the table alone does not say why: labkit's sm75
+# launches upcast every load to float32 (`LaunchSettings.upcast`), so their `tl.dot` never sees a
+# 16-bit operand. The evidence for the upcast is one bare 16-bit `tl.dot` of a 32 × 32 × 32 tile,
+# without any conversion, compiled by Triton for sm75 and, for contrast, sm80
+# (`benchmarks/kernels_static.py --bare-dot`, tested by `tests/test_kernels_static.py`), with its
+# instructions counted in the PTX and in the machine code (SASS):
+
+# %%
+# NBVAL_CHECK_OUTPUT
+BARE_DOT = None if STATIC is None else STATIC.parent / "bare_dot.json"
+if BARE_DOT is not None:
+    bare = json.loads(BARE_DOT.read_text())
+    print(f"one tl.dot, {bare['rows'][0]['tile']}^3 multiply-adds, Triton {bare['meta']['triton']}, 4 warps")
+    print(f"{'GPU':5s} {'dtype':5s} {'PTX fma.rn.f32':>14s} {'PTX mma':>7s} {'SASS FFMA':>9s} {'SASS HMMA':>9s}")
+    for r in bare["rows"]:
+        print(f"{r['gpu']:5s} {r['dtype']:5s} {r['ptx_fma_f32']:14d} {r['ptx_mma']:7d} {r['sass_ffma']:9d} "
+              f"{r['sass_hmma']:9d}")
+    t4 = [r for r in bare["rows"] if r["gpu"] == "sm75"]
+    assert all(r["ptx_mma"] == r["sass_hmma"] == 0 and r["sass_ffma"] == 32**3 // 128 for r in t4)
+    assert all(r["sass_hmma"] > 0 and r["sass_ffma"] == 0 for r in bare["rows"] if r["gpu"] == "sm80")
+
+# %% [markdown]
+# On sm75 the 16-bit product has no tensor-core instruction at all: 32,768 multiply-adds spread over
+# 128 threads are 256 float32 FMAs each, float16 included. The same source becomes `mma`
+# (`HMMA` in SASS) on sm80. So Triton 3.9 has no tensor-core path on a T4, and labkit loses
+# nothing by upcasting there; it runs bfloat16 on a T4 too: it loads bfloat16 (two bytes an
 # element, like float16), converts to float32 (a shift, exact) and computes on the FP32 units,
 # the same instructions float16 gets there. `labkit.describe()` says which case a machine is in.
 #

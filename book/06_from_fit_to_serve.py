@@ -111,13 +111,14 @@ assert pool.management_bytes < 600 * 1024 and round(pool.management_bytes / pool
 # its largest batch, and hands everything left inside its budget to the KV cache. Then it logs what
 # it got. `labkit.vllm` redoes that arithmetic the way vLLM's code does it (vLLM 0.33.0; every
 # function names the file it follows). The budget is `ceil(device × gpu_memory_utilization)`, and
-# the non-KV memory is the article's 17 GiB. With `gpu_memory_utilization=1.0` the budget is the
-# whole device:
+# the non-KV memory is the article's 17 GiB. We start on the article's **idealised device**: all
+# 24 GiB usable and `gpu_memory_utilization=1.0`, so the budget is the whole device. A real GPU
+# never starts with 1.0 (below), but the arithmetic after the budget is the same:
 
 # %%
 # NBVAL_CHECK_OUTPUT
 from labkit import vllm
-from labkit.capacity import PRESETS
+from labkit.capacity import PRESETS, kv_heads_per_device
 
 available = vllm.available_kv_bytes(gpu_total_bytes=24 * GiB, gpu_memory_utilization=1.0, non_kv_bytes=17 * GiB)
 report = vllm.kv_cache_report(TEACHING_MODEL, available, block_size=16, max_model_len=8192)
@@ -135,7 +136,11 @@ assert report.max_concurrency == pool.sequences_that_fit == 7
 # printed "7.00 GiB" and put the token count and the concurrency on two separate lines.
 #
 # **`gpu_memory_utilization`** is the share of the device vLLM may use. Its default is 0.92 in
-# vLLM 0.33.0 (0.9 in 0.10.2). The 8% it leaves is a reserve *on top of* what the profiling run
+# vLLM 0.33.0 (0.9 in 0.10.2). On a real GPU 1.0 does not start at all: before it sizes anything,
+# vLLM checks that the device's *free* memory covers the budget and otherwise raises "Free memory
+# on device ... is less than desired GPU memory utilization" (`vllm/v1/worker/utils.py:
+# request_memory`). Once the CUDA context exists, free memory is always below the total, so
+# 1.0 is refused. The 8% the default leaves is a reserve *on top of* what the profiling run
 # found, so on §06's device the default shrinks the pool:
 
 # %%
@@ -152,16 +157,19 @@ assert too_long.estimated_max_model_len == 41_584 and too_long.needed_bytes == 8
 
 # %% [markdown]
 # The second call asks for 65,536-token requests, and vLLM refuses to start: one such request
-# needs 4,096 blocks, 8 GiB, and only 5.08 GiB are there. (vLLM checks against the pool minus one
-# block, the *null block* its block pool keeps back, so a pool of exactly one request is refused
-# too.) The message carries the fix: the longest `max_model_len` that fits, found by a binary
-# search, is 41,584 tokens. Three ways out, each computed:
+# needs 4,096 blocks, 8 GiB, and only 5.08 GiB are there. (The teaching model states no context
+# limit, so only memory stands in the way. vLLM checks against the pool minus one block, the
+# *null block* its block pool keeps back, so a pool of exactly one request is refused too.) The message carries the fix: the longest `max_model_len` that fits, found by a binary
+# search, is 41,584 tokens. Three ways out, each computed. The second, raising the utilization to
+# 1.0, is arithmetic on the idealised device only: a real GPU refuses 1.0 before this check is
+# reached, as said above.
 
 # %%
 # NBVAL_CHECK_OUTPUT
 fixes = {
     "max_model_len=41,584": dict(available=default, max_model_len=41_584, kv_cache_dtype="auto"),
-    "gpu_memory_utilization=1.0": dict(available=available, max_model_len=65_536, kv_cache_dtype="auto"),
+    "gpu_memory_utilization=1.0 (idealised)": dict(available=available, max_model_len=65_536,
+                                                   kv_cache_dtype="auto"),
     "kv_cache_dtype='fp8'": dict(available=default, max_model_len=65_536, kv_cache_dtype="fp8"),
 }
 started = {}
@@ -170,41 +178,78 @@ for label, f in fixes.items():
         r = vllm.kv_cache_report(TEACHING_MODEL, f["available"], max_model_len=f["max_model_len"],
                                  kv_cache_dtype=f["kv_cache_dtype"])
         started[label] = r.max_concurrency
-        print(f"{label:<28} starts: {r.log_lines()[1]}")
+        print(f"{label:<38} starts: {r.log_lines()[1]}")
     except vllm.KVCacheTooSmallError as e:
-        print(f"{label:<28} refused: needs {vllm.format_gib(e.needed_bytes)} GiB, has "
+        print(f"{label:<38} refused: needs {vllm.format_gib(e.needed_bytes)} GiB, has "
               f"{vllm.format_gib(e.available_bytes)} GiB")
 assert list(started) == ["max_model_len=41,584", "kv_cache_dtype='fp8'"]
 assert [f"{x:.2f}" for x in started.values()] == ["1.00", "1.27"]
 
 # %% [markdown]
 # Shortening `max_model_len` to the estimate starts, with room for a single request. Raising the
-# utilization to 1.0 is not enough: 7 GiB is still under 8 GiB. An 8-bit cache (per-tensor fp8)
+# utilization to 1.0 is not enough even on the idealised device, 7 GiB being still under 8 GiB;
+# on a real GPU vLLM would stop earlier, at `request_memory`. An 8-bit cache (per-tensor fp8)
 # halves every page and starts with room for about 1.27 requests. The other levers are fewer
 # bytes outside the cache: smaller or quantized weights, a smaller `max_num_batched_tokens` (a
 # smaller activation peak), or more GPUs.
+#
+# A real model can be refused before memory is counted at all. Llama-3-8B has the teaching model's
+# cache shape, but its `config.json` states a limit, `max_position_embeddings` 8,192, and vLLM
+# checks `max_model_len` against it when it reads the config (`vllm/config/model.py:
+# _get_and_verify_max_len`). The escape hatch is an environment variable,
+# `VLLM_ALLOW_LONG_MAX_MODEL_LEN=1` (`allow_long_max_model_len=True` here); then the memory check
+# decides as before. vLLM's message, cut before its warning about positions past the limit:
+
+# %%
+# NBVAL_CHECK_OUTPUT
+try:
+    vllm.kv_cache_report("Llama-3-8B", default, max_model_len=65_536)
+except ValueError as refusal:
+    config_refusal = refusal
+    print("ValueError:", str(refusal).split(" VLLM_ALLOW_LONG_MAX_MODEL_LEN must be used")[0])
+assert not isinstance(config_refusal, vllm.KVCacheTooSmallError)  # the config check, not the memory check
+try:
+    vllm.kv_cache_report("Llama-3-8B", default, max_model_len=65_536, allow_long_max_model_len=True)
+except vllm.KVCacheTooSmallError as refusal:
+    print(f"with VLLM_ALLOW_LONG_MAX_MODEL_LEN=1: refused for memory, estimate {refusal.estimated_max_model_len:,}")
+    assert refusal.estimated_max_model_len == too_long.estimated_max_model_len  # the teaching model's shape
+
+# %% [markdown]
+# The override says only that positions past the trained limit are allowed; vLLM's own warning
+# adds that a RoPE model then produces NaN there. The memory arithmetic does not change.
 #
 # ### More GPUs: tensor parallelism, replicated heads, and MLA
 #
 # Llama-3-70B's weights (with chapter 02's shape) do not fit one 80 GiB GPU. Spread over 8 or 16
 # H100s with tensor parallelism, each GPU holds a share of the weights. We assume 5 GiB per GPU for
-# activations and CUDA graphs (an assumption; vLLM measures it). vLLM gives each GPU
-# `max(1, KV heads // tp)` KV heads (`vllm/config/model.py: ModelConfig.get_num_kv_heads`):
+# activations and CUDA graphs (an assumption; vLLM measures it). vLLM splits the KV heads when the
+# GPUs divide them, and gives each GPU one whole head, replicated, when the KV heads divide the
+# GPUs; anything else it refuses (`vllm/model_executor/layers/linear.py: QKVParallelLinear`,
+# the rule `capacity.kv_heads_per_device` of chapter 02 follows).
+#
+# One caveat on the device: we give each H100 its datasheet's 80 GiB, but vLLM multiplies the
+# total memory *CUDA reports*, which is below the datasheet figure (the driver and, where it is
+# on, ECC take their share). Every GiB less of total is 0.92 GiB less for the cache, so the
+# concurrency in the last column is an **upper bound** on what vLLM would print:
 
 # %%
 # NBVAL_CHECK_OUTPUT
 h100 = DEVICES["H100 SXM"]
 llama70 = MODEL_COSTS["Llama-3-70B"]
-print(f"{'GPUs':>4} {'KV heads/GPU':>12} {'page':>8} {'weights/GPU':>12} {'KV memory/GPU':>14}  vLLM would print")
+print(f"{'GPUs':>4} {'KV heads/GPU':>12} {'page':>8} {'weights/GPU':>12} {'KV memory/GPU':>14}  "
+      f"vLLM would print at most (80 GiB per GPU)")
 tp_reports = {}
 for tp in (8, 16):
     kv_memory = vllm.available_kv_bytes(h100.memory_bytes, 0.92, llama70.weight_bytes / tp + 5 * GiB)
     r = vllm.kv_cache_report("Llama-3-70B", kv_memory, max_model_len=8192, tensor_parallel_size=tp)
     tp_reports[tp] = r
-    print(f"{tp:>4} {vllm.kv_heads_per_rank(8, tp):>12} {format_bytes(r.page_size_bytes):>8} "
+    print(f"{tp:>4} {kv_heads_per_device(8, tp):>12} {format_bytes(r.page_size_bytes):>8} "
           f"{format_bytes(llama70.weight_bytes / tp):>12} {format_bytes(kv_memory):>14}  {r.log_lines()[1]}")
 assert tp_reports[8].page_size_bytes == tp_reports[16].page_size_bytes  # 16 GPUs, 8 KV heads: replicated
 assert tp_reports[16].max_concurrency < 2 * tp_reports[8].max_concurrency
+smaller = vllm.available_kv_bytes(h100.memory_bytes - GiB, 0.92, llama70.weight_bytes / 8 + 5 * GiB)
+assert vllm.kv_cache_report("Llama-3-70B", smaller, max_model_len=8192, tensor_parallel_size=8).max_concurrency \
+    < tp_reports[8].max_concurrency  # less reported memory, less concurrency: the column is an upper bound
 
 # %% [markdown]
 # At 8 GPUs each holds one of the 8 KV heads. At 16, a head cannot be cut, so every head is stored
@@ -214,17 +259,26 @@ assert tp_reports[16].max_concurrency < 2 * tp_reports[8].max_concurrency
 #
 # DeepSeek-V3's latent cache (MLA) is one "head" of 512 + 64 elements per token and layer, with no
 # separate V (`MLAAttentionSpec`: head_size_v = 0). Tensor parallelism cannot split it at all:
-# every GPU keeps the whole latent cache of its layers. With vLLM's FlashMLA kernels the block is
-# 64 tokens. With 40 GiB of cache per GPU (assumed), at its full context of 163,840 tokens:
+# every GPU keeps the whole latent cache of its layers. The block size depends on which attention
+# backend serves it. On Hopper vLLM 0.33.0 tries FLASH_ATTN_MLA first, which takes any multiple
+# of 16 tokens but only a 16-bit cache, so with the default dtype the block is 16; with an fp8
+# cache FLASH_ATTN_MLA declines and FlashMLA, which wants 64-token blocks, takes over
+# (`vllm/platforms/cuda.py: _get_backend_priorities`; the backends' `supported_kv_cache_dtypes`).
+# No MLA backend of 0.33.0 takes the per-token-head 8-bit dtypes. With 40 GiB of cache per GPU
+# (assumed), at its full context of 163,840 tokens:
 
 # %%
 # NBVAL_CHECK_OUTPUT
-for dtype in ("auto", "fp8"):
-    r = vllm.kv_cache_report("DeepSeek-V3", 40 * GiB, block_size=64, max_model_len=163_840, tensor_parallel_size=8,
-                             kv_cache_dtype=dtype)
-    print(f"kv_cache_dtype={dtype!r:<7} page {r.page_size_bytes:,} B x {PRESETS['DeepSeek-V3'].num_layers} layers: "
-          f"{r.log_lines()[1]}")
+for dtype, block in (("auto", 16), ("fp8", 64)):  # FLASH_ATTN_MLA, then FlashMLA
+    r = vllm.kv_cache_report("DeepSeek-V3", 40 * GiB, block_size=block, max_model_len=163_840,
+                             tensor_parallel_size=8, kv_cache_dtype=dtype)
+    print(f"kv_cache_dtype={dtype!r:<7} block {block:>2}: page {r.page_size_bytes:,} B x "
+          f"{PRESETS['DeepSeek-V3'].num_layers} layers: {r.log_lines()[1]}")
 assert r.page_size_bytes == 64 * 576  # fp8: one byte per latent element, the same on all 8 GPUs
+try:
+    vllm.kv_cache_report("DeepSeek-V3", 40 * GiB, max_model_len=163_840, kv_cache_dtype="fp8_per_token_head")
+except ValueError as refusal:
+    print(f"kv_cache_dtype='fp8_per_token_head': ValueError: {refusal}")
 
 # %% [markdown]
 # ### What the model needs, and what vLLM reserves
@@ -237,7 +291,9 @@ assert r.page_size_bytes == 64 * 576  # fp8: one byte per latent element, the sa
 # two batches in flight on a GPU (asynchronous scheduling). Gemma 2 mixes window and full layers:
 # vLLM puts its 21 window layers and its 21 full layers in two groups with their own block tables
 # (`vllm/v1/core/kv_cache_planning.py: _get_kv_cache_groups_uniform_page_size`). Side by side, with
-# 20 GiB for the cache and 2,048 batched tokens:
+# 20 GiB for the cache and 2,048 batched tokens, `vllm serve`'s default on a GPU under 70 GiB
+# (the offline `LLM` class takes 8,192 there, as the bookkeeping section said; the window budget
+# grows with it, as the last lines show):
 
 # %%
 # NBVAL_CHECK_OUTPUT
@@ -255,11 +311,22 @@ assert side["Mistral-7B-v0.1"][0] == PRESETS["Mistral-7B-v0.1"].cache_bytes(4096
 assert side["Mistral-7B-v0.1"][2].blocks_per_request == -(-(4095 + 2 * 2048) // 16) + 1 == 513
 assert side["Gemma-2-9B"][2].blocks_per_request == 512 + 513
 assert 20 * GiB // side["Mistral-7B-v0.1"][0] == 40 and 2 < side["Mistral-7B-v0.1"][1] / side["Mistral-7B-v0.1"][0] < 2.01
+print()
+by_budget = {budget: vllm.kv_cache_report("Mistral-7B-v0.1", 20 * GiB, max_model_len=32_768,
+                                          max_num_batched_tokens=budget) for budget in (2048, 8192)}
+for budget, r in by_budget.items():
+    print(f"Mistral-7B-v0.1, max_num_batched_tokens={budget:,}: {r.blocks_per_request:,} blocks per request, "
+          f"{r.max_concurrency:.2f}x")
+assert [f"{r.max_concurrency:.2f}" for r in by_budget.values()] == ["19.96", "7.99"]
+assert by_budget[8192].blocks_per_request == -(-(4095 + 2 * 8192) // 16) + 1 == 1281
 
 # %% [markdown]
 # Mistral needs its 4,096-token window in each layer, 512 MiB per request, so 40 requests would
 # fit in 20 GiB. vLLM reserves 513 blocks per request for the window layers (4,095 + 2 × 2,048
-# tokens, rounded up, plus one block), just over twice as much, and promises 19.96 requests. For
+# tokens, rounded up, plus one block), just over twice as much, and promises 19.96 requests. With
+# the `LLM` class's 8,192 batched tokens the window layers are budgeted for 4,095 + 2 × 8,192 =
+# 20,479 tokens, 1,281 blocks, and the promise falls to 7.99 requests: pass the batch size your
+# engine really runs with. For
 # Gemma 2 the full layers need their 8,192 tokens either way; the window layers get 513 blocks,
 # where the window would need 256. Neither is waste while a request runs: vLLM frees the blocks
 # behind the window as it goes. The difference is the *guarantee*: the "Maximum concurrency" line
@@ -268,7 +335,9 @@ assert 20 * GiB // side["Mistral-7B-v0.1"][0] == 40 and 2 < side["Mistral-7B-v0.
 # %% [markdown]
 # ## Fitting is not serving
 #
-# Suppose the six sequences fit and run. Every decode step must read all of the weights once and
+# Suppose the six sequences fit and run. (Six, although vLLM's log above says 7.00x: its block pool
+# holds block 0 back as the null block, so of its 3,584 blocks 3,583 can be handed out, one short of
+# seven full sequences; the "Maximum concurrency" line divides all 3,584 by 512.) Every decode step must read all of the weights once and
 # the whole history of every sequence, and a new request must wait until one of them finishes. A
 # roofline model prices this. For one step on a device with memory bandwidth $W$ and peak
 # arithmetic rate $P$:
@@ -489,8 +558,11 @@ assert abs((1 - shares["reserve max length"]) - 4 / 5) < 0.03  # "four fifths" w
 # stretch at once; the tests check that this gives exactly what stepping through every iteration
 # gives, and that chapter 05's real engine plans the same steps with the same blocks.
 #
-# Here: 400 ShareGPT-like requests at 4 per second, on the teaching model with §06's 7 GiB pool. Like
-# vLLM, the scheduler runs at most `max_num_seqs` requests at once (default 256); the others wait.
+# Here: 400 ShareGPT-like requests at 4 per second, on the teaching model with §06's 7 GiB pool, given
+# as the blocks vLLM's block pool could hand out: 3,583 of the 3,584, since vLLM keeps block 0 back as
+# its null block (`vllm/v1/core/block_pool.py`). Like vLLM, the scheduler runs at most `max_num_seqs`
+# requests at once (labkit's default, 256); the others wait. Also like vLLM, a waiting request is
+# admitted only when blocks for its whole prompt are free, not just for its first chunk (chapter 05).
 #
 # ### Three latencies: TTFT, TPOT and ITL
 #
@@ -514,8 +586,9 @@ assert abs((1 - shares["reserve max length"]) - 4 / 5) < 0.03  # "four fifths" w
 # a weight when the simulator applies several identical steps at once), so both can be computed.
 
 # %%
-serve = Simulator(cost, num_blocks=pool.num_blocks, block_size=16, max_num_batched_tokens=2048)
-print(serve)
+serve = Simulator(cost, num_blocks=report.num_gpu_blocks - 1, block_size=16, max_num_batched_tokens=2048)
+print(serve)  # vLLM's num_gpu_blocks less its null block
+assert serve.num_blocks == 3583
 chat_run = serve.run(workloads.sharegpt_like(400, arrival_rate=4.0, seed=1))
 
 # %%
@@ -661,7 +734,7 @@ assert max(itl_p50) < 1.5 * min(itl_p50)  # the median interval hardly moves
 #
 # First one setting, the memory the KV pool gets: each workload is served with a 2 GiB pool and
 # with §06's 7 GiB pool, everything else equal (a 1,024-token budget per step, and at most 256
-# requests running at once, vLLM's default `max_num_seqs`: the `seqs` column).
+# requests running at once, the `max_num_seqs` vLLM picks on GPUs under 70 GiB: the `seqs` column).
 
 # %%
 docs = workloads.long_document_questions(100, arrival_rate=3.0, num_documents=4, seed=3)
@@ -696,7 +769,7 @@ assert np.array_equal(short_small.ttft, short_big.ttft) and np.array_equal(short
 assert short_small.preemptions.sum() == 0 and short_small.used_blocks.max() < short_small.num_blocks
 assert docs_small.ttft_percentiles()["p90"] > 10 * docs_big.ttft_percentiles()["p90"]     # 2 GiB is not enough
 assert docs_small.ttft_percentiles()["p50"] > 10 * docs_big.ttft_percentiles()["p50"]
-assert docs_small.reuse_ratio < docs_big.reuse_ratio and docs_small.preemptions.sum() > 0
+assert docs_small.reuse_ratio < docs_big.reuse_ratio and docs_small.preemptions.sum() == 0  # vLLM's gate
 doc_bytes = 4 * 4096 * TEACHING_MODEL.bytes_per_token()
 print(f"four documents of 4,096 tokens: {format_bytes(doc_bytes)} of K/V")
 assert doc_bytes == 2 * GiB
@@ -706,8 +779,9 @@ assert doc_bytes == 2 * GiB
 # (every TTFT and every interval, checked above), because even the small pool never ran out of
 # blocks, so the memory could go to something else. For long-document questions the same 2 GiB
 # breaks the service. The four documents alone take all of it; with questions running on top, the
-# pool evicts documents that the next question needs, reuse falls, requests are preempted and
-# recomputed, and TTFT goes from tens of milliseconds to seconds, at the median and in the tail.
+# pool evicts documents that the next question needs, reuse falls, questions wait in the queue until
+# their whole prompt fits (vLLM's admission gate, chapter 05: nobody is preempted), and TTFT goes from
+# tens of milliseconds to seconds, at the median and in the tail.
 #
 # The pool size is a setting that one workload needs and the other does not care about. Is there
 # one that helps one and *hurts* the other? The token budget of a step, measured in the 2 GiB pool:
@@ -723,7 +797,7 @@ for label, base, small in (("long-document questions", docs_small, docs_128),
           f"p90 {t0['p90'] * 1e3:.0f} -> {t1['p90'] * 1e3:.0f} ms, reuse {base.reuse_ratio:.1%} -> "
           f"{small.reuse_ratio:.1%}")
 # a budget of 128 is better for long-document questions in this pool...
-assert docs_128.ttft_percentiles()["p50"] < 0.8 * docs_small.ttft_percentiles()["p50"]
+assert docs_128.ttft_percentiles()["p50"] < docs_small.ttft_percentiles()["p50"]
 assert docs_128.ttft_percentiles()["p90"] < docs_small.ttft_percentiles()["p90"]
 assert docs_128.reuse_ratio > docs_small.reuse_ratio
 # ...and worse for distinct short requests
@@ -737,9 +811,9 @@ print(f"distinct short requests: {running:.0f} requests running on average, step
 assert 128 - running < 2 * np.percentile(short_small.prompt_len, 99)  # a burst of prompts overflows the budget
 
 # %% [markdown]
-# A small budget (128 tokens per step) helps the long-document questions in the tight pool: a new
-# document enters the pool a little at a time, cached documents survive longer (the reuse ratio
-# rises), and TTFT falls at the median and at p90. For distinct short requests the same budget
+# A small budget (128 tokens per step) helps the long-document questions in the tight pool: TTFT
+# falls at the median and at p90, while the reuse ratio hardly moves (why, below). For distinct
+# short requests the same budget
 # hurts: the decode tokens of the running requests take a large share of the 128 tokens, what is
 # left does not cover a burst of new prompts, and they queue for the next steps: TTFT at p50, p90
 # and p99 grows. (The small budget does smooth the ITL tail of both workloads, since no long prompt
@@ -791,15 +865,15 @@ for (kind, b), rs in budget_runs.items():
 pairs = {kind: list(zip(budget_runs[kind, 1024], budget_runs[kind, 128])) for kind in seeds}
 docs_p99 = {b: np.array([r.ttft_percentiles()["p99"] for r in budget_runs["docs", b]]) for b in (1024, 128)}
 assert docs_p99[1024].max() / docs_p99[1024].min() > 1.5 > np.median(docs_p99[1024]) / np.median(docs_p99[128])
-# Documents: in every draw, the small budget gives lower TTFT, higher reuse and fewer evictions,
-# while preempting far more often.
+# Documents: in every draw, the small budget gives lower TTFT; nobody is preempted with either budget,
+# and the cache's measures move by a few percent, either way.
 for big, small in pairs["docs"]:
     assert small.ttft_percentiles()["p50"] < big.ttft_percentiles()["p50"]
     assert small.ttft_percentiles()["p99"] < big.ttft_percentiles()["p99"]
-    assert small.reuse_ratio > big.reuse_ratio
-    assert small.scheduler.prefix_cache.stats.evicted_blocks < big.scheduler.prefix_cache.stats.evicted_blocks
-    assert small.preemptions.sum() > 5 * big.preemptions.sum()
-    assert small.recomputed_tokens < 0.05 * small.prompt_len.sum()
+    assert small.preemptions.sum() == big.preemptions.sum() == 0 == small.recomputed_tokens
+    assert abs(small.reuse_ratio - big.reuse_ratio) < 0.01
+    assert abs(np.log(small.scheduler.prefix_cache.stats.evicted_blocks / big.scheduler.prefix_cache.stats.evicted_blocks)) < 0.05
+assert any(s.reuse_ratio > b.reuse_ratio for b, s in pairs["docs"]) and any(s.reuse_ratio < b.reuse_ratio for b, s in pairs["docs"])
 # Short requests: in every draw the small budget is spent to the last token in many steps, requests
 # queue, and TTFT grows; the large budget never fills and nobody waits.
 for big, small in pairs["short"]:
@@ -807,18 +881,27 @@ for big, small in pairs["short"]:
     assert small.ttft_percentiles()["p99"] > 2 * big.ttft_percentiles()["p99"]
     assert np.mean(small.step_tokens == 128) > 0.35 and np.mean(big.step_tokens == 1024) == 0
     assert np.average(small.num_waiting, weights=small.step_time) > 1 > np.average(big.num_waiting, weights=big.step_time)
+# The step in flight when a question arrives: at a random moment, a step of length d is hit with weight d.
+in_flight = {b: float((r.step_time ** 2).sum() / r.step_time.sum()) for b, r in ((1024, docs_small), (128, docs_128))}
+print(f"documents, seed 3: the step in flight at a random moment lasts {in_flight[1024] * 1e3:.0f} ms on average "
+      f"with a budget of 1,024 and {in_flight[128] * 1e3:.0f} ms with 128")
+assert in_flight[128] < in_flight[1024]
 
 # %% [markdown]
 # The direction holds in all five draws of each workload, and the spread says how much one draw
 # can move the tail: the documents' TTFT p99 varies by a factor of about two across seeds,
 # more than the budget changes it, which is why one seed could not settle the question.
 #
-# The mechanism, shown rather than asserted. For the documents, the small budget evicts fewer
-# cached blocks and reuses more of the documents. It also preempts many times more often: with
-# 128 tokens a step, a 4,096-token document takes 32 steps to prefill, so more requests are in
-# flight at once, each holding its blocks, and the tight pool runs out more often. Those
-# preemptions are cheap here, because a preempted question finds its document still cached when
-# it returns: the tokens recomputed stay a few percent of the prompt tokens. For the short
+# The mechanism, shown rather than asserted. For the documents, the cache does not explain it: the
+# evicted blocks and the reuse ratio move by about a percent, in either direction from seed to
+# seed, and nothing is preempted with either budget, because a question is admitted only when its
+# whole prompt fits in the pool (vLLM's admission gate, chapter 05; under the article's chunk-only
+# admission the small budget let documents in 128 tokens at a time and then preempted them when
+# the pool ran dry). What the small budget changes is the step: no step carries more than 128
+# tokens of a document, so steps are shorter (the step in flight at a random moment, printed above
+# for the first seed). The gain in TTFT is larger than that difference, since a question also waits
+# behind the questions ahead of it; these measurements show the shorter steps, not how the gain
+# builds up in the queue. For the short
 # requests, the small budget is spent to the last token in a large share of the steps, and the
 # waiting queue that
 # is empty with 1,024 tokens holds requests on average: they wait for budget, not for memory.
@@ -942,9 +1025,10 @@ assert short_128.ttft_percentiles()["p50"] > short_small.ttft_percentiles()["p50
 #   blocks, seven 8,192-token sequences of the teaching model. Block tables, lengths and slot
 #   mappings (577 KiB here) cost a whole sequence when the count was exact: six remain.
 # - vLLM prints the same arithmetic: "Available KV cache memory: 7.0 GiB" and "GPU KV cache size:
-#   57,344 tokens, Maximum concurrency for 8,192 tokens per request: 7.00x" at
-#   `gpu_memory_utilization=1.0`, 5.08x at its default 0.92. It refuses a `max_model_len` whose one
-#   request does not fit and says the longest that would; it budgets sliding-window layers for
+#   57,344 tokens, Maximum concurrency for 8,192 tokens per request: 7.00x" on the article's
+#   idealised device at `gpu_memory_utilization=1.0` (a real GPU refuses 1.0), 5.08x at its
+#   default 0.92. It refuses a `max_model_len` past the model's own limit, and one whose one
+#   request does not fit, saying the longest that would; it budgets sliding-window layers for
 #   a window plus the tokens in flight, more than the window the model needs.
 # - A roofline step time (bytes over bandwidth, operations over peak, whichever is slower) shows why
 #   fitting is not serving: weights are read once per step, history once per sequence per step.
@@ -955,7 +1039,7 @@ assert short_128.ttft_percentiles()["p50"] > short_small.ttft_percentiles()["p50
 # - Reserving memory up front holds live tokens in 21.5% to 61.3% of it on a ShareGPT-like workload
 #   (the paper measured 20.4% to 38.2% with fragmentation); 16-token pages hold 98% (paper: 96.3%).
 # - The same pool size can be plenty for distinct short requests and break long-document
-#   questions; in that tight pool a small token budget (128) helps the documents (higher reuse,
+#   questions; in that tight pool a small token budget (128) helps the documents (shorter steps,
 #   lower TTFT) and hurts the short requests (higher TTFT). Capacity formulas say what fits;
 #   workload experiments say how fast it is served, and for whom.
 # - The reusable-token ratio bounds the reuse ratio from above; first reads and evictions make

@@ -31,15 +31,13 @@ layer instead of separate K and V, so it has no factor 2.
 
 from __future__ import annotations
 
-import math
-import numbers
 from dataclasses import dataclass, field, replace
 from typing import Any
 
 import torch
 
 from .units import format_bytes  # re-exported: the book writes sizes one way everywhere
-from .checks import check_int
+from .checks import check_bytes, check_int
 from .paging import blocks_needed
 
 __all__ = [
@@ -60,18 +58,6 @@ DTYPE_BYTES: dict[str, int] = {
     # add scales inside every page (see labkit.vllm.page_size_bytes).
     "float8_e4m3fn": 1, "float8_e5m2": 1, "fp8": 1, "fp8_e4m3": 1, "fp8_e5m2": 1, "int8": 1,
 }
-
-
-# --------------------------------------------------------------------------- checks
-
-
-def _check_bytes(name: str, value: object, *, positive: bool = False) -> float:
-    """A memory size in bytes: a real number >= 0, or > 0 when ``positive`` (1.5 GiB need not be whole)."""
-    ok = not isinstance(value, bool) and isinstance(value, numbers.Real) and math.isfinite(value) \
-        and (value > 0 if positive else value >= 0)
-    if not ok:
-        raise ValueError(f"{name} must be a finite number of bytes {'>' if positive else '>='} 0, got {value!r}")
-    return value
 
 
 def element_size(dtype: str | torch.dtype | int) -> int:
@@ -241,8 +227,17 @@ class ModelShape:
 
         Uses ``num_hidden_layers``, ``num_key_value_heads`` (default: as many as
         ``num_attention_heads``, i.e. no GQA), ``head_dim`` (default ``hidden_size //
-        num_attention_heads``) and ``torch_dtype`` (or ``dtype``; the ``dtype``
-        argument overrides it), and ``max_position_embeddings`` when present.
+        num_attention_heads``) and ``torch_dtype`` (or ``dtype``), and
+        ``max_position_embeddings`` when present.
+
+        The cache's element type is the ``dtype`` argument when given. Otherwise it is
+        the checkpoint's, except that a **float32 checkpoint is served in 16 bits**
+        (2 bytes): vLLM's ``dtype="auto"`` downcasts float32 weights to the platform's
+        preferred type, bfloat16 on GPUs that support it and float16 on older ones
+        (vLLM 0.33.0, ``config/model.py: _resolve_auto_dtype``), and the cache takes the
+        model's dtype. Gemma 2's files are float32: this reads them as a bf16 cache, as
+        served. Pass ``dtype="float32"`` for a cache kept in float32.
+
         Also understood: ``sliding_window`` with
         ``layer_types`` (Gemma-2 style) or ``use_sliding_window``, and DeepSeek's
         ``kv_lora_rank`` + ``qk_rope_head_dim`` (a latent MLA cache).
@@ -262,6 +257,8 @@ class ModelShape:
             dtype = config.get("torch_dtype") or config.get("dtype")
             if dtype is None:
                 raise ValueError("config has no torch_dtype: pass dtype= (e.g. 'bfloat16' or 2)")
+            if element_size(dtype) == 4:  # vLLM's dtype "auto": a float32 checkpoint is served in 16 bits
+                dtype = "bfloat16"
         kwargs: dict[str, Any] = {}
         if config.get("kv_lora_rank"):  # DeepSeek-V2/V3: multi-head latent attention
             kwargs.update(latent=True)
@@ -327,7 +324,7 @@ _PRESET_NOTES = {
 
 
 def _preset(name: str) -> ModelShape:
-    """A preset read from its config.json excerpt, with a 2-byte (bf16) cache as served."""
+    """A preset read from its config.json excerpt, with a 2-byte (bf16) cache as served (said explicitly)."""
     config = PRESET_CONFIGS[name]
     keys = ", ".join(f"{k} {v}" for k, v in config.items() if not k.startswith("_") and k != "model_type")
     note = f" ({_PRESET_NOTES[name]})" if name in _PRESET_NOTES else ""
@@ -343,60 +340,73 @@ PRESETS: dict[str, ModelShape] = {TEACHING_MODEL.name: TEACHING_MODEL} | {
 # --------------------------------------------------------------------------- sharding
 
 
-def kv_heads_per_device(num_kv_heads: int, tensor_parallel: int) -> int:
-    """KV heads each device stores under tensor parallelism over ``tensor_parallel`` devices.
+def kv_heads_per_device(num_kv_heads: int, tensor_parallel_size: int) -> int:
+    """KV heads each device stores under tensor parallelism over ``tensor_parallel_size`` devices.
 
-    With at least as many KV heads as devices, the heads are split evenly. With
-    more devices than KV heads, each device still needs a whole head, so every
-    head is *replicated* on ``tensor_parallel // num_kv_heads`` devices: one head each.
+    vLLM's rule, the one this book uses everywhere (``labkit.vllm`` calls this function).
+    vLLM 0.33.0's ``QKVParallelLinear`` (``model_executor/layers/linear.py``) builds the K
+    and V projections with ``divide``, which asserts an exact division:
+
+    * at most as many devices as KV heads: the heads are split evenly, so
+      ``tensor_parallel_size`` must divide ``num_kv_heads``;
+    * more devices than KV heads: a head cannot be cut, so each device holds one whole
+      head, *replicated* on ``tensor_parallel_size // num_kv_heads`` devices; then
+      ``tensor_parallel_size`` must be a multiple of ``num_kv_heads``.
+
+    8 KV heads on 5 devices fit neither case, and vLLM refuses to build the model. (Its
+    ``ModelConfig.get_num_kv_heads`` alone, ``max(1, heads // tp)``, would say 1: it
+    assumes the division was checked.)
     """
     num_kv_heads = check_int("num_kv_heads", num_kv_heads, 1)
-    tensor_parallel = check_int("tensor_parallel", tensor_parallel, 1)
-    if tensor_parallel <= num_kv_heads:
-        if num_kv_heads % tensor_parallel:
-            raise ValueError(f"tensor_parallel must divide num_kv_heads ({num_kv_heads}) when it is smaller, "
-                             f"got {tensor_parallel}")
-        return num_kv_heads // tensor_parallel
-    if tensor_parallel % num_kv_heads:
-        raise ValueError(f"tensor_parallel must be a multiple of num_kv_heads ({num_kv_heads}) when it is larger, "
-                         f"got {tensor_parallel}")
+    tp = check_int("tensor_parallel_size", tensor_parallel_size, 1)
+    if tp <= num_kv_heads:
+        if num_kv_heads % tp:
+            raise ValueError(f"tensor_parallel_size must divide num_kv_heads ({num_kv_heads}) when it is smaller "
+                             f"(vLLM's QKVParallelLinear splits whole heads), got {tp}")
+        return num_kv_heads // tp
+    if tp % num_kv_heads:
+        raise ValueError(f"tensor_parallel_size must be a multiple of num_kv_heads ({num_kv_heads}) when it is "
+                         f"larger (vLLM's QKVParallelLinear replicates whole heads), got {tp}")
     return 1
 
 
-def pipeline_stages(num_layers: int, pipeline_parallel: int) -> list[range]:
+def pipeline_stages(num_layers: int, pipeline_parallel_size: int) -> list[range]:
     """The layers of each pipeline stage: contiguous ranges whose sizes differ by at most one.
 
-    Split as vLLM splits them (``vllm/distributed/utils.py: get_pp_indices``, vLLM 0.33.0):
-    every stage gets ``num_layers // pipeline_parallel`` layers and the remainder goes one
-    layer each to the stages just *before* the last (the last stage also holds the final
-    norm and the output head). 61 layers on 4 stages: 15, 15, 16, 15.
+    Split as vLLM splits them (``vllm/distributed/utils.py: get_pp_indices``, vLLM 0.33.0,
+    without ``VLLM_PP_LAYER_PARTITION``): every stage gets ``num_layers //
+    pipeline_parallel_size`` layers and the remainder goes one layer each to the stages just
+    *before* the last (the last stage also holds the final norm and the output head).
+    61 layers on 4 stages: 15, 15, 16, 15. ``labkit.vllm.get_pp_indices`` reads its ranges here.
     """
     num_layers = check_int("num_layers", num_layers, 1)
-    pipeline_parallel = check_int("pipeline_parallel", pipeline_parallel, 1)
-    if pipeline_parallel > num_layers:
-        raise ValueError(f"pipeline_parallel must be in [1, {num_layers}] (num_layers), got {pipeline_parallel}")
-    sizes = [num_layers // pipeline_parallel] * pipeline_parallel
-    for s in range(num_layers % pipeline_parallel):
+    pp = check_int("pipeline_parallel_size", pipeline_parallel_size, 1)
+    if pp > num_layers:
+        raise ValueError(f"pipeline_parallel_size must be in [1, {num_layers}] (num_layers), got {pp}")
+    sizes = [num_layers // pp] * pp
+    for s in range(num_layers % pp):
         sizes[-2 - s] += 1
-    starts = [sum(sizes[:s]) for s in range(pipeline_parallel)]
+    starts = [sum(sizes[:s]) for s in range(pp)]
     return [range(start, start + size) for start, size in zip(starts, sizes)]
 
 
-def shard(shape: ModelShape, tensor_parallel: int = 1, pipeline_parallel: int = 1) -> ModelShape:
-    """The share of the busiest device when ``shape`` runs on ``tensor_parallel × pipeline_parallel`` devices.
+def shard(shape: ModelShape, tensor_parallel_size: int = 1, pipeline_parallel_size: int = 1) -> ModelShape:
+    """The share of the busiest device when ``shape`` runs on ``tensor_parallel_size × pipeline_parallel_size`` devices.
 
     Its ``bytes_per_token()`` and ``cache_bytes(length)`` are per device. Tensor
     parallelism divides the KV heads (see :func:`kv_heads_per_device`; a latent MLA
     cache has one "head" and is therefore replicated on every device); pipeline
     parallelism gives each stage a contiguous range of layers.
     """
-    heads = kv_heads_per_device(shape.num_kv_heads, tensor_parallel)
-    stages = pipeline_stages(shape.num_layers, pipeline_parallel)
+    if not isinstance(shape, ModelShape):
+        raise TypeError(f"shape must be a ModelShape, got {type(shape).__name__}")
+    heads = kv_heads_per_device(shape.num_kv_heads, tensor_parallel_size)
+    stages = pipeline_stages(shape.num_layers, pipeline_parallel_size)
 
     # The busiest stage: the most layers, then the fewest windowed ones (they hold fewer tokens).
     busiest = max(stages, key=lambda s: (len(s), -sum(i in s for i in shape.sliding_layers)))
     sliding = tuple(i - busiest.start for i in shape.sliding_layers if i in busiest)
-    return replace(shape, name=f"{shape.name} (TP={tensor_parallel}, PP={pipeline_parallel}, one device)",
+    return replace(shape, name=f"{shape.name} (TP={tensor_parallel_size}, PP={pipeline_parallel_size}, one device)",
                    num_layers=len(busiest), num_kv_heads=heads, sliding_layers=sliding,
                    sliding_window=shape.sliding_window if sliding else None,
                    num_attention_heads=None)
@@ -407,8 +417,8 @@ def shard(shape: ModelShape, tensor_parallel: int = 1, pipeline_parallel: int = 
 
 def kv_pool_bytes(device_bytes: float, reserved_bytes: float) -> float:
     """Memory left for the KV cache: the device (> 0 bytes) minus weights, workspace and any reserve."""
-    device_bytes = _check_bytes("device_bytes", device_bytes, positive=True)
-    reserved_bytes = _check_bytes("reserved_bytes", reserved_bytes)
+    device_bytes = check_bytes("device_bytes", device_bytes, positive=True)
+    reserved_bytes = check_bytes("reserved_bytes", reserved_bytes)
     if reserved_bytes > device_bytes:
         raise ValueError(f"reserved_bytes must be in [0, device_bytes={device_bytes:,}], got {reserved_bytes:,}")
     return device_bytes - reserved_bytes

@@ -1,7 +1,7 @@
 """Argument checks shared by every labkit module.
 
 The book's rule for bad input: raise ``ValueError`` naming the parameter and the
-allowed range, *before* any state changes. These two functions say it once.
+allowed range, *before* any state changes. These functions say it once.
 """
 
 from __future__ import annotations
@@ -28,6 +28,18 @@ def check_number(name: str, value: object, minimum: float, *, strict: bool = Fal
     return float(value)
 
 
+def check_bytes(name: str, value: object, *, positive: bool = False) -> float:
+    """A memory size in bytes: a finite real number >= 0 (> 0 with ``positive``); need not be whole (1.5 GiB).
+
+    NaN, infinities and bool are refused: an infinite device would make every capacity infinite.
+    """
+    ok = not isinstance(value, bool) and isinstance(value, numbers.Real) and math.isfinite(value) \
+        and (value > 0 if positive else value >= 0)
+    if not ok:
+        raise ValueError(f"{name} must be a finite number of bytes {'>' if positive else '>='} 0, got {value!r}")
+    return value
+
+
 def check_token_ids(name: str, value: object, min_len: int = 0) -> tuple[int, ...]:
     """``value`` (a list, tuple or range) as a tuple of ints >= 0, at least ``min_len`` long, else ValueError."""
     if not isinstance(value, (list, tuple, range)):
@@ -41,3 +53,18 @@ def check_token_ids(name: str, value: object, min_len: int = 0) -> tuple[int, ..
     if len(tokens) < min_len:
         raise ValueError(f"{name} must hold at least {min_len} token(s), got {len(tokens)}")
     return tokens
+
+
+def parse_stop_token_ids(value: object, name: str = "eos_token_id", vocab_size: int | None = None) -> tuple[int, ...]:
+    """Stop ids as a tuple: ``None`` (none), one token id, or a list or tuple of them (chat models list a few).
+
+    The one parser of stop ids in labkit (``Request``, ``Engine``, ``DecoderConfig``). Python and NumPy
+    integers are accepted, ``bool`` is not; ids must be >= 0 and, given ``vocab_size``, below it.
+    """
+    ids = () if value is None else (value,) if isinstance(value, numbers.Integral) else value
+    top = "" if vocab_size is None else f" and < {vocab_size} (vocab_size)"
+    if not isinstance(ids, (tuple, list, range)) or not all(
+            isinstance(t, numbers.Integral) and not isinstance(t, bool) and t >= 0
+            and (vocab_size is None or t < vocab_size) for t in ids):
+        raise ValueError(f"{name} must be None, a token id >= 0{top}, or a list of them, got {value!r}")
+    return tuple(int(t) for t in ids)

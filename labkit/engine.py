@@ -1,12 +1,18 @@
 """A small serving engine: the book's pieces in one loop (chapter 05).
 
-Each ``Engine.step()`` does what vLLM v1 does each iteration (``vllm/v1/engine/core.py``,
+Each ``Engine.step()`` follows what vLLM v1 does each iteration (``vllm/v1/engine/core.py``,
 ``EngineCore.step``: schedule, execute the model, update from the output):
 
 1. ``Scheduler.schedule()`` (chapter 05) picks requests and token counts within the
    token budget and the free blocks, admits waiting requests with their prefix-cache
    hits (chapter 04), preempts when blocks run out, and assigns every new token a slot.
-2. Copy-on-write pairs are applied to the K/V pools (block ``src`` -> ``dst``, all layers).
+2. labkit only: copy-on-write pairs are applied to the K/V pools (block ``src`` -> ``dst``,
+   all layers). They come from ``Scheduler.fork``, chapter 04's way to sample several
+   answers from one prompt: the twins share every block, and the first to write into a
+   shared, partly filled tail gets a private copy. vLLM v1 does no such copy: its parallel
+   sampling makes independent child requests (``vllm/v1/engine/parallel_sampling.py``),
+   which share the prompt's full blocks through the prefix cache (when it is on) and each
+   compute their own last, partial block.
 3. The step's tokens from *all* requests are flattened into one batch ``[1, total_tokens]``
    with explicit positions: prompt chunks and single decode tokens side by side, as vLLM v1
    batches them. (nano-vllm does not mix them: each of its steps is prefill only or decode only.)
@@ -32,6 +38,7 @@ import torch
 from .model import Decoder
 from .cache import AttentionMetadata, KVPool
 from .prefix import CacheKey
+from .checks import parse_stop_token_ids
 from .scheduler import Request, Scheduler, Step, StepStats
 
 __all__ = ["Engine"]
@@ -43,7 +50,8 @@ class Engine:
     ``model``: a ``labkit.model.Decoder``. ``num_blocks`` blocks of ``block_size`` tokens
     form the K/V pool; ``max_num_batched_tokens`` is the token budget of a step and
     ``max_num_seqs`` the most requests running at once.
-    ``enable_prefix_caching``, ``priority``: passed to the ``Scheduler``. ``dtype``: of the
+    ``enable_prefix_caching``, ``priority``, ``full_sequence_must_fit`` (vLLM's admission gate, on
+    by default): passed to the ``Scheduler``. ``dtype``: of the
     K/V pool (default: the model's). ``use_triton``: the Triton kernels (default) or their
     PyTorch references. Greedy decoding; ``stats`` holds one ``StepStats`` per step.
 
@@ -54,7 +62,7 @@ class Engine:
 
     def __init__(self, model: Decoder, num_blocks: int, block_size: int = 16, max_num_batched_tokens: int = 256,
                  *, max_num_seqs: int = 256, enable_prefix_caching: bool = True,
-                 priority: Callable[[Request], Any] | None = None,
+                 priority: Callable[[Request], Any] | None = None, full_sequence_must_fit: bool = True,
                  dtype: torch.dtype | None = None, use_triton: bool = True):
         if not isinstance(model, Decoder):
             raise ValueError(f"model must be a labkit.model.Decoder, got {type(model).__name__}")
@@ -65,7 +73,8 @@ class Engine:
         key = CacheKey(model=f"labkit Decoder {id(model):#x}",  # these weights, in this process
                        cache_dtype=str(self.dtype).removeprefix("torch."), rope_theta=float(cfg.rope_theta))
         self.scheduler = Scheduler(num_blocks, block_size, max_num_batched_tokens, max_num_seqs=max_num_seqs,
-                                   enable_prefix_caching=enable_prefix_caching, priority=priority, cache_key=key)
+                                   enable_prefix_caching=enable_prefix_caching, priority=priority, cache_key=key,
+                                   full_sequence_must_fit=full_sequence_must_fit)
         self.backend = KVPool(cfg, num_blocks, block_size, self.dtype, weight.device, use_triton)
         self.stats: list[StepStats] = []
 
@@ -77,16 +86,11 @@ class Engine:
         """
         return self.scheduler.add_request(self._make_request(prompt_token_ids, max_new_tokens, eos_token_id))
 
-    def _eos_ids(self, eos_token_id: int | Sequence[int] | None) -> list[int]:
-        """The stop ids as a checked list (empty: never stop early)."""
+    def _eos_ids(self, eos_token_id: int | Sequence[int] | None) -> tuple[int, ...]:
+        """The stop ids, checked against the vocabulary (empty: never stop early)."""
         if eos_token_id is None:
             eos_token_id = self.model.config.eos_token_id
-        ids = [] if eos_token_id is None else [eos_token_id] if isinstance(eos_token_id, int) else list(eos_token_id)
-        vocab = self.model.config.vocab_size
-        if not all(isinstance(t, int) and not isinstance(t, bool) and 0 <= t < vocab for t in ids):
-            raise ValueError(f"eos_token_id must be None, a token id in [0, {vocab - 1}] or a list of them, "
-                             f"got {eos_token_id!r}")
-        return ids
+        return parse_stop_token_ids(eos_token_id, vocab_size=self.model.config.vocab_size)
 
     def _make_request(self, prompt_token_ids: Sequence[int], max_new_tokens: int,
                       eos_token_id: int | Sequence[int] | None = None) -> Request:

@@ -45,6 +45,7 @@ from typing import Callable, TypeVar
 
 import torch
 
+from .checks import check_int
 from .device import RUNTIME
 from .model import causal_attention
 
@@ -566,6 +567,12 @@ def choose_num_splits(num_seqs: int, num_kv_heads: int, max_seq_len: int, device
     ``target_programs`` (default: the device's multiprocessor count; 8 on a CPU) is how many
     programs keep the device busy.
     """
+    num_seqs = check_int("num_seqs", num_seqs, 1)
+    num_kv_heads = check_int("num_kv_heads", num_kv_heads, 1)
+    max_seq_len = check_int("max_seq_len", max_seq_len, 1)
+    block_n = check_int("block_n", block_n, 1)
+    if target_programs is not None:
+        check_int("target_programs", target_programs, 1)
     target = target_programs or _num_programs_target(torch.device(device))
     programs = num_seqs * num_kv_heads
     if programs >= target or max_seq_len < 2 * MIN_TOKENS_PER_SPLIT:
@@ -632,6 +639,7 @@ def launch_settings(kernel: str, dtype: torch.dtype, head_dim: int,
     Interpreted there are no registers or warps, only Python steps: one step as wide as the
     sequence (up to 128 keys), float32 throughout (the interpreter's bfloat16 is inexact).
     """
+    _check_launch_args(kernel, dtype, head_dim, capability, max_len)
     block_d = max(16, _next_pow2(head_dim))
     if capability is None:  # Triton's interpreter on the CPU
         return LaunchSettings(block_m=64, block_n=min(128, max(16, _next_pow2(max_len))), block_d=block_d,
@@ -643,6 +651,23 @@ def launch_settings(kernel: str, dtype: torch.dtype, head_dim: int,
                               dot_precision="tf32")  # only float32 inputs look at it; these are 16-bit
     return LaunchSettings(block_m=16, block_n=16 if wide else 32, block_d=block_d, num_warps=4 if wide else 8,
                           num_stages=2 if capability >= (8, 0) else 1, upcast=True)
+
+
+KERNELS = ("decode", "prefill")
+
+
+def _check_launch_args(kernel: object, dtype: object, head_dim: object, capability: object, max_len: object) -> None:
+    if kernel not in KERNELS:
+        raise ValueError(f"kernel must be one of {KERNELS}, got {kernel!r}")
+    if dtype not in SUPPORTED_DTYPES:
+        raise ValueError(f"dtype must be one of {SUPPORTED_DTYPES}, got {dtype!r}")
+    if check_int("head_dim", head_dim, 1) > MAX_HEAD_DIM:
+        raise ValueError(f"head_dim must be in [1, {MAX_HEAD_DIM}], got {head_dim}")
+    if capability is not None and not (isinstance(capability, tuple) and len(capability) == 2
+                                       and all(type(c) is int and c >= 0 for c in capability)):
+        raise ValueError(f"capability must be None (the interpreter) or a (major, minor) pair of integers such as "
+                         f"(8, 0), got {capability!r}")
+    check_int("max_len", max_len, 1)
 
 
 def _launch_capability() -> tuple[int, int] | None:

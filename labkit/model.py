@@ -36,7 +36,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from .checks import check_int
+from .checks import check_int, parse_stop_token_ids
 
 
 @dataclass
@@ -79,9 +79,7 @@ class DecoderConfig:
             raise ValueError(f"rms_norm_eps must be > 0, got {self.rms_norm_eps!r}")
         if self.rope_scaling is not None:
             _check_llama3_scaling(self.rope_scaling)
-        ids = self.eos_token_id if isinstance(self.eos_token_id, list) else [self.eos_token_id]
-        if self.eos_token_id is not None and not all(isinstance(t, int) and t >= 0 for t in ids):
-            raise ValueError(f"eos_token_id must be a token id >= 0 or a list of them, got {self.eos_token_id!r}")
+        parse_stop_token_ids(self.eos_token_id)  # labkit's one parser of stop ids
 
     @property
     def group_size(self) -> int:

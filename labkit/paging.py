@@ -152,12 +152,20 @@ class BlockTable:
 
     def slot(self, position: int) -> int:
         """The pool slot of the token at ``position``: block_id * block_size + offset."""
-        if not isinstance(position, int) or not 0 <= position < self.num_tokens:
+        if type(position) is not int or not 0 <= position < self.num_tokens:  # not bool, not float
             raise ValueError(f"position must be an integer in [0, {self.num_tokens - 1}], got {position!r}")
         return self.block_ids[position // self.block_size] * self.block_size + position % self.block_size
 
     def slots(self, start: int, stop: int) -> list[int]:
-        """The pool slots of positions ``[start, stop)``: the slot mapping of those tokens, block by block."""
+        """The pool slots of positions ``[start, stop)``: the slot mapping of those tokens, block by block.
+
+        ``0 <= start <= stop <= num_tokens``: only positions the table holds have slots.
+        """
+        start, stop = check_int("start", start, 0), check_int("stop", stop, 0)
+        if start > self.num_tokens:
+            raise ValueError(f"start must be in [0, num_tokens={self.num_tokens}], got {start}")
+        if not start <= stop <= self.num_tokens:
+            raise ValueError(f"stop must be in [start={start}, num_tokens={self.num_tokens}], got {stop}")
         bs, out = self.block_size, []
         for i in range(start // bs, -(-stop // bs)):
             base = self.block_ids[i] * bs

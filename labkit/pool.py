@@ -16,7 +16,7 @@ from typing import Sequence
 import numpy as np
 
 from .capacity import GiB, TEACHING_MODEL, ModelShape, format_bytes
-from .checks import check_int, check_number
+from .checks import check_bytes, check_int
 from .paging import blocks_needed
 from .workloads import RequestSpec
 
@@ -93,7 +93,7 @@ class PoolPlan:
         ``bytes_per_block`` is an estimate (4 ref count + 32 hash + 8 links + 4 id):
         host memory, so it does not shrink the pool, but it grows with the pool.
         """
-        return bytes_per_block * self.num_blocks
+        return check_int("bytes_per_block", bytes_per_block, 0) * self.num_blocks
 
     def describe(self) -> str:
         lines = [
@@ -116,8 +116,10 @@ def plan_pool(device_bytes: float = 24 * GiB, set_aside_bytes: float = 17 * GiB,
     model, 16-token blocks; the engine limits (256 sequence slots, 8,192-token
     sequences and steps) are typical engine defaults, not from the article.
     """
-    check_number("device_bytes", device_bytes, 0)
-    check_number("set_aside_bytes", set_aside_bytes, 0)
+    check_bytes("device_bytes", device_bytes, positive=True)
+    check_bytes("set_aside_bytes", set_aside_bytes)
+    if not isinstance(model, ModelShape):
+        raise TypeError(f"model must be a labkit.capacity.ModelShape, got {type(model).__name__}")
     if set_aside_bytes > device_bytes:
         raise ValueError(f"set_aside_bytes must be in [0, device_bytes = {format_bytes(device_bytes)}], "
                          f"got {format_bytes(set_aside_bytes)}")

@@ -189,11 +189,16 @@ def extra_blocks(num_computed_tokens: int, num_blocks_held: int, tokens: int, bl
     """
     check_int("tokens", tokens, 0)
     check_int("block_size", block_size, 1)
+    return _extra_blocks(num_computed_tokens, num_blocks_held, tokens, block_size, shared_tail, revived_blocks)
+
+
+def _extra_blocks(computed: int, held: int, tokens: int, block_size: int, shared_tail: bool = False,
+                  revived: int = 0) -> int:
+    """``extra_blocks`` without the checks: the one place labkit counts new blocks plus a copy."""
     if tokens == 0:
         return 0
-    new = max(0, blocks_needed(num_computed_tokens + tokens, block_size) - num_blocks_held)
-    copy = 1 if shared_tail and num_computed_tokens % block_size else 0
-    return new + copy + revived_blocks
+    new = max(0, -(-(computed + tokens) // block_size) - held)
+    return new + (1 if shared_tail and computed % block_size else 0) + revived
 
 
 class CachedBlockTable(BlockTable):
@@ -236,10 +241,16 @@ class PrefixCache:
         self.allocator = allocator
         self.block_size = block_size
         self.hash_fn = hash_fn
-        self.stats = PrefixCacheStats()
+        self._stats = PrefixCacheStats()
         self._by_hash: dict[str, dict[int, None]] = {}  # block hash -> its named blocks, oldest first
         self._entry_ids = itertools.count()
         allocator.on_evict = self._on_evict
+
+    @property
+    def stats(self) -> PrefixCacheStats:
+        """The counters; ``evicted_blocks`` is the allocator's ``num_evictions`` (one counter for one event)."""
+        self._stats.evicted_blocks = self.allocator.num_evictions
+        return self._stats
 
     @property
     def num_cached_blocks(self) -> int:
@@ -309,7 +320,9 @@ class PrefixCache:
         tokens = check_token_ids("token_ids", token_ids, 1)
         _check_key(key)
         m = self.match(tokens, key) if lookup else PrefixMatch((), 0, ())
-        needed = self.hit_extra_blocks(m, len(tokens) - m.num_cached_tokens)
+        revived = [b for b in m.block_ids if self.allocator.ref_counts[b] == 0]
+        needed = _extra_blocks(m.num_cached_tokens, m.num_cached_blocks, len(tokens) - m.num_cached_tokens,
+                               self.block_size, revived=len(revived))
         if needed > self.allocator.num_free:
             raise OutOfBlocksError(f"prompt of {len(tokens)} tokens needs {needed} free blocks, "
                                    f"{self.allocator.num_free} of {self.allocator.num_blocks} are free")
@@ -318,11 +331,11 @@ class PrefixCache:
                 self.allocator.revive(b)
             else:
                 self.allocator.incref(b)
-        num_fresh = blocks_needed(len(tokens), self.block_size) - m.num_cached_blocks
+        num_fresh = needed - len(revived)
         fresh = self.allocator.allocate_many(num_fresh)
         table = CachedBlockTable(self, key, list(m.block_ids) + fresh, tokens,
                                  m.block_hashes[:m.num_cached_blocks], m.entry_ids)
-        self.stats.record(m, len(tokens), num_fresh)
+        self._stats.record(m, len(tokens), num_fresh)
         return table, m.num_cached_tokens
 
     def append(self, table: CachedBlockTable, token_ids: Sequence[int]) -> AppendResult:
@@ -338,11 +351,12 @@ class PrefixCache:
         """``append`` without the checks and the slot mapping (the scheduler's checked, hot path);
         returns the copy-on-write pairs."""
         n = len(tokens)
-        new = blocks_needed(table.num_tokens + n, self.block_size) - len(table.block_ids)
         copy = n > 0 and tail_is_shared(table, self.allocator)
-        if new + copy > self.allocator.num_free:
-            raise OutOfBlocksError(f"appending {n} tokens needs {new + copy} free blocks, "
+        needed = _extra_blocks(table.num_tokens, len(table.block_ids), n, self.block_size, copy)
+        if needed > self.allocator.num_free:
+            raise OutOfBlocksError(f"appending {n} tokens needs {needed} free blocks, "
                                    f"{self.allocator.num_free} of {self.allocator.num_blocks} are free")
+        new = needed - copy
         copies = []
         if copy:  # first a private copy of the shared tail
             src, dst = table.block_ids[-1], self.allocator.allocate()
@@ -400,14 +414,14 @@ class PrefixCache:
         victims = self.evictable_block_ids()[:num_blocks]
         for b in victims:
             self.allocator.forget(b)
+        self.allocator.num_evictions += len(victims)  # the allocator counts every eviction
         return victims
 
     def clear(self) -> int:
         """Forget every named block that no sequence holds (e.g. after a weight update); returns how many."""
         victims = [b for b in self.allocator.names if self.allocator.ref_counts[b] == 0]
         for b in victims:
-            self.allocator.forget(b)
-        self.stats.evicted_blocks -= len(victims)  # a clear is not an eviction
+            self.allocator.forget(b)  # a clear is not an eviction: not counted
         return len(victims)
 
     def _lookup(self, h: str, tokens: Sequence[int], key: CacheKey, parent_entry: int | None) -> CachedBlock | None:
@@ -424,7 +438,6 @@ class PrefixCache:
         del twins[block_id]
         if not twins:
             del self._by_hash[entry.block_hash]
-        self.stats.evicted_blocks += 1
 
     def _check_table(self, table: object) -> None:
         if not isinstance(table, CachedBlockTable) or table.owner is not self:

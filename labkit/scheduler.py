@@ -10,9 +10,10 @@ decoding request asks for one token. What a turn takes from the pool is ``extra_
 
 ``Scheduler`` keeps the state around that pass and follows vLLM v1 (``vllm/v1/core/sched/
 scheduler.py``, ``Scheduler.schedule``, vLLM 0.33.0): running requests first, oldest first, then
-waiting ones in order, at most ``max_num_seqs`` running; nobody is admitted behind a waiting
-request that did not get its blocks; full blocks are named when allocated, so a request admitted
-later in the same step shares them; when the running requests cannot all grow, the newest is
+waiting ones in order, at most ``max_num_seqs`` running; a waiting request is admitted only when
+blocks for its whole known sequence are free (``full_sequence_must_fit``), and nobody is admitted
+behind one that was not; full blocks are named when allocated, so a request admitted later in the
+same step shares them; when a running request cannot grow, the newest running request is
 **preempted by recompute** (its blocks go back, it returns to the front of the queue).
 """
 
@@ -20,11 +21,11 @@ from __future__ import annotations
 
 import enum
 import itertools
-from collections import Counter, deque
+from collections import deque
 from dataclasses import dataclass, field
 from typing import Any, Callable, Iterable, Iterator, Sequence
 
-from .checks import check_int, check_token_ids
+from .checks import check_int, check_token_ids, parse_stop_token_ids
 from .paging import BlockAllocator, blocks_needed
 from .prefix import CachedBlockTable, CacheKey, PrefixCache, PrefixMatch, extra_blocks
 
@@ -39,6 +40,14 @@ class RequestStatus(enum.Enum):
 
 
 _request_ids = itertools.count()
+_NO_HIT = PrefixMatch((), 0, ())
+
+
+def _check_flag(name: str, value: object) -> bool:
+    """``value`` if it is a bool (NumPy's too), else ValueError: a string such as 'no' is not a switch."""
+    if isinstance(value, bool) or getattr(getattr(value, "dtype", None), "kind", "") == "b":
+        return bool(value)
+    raise ValueError(f"{name} must be True or False, got {value!r}")
 
 
 @dataclass(eq=False)
@@ -66,10 +75,7 @@ class Request:
     def __post_init__(self) -> None:
         self.prompt_token_ids = list(check_token_ids("prompt_token_ids", self.prompt_token_ids, 1))
         check_int("max_new_tokens", self.max_new_tokens, 1)
-        eos = self.eos_token_id
-        ids = () if eos is None else (eos,) if isinstance(eos, int) else tuple(eos)
-        for t in ids:
-            check_int("eos_token_id", t, 0)
+        ids = parse_stop_token_ids(self.eos_token_id)
         self.eos_token_id = ids[0] if len(ids) == 1 else (ids or None)
         self.stop_token_ids = frozenset(ids)
 
@@ -103,8 +109,9 @@ class Decision:
     """One candidate's turn in a step's budget pass, as ``plan_iteration`` saw it.
 
     ``tokens`` = min(num_new_tokens, ``token_budget``) and ``needed`` = its ``extra_blocks``,
-    against the ``free_blocks`` and ``token_budget`` left at its turn. ``outcome`` is
-    ``"planned"``, ``"skipped"`` (needed > free_blocks) or ``"stop"`` (the budget is spent).
+    against the ``free_blocks`` and ``token_budget`` left at its turn (after any preemption it
+    caused). ``outcome`` is ``"planned"``, ``"skipped"`` (needed > free_blocks), ``"preempted"``
+    (a running request that had to give its own blocks back) or ``"stop"`` (the budget is spent).
     """
 
     request: Request
@@ -120,25 +127,33 @@ class Decision:
 def plan_iteration(candidates: Iterable[Request], free_blocks: int, token_budget: int, block_size: int,
                    reserve: Callable[[Request, int], None] | None = None,
                    needed: Callable[[Request, int], int] | None = None,
-                   decisions: list[Decision] | None = None) -> list[tuple[Request, int]]:
+                   decisions: list[Decision] | None = None,
+                   make_room: Callable[[Request, int], int] | None = None) -> list[tuple[Request, int]]:
     """The article's budget pass: which candidates get how many tokens this step.
 
     Candidates are visited in order, so the order decides who gets space first; paging
-    itself decides no priority. Every candidate has at least one token to compute, so
-    ``tokens`` is 0 only when the budget is spent, and the pass stops there. A candidate
-    whose blocks do not fit is skipped (a later, smaller one may still fit).
+    itself decides no priority. The pass stops when the token budget is spent; a candidate
+    with nothing to compute now is passed over. A candidate whose blocks do not fit is
+    skipped (a later, smaller one may still fit).
 
     ``needed(request, tokens)``: its ``extra_blocks`` (default: judged on its own, no
     sharing); ``reserve(request, tokens)`` is called where the article reserves the blocks
-    (the ``Scheduler`` allocates them there); without it the pass only plans. Each turn is
-    appended to ``decisions`` when given. Returns ``[(request, tokens), ...]`` in order.
+    (the ``Scheduler`` allocates them there); without it the pass only plans.
+    ``make_room(request, tokens)``: asked when a *running* candidate does not fit; it may
+    free blocks (the ``Scheduler`` preempts, perhaps this candidate itself) and returns the
+    free blocks now. Each turn is appended to ``decisions`` when given. Returns
+    ``[(request, tokens), ...]`` in order.
     """
     check_int("free_blocks", free_blocks, 0)
     check_int("token_budget", token_budget, 0)
     check_int("block_size", block_size, 1)
     plan = []
     for request in candidates:
-        tokens = min(request.num_new_tokens, token_budget)
+        num_new_tokens = request.num_new_tokens
+        tokens = min(num_new_tokens, token_budget)
+        if tokens == 0 and token_budget:
+            continue  # nothing to compute now: its last token is still being sampled
+        waiting = request.status is RequestStatus.WAITING
         if tokens == 0:
             blocks = 0
         elif needed is not None:
@@ -146,13 +161,20 @@ def plan_iteration(candidates: Iterable[Request], free_blocks: int, token_budget
         else:  # judged on its own: no sharing, no revival
             held = len(request.block_table.block_ids) if request.block_table is not None else 0
             blocks = extra_blocks(request.num_computed_tokens, held, tokens, block_size)
+        preempted = False
+        if blocks > free_blocks and make_room is not None and not waiting:
+            free_blocks = make_room(request, tokens)
+            preempted = request.status is RequestStatus.WAITING  # it gave its own blocks back
+            if needed is not None and not preempted:
+                blocks = needed(request, tokens)  # a preempted twin may have shared its tail
+        outcome = ("stop" if tokens == 0 else "preempted" if preempted
+                   else "skipped" if blocks > free_blocks else "planned")
         if decisions is not None:
-            outcome = "stop" if tokens == 0 else "skipped" if blocks > free_blocks else "planned"
-            decisions.append(Decision(request, request.status is RequestStatus.WAITING, request.num_new_tokens,
-                                      tokens, blocks, free_blocks, token_budget, outcome))
+            decisions.append(Decision(request, waiting, num_new_tokens, tokens, blocks, free_blocks,
+                                      token_budget, outcome))
         if tokens == 0:
             break
-        if blocks > free_blocks:
+        if outcome != "planned":
             continue
         if reserve is not None:
             reserve(request, tokens)
@@ -256,41 +278,63 @@ class Scheduler:
 
     ``num_blocks``: the pool size, or pass a ``prefix_cache`` (and its allocator) to share one.
     ``max_num_batched_tokens``: the token budget of a step; ``max_num_seqs``: the most requests
-    running at once (vLLM's default, 256). ``enable_prefix_caching``: look up and name full blocks.
-    ``priority``: ``None`` is first come, first served; a key function reorders the queue before
-    each step (smaller first). ``cache_key``: the computation identity for prefix hashing.
-    ``head_of_line``: ``True`` (as vLLM) admits nobody behind a waiting request that did not get
-    its blocks; ``False`` is the article's rule, a later, smaller request may pass it. Each step:
-    ``step = schedule()``, run the model on ``step.chunks``, ``postprocess(step, sampled_token_ids)``.
+    running at once (default 256, what vLLM's ``EngineArgs`` picks on GPUs below 70 GiB; its
+    ``SchedulerConfig`` class default is 128, and H100, H200 and GPUs of 160 GiB or more get 1,024).
+    ``enable_prefix_caching``: look up and name full blocks. ``priority``: ``None`` is first come,
+    first served; a key function reorders the queue before each step (smaller first).
+    ``cache_key``: the computation identity for prefix hashing. ``head_of_line``: ``True`` (as
+    vLLM) admits nobody behind a waiting request that was not admitted; ``False`` is the article's
+    rule, a later, smaller request may pass it. ``full_sequence_must_fit``: ``True`` (vLLM's
+    default, ``SchedulerConfig.scheduler_reserve_full_isl``) admits a waiting request only when
+    blocks for its whole known sequence (prompt and outputs so far, after its prefix hit) are free,
+    not just for the chunk it computes now; ``False`` asks only for the chunk, and a long prompt
+    admitted piece by piece may have to be preempted before it is done.
+
+    Each step: ``step = schedule()``, run the model on ``step.chunks``, then
+    ``postprocess(step, sampled_token_ids)``, once. In between, ``finish`` (an abort) and ``fork``
+    are safe, as with vLLM's asynchronous front end: a request finished meanwhile gets no token,
+    and a twin forked meanwhile gets the token its parent samples.
     """
 
     def __init__(self, num_blocks: int | None = None, block_size: int = 16, max_num_batched_tokens: int = 256,
                  *, max_num_seqs: int = 256, enable_prefix_caching: bool = True,
                  prefix_cache: PrefixCache | None = None, priority: Callable[[Request], Any] | None = None,
-                 cache_key: CacheKey = CacheKey(), head_of_line: bool = True):
+                 cache_key: CacheKey = CacheKey(), head_of_line: bool = True, full_sequence_must_fit: bool = True):
         check_int("block_size", block_size, 1)
         check_int("max_num_batched_tokens", max_num_batched_tokens, 1)
         check_int("max_num_seqs", max_num_seqs, 1)
+        flags = [_check_flag(name, value) for name, value in (
+            ("enable_prefix_caching", enable_prefix_caching), ("head_of_line", head_of_line),
+            ("full_sequence_must_fit", full_sequence_must_fit))]
+        if not isinstance(cache_key, CacheKey):
+            raise ValueError(f"cache_key must be a labkit.prefix.CacheKey, got {type(cache_key).__name__}")
         if prefix_cache is None:
             prefix_cache = PrefixCache(BlockAllocator(check_int("num_blocks", num_blocks, 1)), block_size)
         elif not isinstance(prefix_cache, PrefixCache) or prefix_cache.block_size != block_size:
             raise ValueError(f"prefix_cache must be a PrefixCache with block_size {block_size}")
+        elif num_blocks is not None:
+            raise ValueError("num_blocks must be None when prefix_cache is given (its allocator sets the pool)")
         if priority is not None and not callable(priority):
             raise ValueError("priority must be None (first come, first served) or a key function of a Request")
         self.prefix_cache, self.allocator = prefix_cache, prefix_cache.allocator
         self.block_size, self.max_num_seqs = block_size, max_num_seqs
         self.max_num_batched_tokens = max_num_batched_tokens
-        self.enable_prefix_caching, self.head_of_line = bool(enable_prefix_caching), bool(head_of_line)
+        self.enable_prefix_caching, self.head_of_line, self.full_sequence_must_fit = flags
         self.priority, self.cache_key = priority, cache_key
         self.waiting: deque[Request] = deque()
         self.running: list[Request] = []
         self.finished: list[Request] = []
         self.requests: dict[Any, Request] = {}  # unfinished requests by request_id
         self.num_steps = 0
-        # During one schedule(): id(request) -> its prefix hit; the chunks and copy-on-write pairs so far.
+        # During one schedule(): id(request) -> its prefix hit; the chunks, copies and preemptions so far.
         self._hits: dict[int, PrefixMatch] = {}
         self._chunks: list[ScheduledChunk] = []
         self._copies: list[tuple[int, int]] = []
+        self._preempted: list[Request] = []
+        # The step handed out and not postprocessed yet; id(request) -> the requests its sampled token goes to.
+        self._in_flight: Step | None = None
+        self._samplers: dict[int, list[Request]] = {}
+        self._fork_ids = itertools.count(1)
 
     @property
     def num_blocks(self) -> int:
@@ -329,58 +373,78 @@ class Scheduler:
                              f"more than the pool's {self.num_blocks}")
 
     def fork(self, request: Request) -> Request:
-        """A twin of a running request sharing all its blocks (parallel sampling; copy-on-write later)."""
+        """A twin of a running request sharing all its blocks (parallel sampling; copy-on-write later).
+
+        Its id is ``(parent id, "fork", n)``, unused by any unfinished request. Forked while a step is
+        in flight, the twin is the parent as that step leaves it: it gets the token the parent samples.
+        """
         if not isinstance(request, Request) or request.status is not RequestStatus.RUNNING \
                 or self.requests.get(request.request_id) is not request:
             raise ValueError("request must be a running request of this scheduler")
         if len(self.running) >= self.max_num_seqs:
             raise ValueError(f"max_num_seqs: {self.max_num_seqs} requests run already")
+        child_id = (request.request_id, "fork", next(self._fork_ids))
+        while child_id in self.requests:
+            child_id = (request.request_id, "fork", next(self._fork_ids))
         child = Request(list(request.prompt_token_ids), request.max_new_tokens, request.eos_token_id,
-                        output_token_ids=list(request.output_token_ids),
+                        request_id=child_id, output_token_ids=list(request.output_token_ids),
                         num_computed_tokens=request.num_computed_tokens,
                         block_table=self.prefix_cache.fork(request.block_table), status=RequestStatus.RUNNING)
         self.running.append(child)
         self.requests[child.request_id] = child
+        if id(request) in self._samplers:  # its token is being sampled: the twin gets it too
+            self._samplers[id(request)].append(child)
+            self._samplers[id(child)] = self._samplers[id(request)]
         return child
 
     # ------------------------------------------------------------------ one step
     def schedule(self) -> Step:
-        """Plan the next step: preempt if the running requests cannot grow, then the budget pass
-        (after a preemption nobody is admitted, as in vLLM: the freed blocks go to the running)."""
+        """Plan the next step: the budget pass over the running requests (preempting the newest when
+        one cannot grow), then, if nobody was preempted, over the waiting ones (as in vLLM: the
+        freed blocks go to the running). ValueError while the previous step awaits ``postprocess``."""
+        if self._in_flight is not None:
+            raise ValueError(f"step {self._in_flight.index} is in flight: postprocess it before the next schedule()")
         self.num_steps += 1
-        self._chunks, self._copies, self._hits = [], [], {}
-        preempted = self._preempt_until_running_fit()
+        self._chunks, self._copies, self._hits, self._preempted = [], [], {}, []
         if self.priority is not None:
             self.waiting = deque(sorted(self.waiting, key=self.priority))
         decisions: list[Decision] = []
-        plan_iteration(self._candidates(include_waiting=not preempted), self.allocator.num_free,
-                       self.max_num_batched_tokens, self.block_size, self._reserve, self._extra_blocks, decisions)
+        plan_iteration(self._candidates(), self.allocator.num_free, self.max_num_batched_tokens, self.block_size,
+                       self._reserve, self._extra_blocks, decisions, self._make_room)
         for request in self.waiting:  # those not admitted: drop their tentative prefix hit
             request.num_computed_tokens = 0
-        step = Step(self.num_steps, self._chunks, self._copies, preempted, StepStats(self.num_steps), decisions)
+        step = Step(self.num_steps, self._chunks, self._copies, self._preempted, StepStats(self.num_steps), decisions)
         step.stats.count(step, self)
+        self._in_flight = step
+        self._samplers = {id(c.request): [c.request] for c in step.chunks if c.samples}
         return step
 
     def postprocess(self, step: Step, sampled_token_ids: Sequence[int]) -> list[Request]:
-        """After the model ran: append one sampled token per chunk of ``step.sampling_chunks``, in
-        order; finish and release. Returns the finished requests (named full blocks stay cached)."""
+        """After the model ran: one sampled token per chunk of ``step.sampling_chunks``, in order,
+        appended to its request (and to twins forked meanwhile; not to requests finished meanwhile);
+        finish and release. Returns the finished requests (named full blocks stay cached)."""
+        if step is not self._in_flight:
+            raise ValueError("step must be the step the last schedule() returned, postprocessed once")
         sampling = step.sampling_chunks
         if len(sampled_token_ids) != len(sampling):
             raise ValueError(f"sampled_token_ids must hold one id per sampling chunk ({len(sampling)}), "
                              f"got {len(sampled_token_ids)}")
         check_token_ids("sampled_token_ids", sampled_token_ids)
-        finished = []
+        finished, samplers = [], self._samplers
+        self._in_flight, self._samplers = None, {}
         for chunk, token in zip(sampling, sampled_token_ids):
-            request = chunk.request
-            request.output_token_ids.append(token)
-            if len(request.output_token_ids) >= request.max_new_tokens or token in request.stop_token_ids:
-                self.finish(request)
-                finished.append(request)
+            for request in samplers[id(chunk.request)]:
+                if request.status is not RequestStatus.RUNNING:
+                    continue  # finished (aborted) while the step ran
+                request.output_token_ids.append(token)
+                if len(request.output_token_ids) >= request.max_new_tokens or token in request.stop_token_ids:
+                    self.finish(request)
+                    finished.append(request)
         step.stats.finished = len(finished)
         return finished
 
     def finish(self, request: Request) -> None:
-        """Done, or cancelled while waiting: release its blocks (named full blocks stay cached)."""
+        """Done, or cancelled (any time, a step in flight too): release its blocks (named full blocks stay cached)."""
         if not isinstance(request, Request) or self.requests.get(request.request_id) is not request:
             raise ValueError("request must be an unfinished request of this scheduler")
         (self.running if request.status is RequestStatus.RUNNING else self.waiting).remove(request)
@@ -390,13 +454,19 @@ class Scheduler:
         self.finished.append(request)
 
     # ------------------------------------------------------------------ helpers
-    def _candidates(self, include_waiting: bool = True) -> Iterator[Request]:
-        """Running requests (oldest first), then waiting ones in order, while fewer than ``max_num_seqs``
-        run. Lazily: a waiting request's prefix hit is looked up just before its turn, after the
-        requests before it named their blocks. With ``head_of_line`` it stops after the first
-        waiting request the pass skipped (else smaller ones behind it could starve it)."""
-        yield from list(self.running)
-        for request in list(self.waiting) if include_waiting else ():
+    def _candidates(self) -> Iterator[Request]:
+        """Running requests (oldest first; the list shrinks from the end when one is preempted), then,
+        unless someone was preempted, waiting ones in order while fewer than ``max_num_seqs`` run.
+        Lazily: a waiting request's prefix hit is looked up just before its turn, after the requests
+        before it named their blocks. With ``head_of_line`` it stops after the first waiting request
+        that was not admitted (else smaller ones behind it could starve it)."""
+        i = 0
+        while i < len(self.running):
+            yield self.running[i]
+            i += 1
+        if self._preempted:
+            return
+        for request in list(self.waiting):
             if len(self.running) >= self.max_num_seqs:
                 return
             if self.enable_prefix_caching:
@@ -406,13 +476,33 @@ class Scheduler:
             if self.head_of_line and request.status is RequestStatus.WAITING:
                 return
 
-    def _extra_blocks(self, request: Request, tokens: int, released: Counter | None = None) -> int:
+    def _extra_blocks(self, request: Request, tokens: int) -> int:
         """``extra_blocks`` of ``request`` now: after its prefix hit if waiting, on its table if running.
-        ``released``: tail references that copies planned earlier in a dry run drop."""
+        With ``full_sequence_must_fit``, a waiting request whose whole sequence does not fit in the free
+        blocks reports that need instead (vLLM's ``KVCacheManager.allocate_slots`` returns None)."""
         if request.status is RequestStatus.WAITING:
-            return self.prefix_cache.hit_extra_blocks(self._hits.get(id(request), PrefixMatch((), 0, ())), tokens)
-        table = request.block_table
-        return self.prefix_cache.extra_blocks(table, tokens, released[table.block_ids[-1]] if released else 0)
+            hit = self._hits.get(id(request), _NO_HIT)
+            if self.full_sequence_must_fit:
+                whole = self.prefix_cache.hit_extra_blocks(hit, request.num_tokens - hit.num_cached_tokens)
+                if whole > self.allocator.num_free:
+                    return whole
+            return self.prefix_cache.hit_extra_blocks(hit, tokens)
+        return self.prefix_cache.extra_blocks(request.block_table, tokens)
+
+    def _make_room(self, request: Request, tokens: int) -> int:
+        """vLLM's rule when a running request cannot grow: preempt the newest running request until it
+        can, or until it was the newest itself. Returns the free blocks now. (A request holding blocks
+        cannot just wait: if each waited for another's, none would move.)"""
+        while self._extra_blocks(request, tokens) > self.allocator.num_free:
+            victim = self.running.pop()
+            self._release(victim)
+            victim.status = RequestStatus.WAITING
+            victim.num_preemptions += 1
+            self.waiting.appendleft(victim)
+            self._preempted.append(victim)
+            if victim is request:
+                break
+        return self.allocator.num_free
 
     def _reserve(self, request: Request, tokens: int) -> None:
         """Take the blocks ``plan_iteration`` counted (admitting a waiting request); record the chunk."""
@@ -445,35 +535,6 @@ class Scheduler:
         table = request.block_table
         if self.enable_prefix_caching and request.num_computed_tokens // self.block_size > table.num_named_blocks:
             self.prefix_cache.cache_full_blocks(table, request.num_computed_tokens)
-
-    def _preempt_until_running_fit(self) -> list[Request]:
-        """vLLM's rule: while the running requests' next tokens do not fit, preempt the newest. The
-        budget pass as a dry run: if it would skip a running request, they do not fit (a request
-        holding blocks cannot just wait: if each waited for another's, none would move)."""
-        preempted: list[Request] = []
-        while self.running:
-            released: Counter = Counter()  # tail references that the copies counted so far drop
-            turns = []
-
-            def needed(request: Request, tokens: int) -> int:
-                turns.append(request)
-                table = request.block_table
-                blocks = self._extra_blocks(request, tokens, released)
-                if blocks > table.new_blocks_for(tokens):  # a copy: one reference less on the tail
-                    released[table.block_ids[-1]] += 1
-                return blocks
-
-            plan = plan_iteration(self.running, self.allocator.num_free, self.max_num_batched_tokens,
-                                  self.block_size, needed=needed)
-            if len(plan) == len(turns):  # nobody was skipped
-                break
-            victim = self.running.pop()  # the newest
-            self._release(victim)
-            victim.status = RequestStatus.WAITING
-            victim.num_preemptions += 1
-            self.waiting.appendleft(victim)
-            preempted.append(victim)
-        return preempted
 
     def _release(self, request: Request) -> None:
         """Drop the request's references; blocks others hold, and named full blocks, stay."""
@@ -508,6 +569,8 @@ def advance_decodes(sched: Scheduler, max_steps: int, next_tokens: Callable[[Req
     next new block, its finish or the end: in between they touch nothing shared.
     """
     check_int("max_steps", max_steps, 0)
+    if sched._in_flight is not None:
+        raise ValueError(f"step {sched._in_flight.index} is in flight: postprocess it before advance_decodes")
     bs, running = sched.block_size, list(sched.running)
     computed = [r.num_computed_tokens for r in running]
     sampled = [len(r.output_token_ids) for r in running]

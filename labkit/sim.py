@@ -25,7 +25,7 @@ from .checks import check_int, check_number
 from .costmodel import CostModel
 from .paging import BlockAllocator, blocks_needed
 from .prefix import PrefixCache, tail_is_shared
-from .scheduler import Request, Scheduler, Step, advance_decodes
+from .scheduler import Request, Scheduler, Step, _check_flag, advance_decodes
 from .units import format_bytes
 from .workloads import RequestSpec
 
@@ -177,8 +177,9 @@ class Simulator:
     ``cost_model``: a :class:`labkit.costmodel.CostModel` (its model sets the block
     bytes). The pool is ``num_blocks`` blocks, or ``pool_bytes`` of memory (at least
     one block). ``block_size``, ``max_num_batched_tokens``, ``max_num_seqs`` (at most this
-    many requests run at once, vLLM's default 256) and ``enable_prefix_caching`` go to the
-    ``Scheduler``. ``skip_ahead=False`` steps through every iteration (slow,
+    many requests run at once; 256 is what vLLM's ``EngineArgs`` picks on GPUs below 70 GiB),
+    ``enable_prefix_caching`` and ``full_sequence_must_fit`` (vLLM's admission gate, on by
+    default) go to the ``Scheduler``. ``skip_ahead=False`` steps through every iteration (slow,
     the reference); ``record_schedule`` keeps, for every step, what each request was
     given: ``(request_id, start, num_tokens, block_table)``.
     """
@@ -186,7 +187,7 @@ class Simulator:
     def __init__(self, cost_model: CostModel | None = None, *, num_blocks: int | None = None,
                  pool_bytes: float | None = None, block_size: int = 16, max_num_batched_tokens: int = 2048,
                  max_num_seqs: int = 256, enable_prefix_caching: bool = True, skip_ahead: bool = True,
-                 record_schedule: bool = False):
+                 record_schedule: bool = False, full_sequence_must_fit: bool = True):
         self.cost_model = cost_model if cost_model is not None else CostModel()
         if not isinstance(self.cost_model, CostModel):
             raise ValueError(f"cost_model must be a labkit.costmodel.CostModel, got {type(cost_model).__name__}")
@@ -207,21 +208,24 @@ class Simulator:
         self.block_size = block_size
         self.max_num_batched_tokens = max_num_batched_tokens
         self.max_num_seqs = max_num_seqs
-        self.enable_prefix_caching = bool(enable_prefix_caching)
-        self.skip_ahead = bool(skip_ahead)
-        self.record_schedule = bool(record_schedule)
+        self.enable_prefix_caching = _check_flag("enable_prefix_caching", enable_prefix_caching)
+        self.full_sequence_must_fit = _check_flag("full_sequence_must_fit", full_sequence_must_fit)
+        self.skip_ahead = _check_flag("skip_ahead", skip_ahead)
+        self.record_schedule = _check_flag("record_schedule", record_schedule)
 
     def __repr__(self) -> str:
         return (f"Simulator({self.num_blocks:,} blocks of {self.block_size} tokens, budget "
                 f"{self.max_num_batched_tokens} tokens/step, at most {self.max_num_seqs} running, prefix caching "
-                f"{'on' if self.enable_prefix_caching else 'off'}, {self.cost_model!r})")
+                f"{'on' if self.enable_prefix_caching else 'off'}"
+                f"{'' if self.full_sequence_must_fit else ', chunk-only admission'}, {self.cost_model!r})")
 
     def new_scheduler(self) -> Scheduler:
         """A fresh chapter-05 scheduler over a fresh allocator and prefix cache."""
         cache = PrefixCache(BlockAllocator(self.num_blocks), self.block_size, hash_fn=_fast_block_hash)
         return Scheduler(block_size=self.block_size, max_num_batched_tokens=self.max_num_batched_tokens,
                          max_num_seqs=self.max_num_seqs,
-                         enable_prefix_caching=self.enable_prefix_caching, prefix_cache=cache)
+                         enable_prefix_caching=self.enable_prefix_caching, prefix_cache=cache,
+                         full_sequence_must_fit=self.full_sequence_must_fit)
 
     def run(self, requests: Sequence[RequestSpec], progress: bool = False) -> SimResult:
         """Serve ``requests`` (arriving at their ``arrival_time``) to completion."""

@@ -5,6 +5,9 @@
 
 from __future__ import annotations
 
+import math
+import numbers
+
 _UNITS = ["bytes", "KiB", "MiB", "GiB", "TiB"]
 
 
@@ -18,6 +21,8 @@ def format_bytes(n: int | float, unit: str | None = None) -> str:
     """
     if unit is not None and unit not in _UNITS:
         raise ValueError(f"unit must be one of {_UNITS}, got {unit!r}")
+    if isinstance(n, bool) or not isinstance(n, numbers.Real) or math.isnan(n):
+        raise ValueError(f"n must be a number of bytes, got {n!r}")
     if n < 0:
         return "-" + format_bytes(-n, unit)
     if unit is None:

@@ -6,8 +6,10 @@ left inside its memory budget to the KV cache. Then it logs three figures::
     Available KV cache memory: 7.0 GiB
     GPU KV cache size: 57,344 tokens, Maximum concurrency for 8,192 tokens per request: 7.00x
 
-or refuses to start because one request of ``max_model_len`` tokens would not fit.
-This module predicts those lines from a model's shape, following vLLM's own code
+or refuses to start: because one request of ``max_model_len`` tokens would not fit, because
+nothing is left for the cache at all, or, earlier, because ``max_model_len`` is past the
+model's own limit, the tensor-parallel size does not divide the heads, or the cache dtype has
+no attention backend. This module predicts those lines from a model's shape, following vLLM's own code
 rather than the book's formula (:mod:`labkit.capacity` keeps the physics; this
 module keeps vLLM's bookkeeping, which reserves more in places).
 
@@ -43,15 +45,15 @@ from __future__ import annotations
 import math
 import numbers
 from collections.abc import Sequence
-from dataclasses import dataclass, replace
+from dataclasses import dataclass
 from typing import Any
 
-from .capacity import GiB, PRESET_CONFIGS, PRESETS, ModelShape
-from .checks import check_int, check_number
+from .capacity import GiB, PRESET_CONFIGS, PRESETS, ModelShape, kv_heads_per_device, pipeline_stages
+from .checks import check_bytes, check_int, check_number
 
-__all__ = ["VLLM_VERSION", "KV_CACHE_DTYPES", "KVCacheTooSmallError", "KVCacheReport", "available_kv_bytes",
-           "kv_heads_per_rank", "get_pp_indices", "page_size_bytes", "kv_cache_groups", "kv_cache_report",
-           "format_gib"]
+__all__ = ["VLLM_VERSION", "KV_CACHE_DTYPES", "MLA_KV_CACHE_DTYPES", "KVCacheTooSmallError", "KVCacheReport",
+           "available_kv_bytes", "check_max_model_len", "get_pp_indices", "page_size_bytes", "kv_cache_groups",
+           "kv_cache_report", "format_gib"]
 
 VLLM_VERSION = "0.33.0"
 CONSERVING_MEMORY_URL = "https://docs.vllm.ai/en/latest/configuration/conserving_memory/"
@@ -67,6 +69,10 @@ KV_CACHE_DTYPES: dict[str, tuple[int | None, int]] = {
     "fp8_ds_mla": (1, 0),  # MLA only: an opaque 656-byte record per token, see page_size_bytes
 }
 FP8_DS_MLA_BYTES_PER_TOKEN = 656  # 512 fp8 NoPE values + 4 float32 scales + 64 bf16 RoPE values
+# The kv_cache_dtypes some MLA backend of 0.33.0 lists (``supported_kv_cache_dtypes`` of the classes in
+# v1/attention/backends/mla/: FlashAttn-MLA, FlashMLA, FlashInfer-MLA, CUTLASS-MLA, Triton-MLA, the sparse
+# ones, ROCm's AITER-MLA for fp8_e5m2). No MLA backend lists "fp8_per_token_head" or "int8_per_token_head".
+MLA_KV_CACHE_DTYPES = ("auto", "bfloat16", "float16", "fp8", "fp8_e4m3", "fp8_e5m2", "fp8_ds_mla")
 
 
 def format_gib(num_bytes: float) -> str:
@@ -93,13 +99,6 @@ class KVCacheTooSmallError(ValueError):
 # --------------------------------------------------------------------------- memory
 
 
-def _check_bytes(name: str, value: object) -> float:
-    ok = not isinstance(value, bool) and isinstance(value, numbers.Real) and math.isfinite(value) and value >= 0
-    if not ok:
-        raise ValueError(f"{name} must be a finite number of bytes >= 0, got {value!r}")
-    return value
-
-
 def available_kv_bytes(gpu_total_bytes: float, gpu_memory_utilization: float, non_kv_bytes: float) -> int:
     """Bytes vLLM's worker gives the KV cache: ``ceil(total × utilization) − non-KV memory``.
 
@@ -108,52 +107,42 @@ def available_kv_bytes(gpu_total_bytes: float, gpu_memory_utilization: float, no
     (``requested_memory − non_kv_cache_memory − cudagraph estimate``). ``non_kv_bytes`` is
     everything the profiling run found besides the cache: weights, the activation peak of
     the largest step, CUDA graphs. The default utilization is 0.92 in 0.33.0 (0.9 before).
-    The result can be negative: vLLM then refuses to start (see :func:`kv_cache_report`).
+    The result can be zero or negative: :func:`kv_cache_report` then gives vLLM's refusal,
+    "No available memory for the cache blocks".
+
+    ``gpu_total_bytes`` is the total *CUDA reports* (``torch.cuda.mem_get_info``), which is
+    below the datasheet figure (the driver, and ECC where it is on, take a share). This is an
+    idealised device: on a real GPU, ``request_memory`` first refuses to start unless the
+    *free* memory covers the budget ("Free memory on device ... is less than desired GPU
+    memory utilization"), and free memory is always below the total once the CUDA context
+    exists, so ``gpu_memory_utilization=1.0`` never starts.
 
     >>> available_kv_bytes(24 * GiB, 1.0, 17 * GiB) == 7 * GiB   # the article's device
     True
     """
-    total = _check_bytes("gpu_total_bytes", gpu_total_bytes)
-    if total <= 0:
-        raise ValueError(f"gpu_total_bytes must be > 0, got {gpu_total_bytes!r}")
+    total = check_bytes("gpu_total_bytes", gpu_total_bytes, positive=True)
     util = check_number("gpu_memory_utilization", gpu_memory_utilization, 0, strict=True)
     if util > 1:
         raise ValueError(f"gpu_memory_utilization must be in (0, 1], got {gpu_memory_utilization!r}")
-    return math.ceil(total * util) - math.ceil(_check_bytes("non_kv_bytes", non_kv_bytes))
+    return math.ceil(total * util) - math.ceil(check_bytes("non_kv_bytes", non_kv_bytes))
 
 
 # --------------------------------------------------------------------------- one layer, one worker
 
 
-def kv_heads_per_rank(total_num_kv_heads: int, tensor_parallel_size: int) -> int:
-    """KV heads one GPU stores: ``max(1, total // tp)``, so heads are *replicated* when tp exceeds them.
-
-    vLLM 0.33.0, ``config/model.py: ModelConfig.get_num_kv_heads`` (MLA: always 1).
-    """
-    return max(1, check_int("num_kv_heads", total_num_kv_heads, 1)
-               // check_int("tensor_parallel_size", tensor_parallel_size, 1))
-
-
-def get_pp_indices(num_hidden_layers: int, pp_rank: int, pp_size: int) -> tuple[int, int]:
+def get_pp_indices(num_layers: int, pp_rank: int, pipeline_parallel_size: int) -> tuple[int, int]:
     """The layers ``[start, end)`` of pipeline stage ``pp_rank``, as vLLM splits them.
 
     vLLM 0.33.0, ``distributed/utils.py: get_pp_indices`` (without ``VLLM_PP_LAYER_PARTITION``):
-    every stage gets ``layers // pp_size``; the remainder goes one layer each to the stages
-    *before* the last, counting back from the second-to-last (the last stage holds the final
-    norm and the LM head). 61 layers on 4 stages: 15, 15, 16, 15.
+    every stage gets ``layers // pipeline_parallel_size``; the remainder goes one layer each to
+    the stages *before* the last. The split itself is :func:`labkit.capacity.pipeline_stages`,
+    the one place the book writes it. 61 layers on 4 stages: 15, 15, 16, 15.
     """
-    num_hidden_layers = check_int("num_hidden_layers", num_hidden_layers, 1)
-    pp_size = check_int("pipeline_parallel_size", pp_size, 1)
-    if pp_size > num_hidden_layers:
-        raise ValueError(f"pipeline_parallel_size must be in [1, {num_hidden_layers}] (the layers), got {pp_size}")
+    stages = pipeline_stages(num_layers, pipeline_parallel_size)
     pp_rank = check_int("pp_rank", pp_rank, 0)
-    if pp_rank >= pp_size:
-        raise ValueError(f"pp_rank must be in [0, {pp_size - 1}], got {pp_rank}")
-    partitions = [num_hidden_layers // pp_size] * pp_size
-    for i in range(2, num_hidden_layers % pp_size + 2):
-        partitions[-i] += 1
-    start = sum(partitions[:pp_rank])
-    return start, start + partitions[pp_rank]
+    if pp_rank >= len(stages):
+        raise ValueError(f"pp_rank must be in [0, {len(stages) - 1}], got {pp_rank}")
+    return stages[pp_rank].start, stages[pp_rank].stop
 
 
 def page_size_bytes(shape: ModelShape, block_size: int = 16, kv_cache_dtype: str = "auto",
@@ -163,25 +152,35 @@ def page_size_bytes(shape: ModelShape, block_size: int = 16, kv_cache_dtype: str
     vLLM 0.33.0, ``v1/kv_cache_interface.py: AttentionSpec.page_size_bytes`` =
     num_heads × block_size × (head_size + head_size_v) × dtype bytes:
 
-    * full or sliding attention: ``2 × block_size × kv_heads_per_rank × head_dim × bytes``;
+    * full or sliding attention: ``2 × block_size × KV heads per rank × head_dim × bytes``;
     * MLA (``MLAAttentionSpec``: one head, head_size = kv_lora_rank + qk_rope_head_dim,
       head_size_v = 0): ``block_size × head_dim × bytes``, replicated on every TP rank;
     * ``*_per_token_head`` adds two float32 scales per head and token (8 bytes);
     * ``fp8_ds_mla`` (MLA with FlashMLA's sparse kernels, DeepSeek-V3.2) is a 656-byte record
       per token (``model_executor/layers/attention/mla_attention.py: get_kv_cache_spec``).
+
+    KV heads per rank follow :func:`labkit.capacity.kv_heads_per_device` (vLLM's
+    ``QKVParallelLinear``): 8 KV heads on 5 GPUs are refused, as vLLM refuses them. An MLA
+    model takes only the dtypes some MLA backend lists (:data:`MLA_KV_CACHE_DTYPES`).
     """
+    if not isinstance(shape, ModelShape):
+        raise TypeError(f"shape must be a ModelShape, got {type(shape).__name__}")
     block_size = check_int("block_size", block_size, 1)
+    tp = check_int("tensor_parallel_size", tensor_parallel_size, 1)
     if kv_cache_dtype not in KV_CACHE_DTYPES:
         raise ValueError(f"kv_cache_dtype must be one of {sorted(KV_CACHE_DTYPES)}, got {kv_cache_dtype!r}")
     element, scale_bytes = KV_CACHE_DTYPES[kv_cache_dtype]
     element = shape.dtype_bytes if element is None else element
     if shape.latent:
+        if kv_cache_dtype not in MLA_KV_CACHE_DTYPES:
+            raise ValueError(f"kv_cache_dtype must be one of {list(MLA_KV_CACHE_DTYPES)} for an MLA model: no MLA "
+                             f"attention backend of vLLM {VLLM_VERSION} supports {kv_cache_dtype!r}")
         if kv_cache_dtype == "fp8_ds_mla":
             return block_size * FP8_DS_MLA_BYTES_PER_TOKEN
-        return block_size * (shape.head_dim * element + scale_bytes)
+        return block_size * shape.head_dim * element  # one latent "head", replicated on every rank
     if kv_cache_dtype == "fp8_ds_mla":
         raise ValueError(f"kv_cache_dtype 'fp8_ds_mla' is for MLA models only; {shape.name} has K and V heads")
-    heads = kv_heads_per_rank(shape.num_kv_heads, tensor_parallel_size)
+    heads = kv_heads_per_device(shape.num_kv_heads, tp)
     return block_size * heads * (2 * shape.head_dim * element + scale_bytes)
 
 
@@ -268,28 +267,64 @@ class KVCacheReport:
 
 
 def _resolve_model(model: str | ModelShape | dict[str, Any]) -> tuple[ModelShape, int | None]:
-    """The shape and the number of attention (query) heads, when known."""
+    """The shape and the number of attention (query) heads, when known.
+
+    A config.json dict goes through :meth:`ModelShape.from_config`, the one path for configs:
+    a float32 checkpoint becomes a 2-byte cache there, as vLLM's dtype "auto" serves it.
+    """
     if isinstance(model, ModelShape):
         return model, model.num_attention_heads
     if isinstance(model, dict):
-        shape = ModelShape.from_config(model)
-        if shape.dtype_bytes == 4:  # config/model.py: _resolve_auto_dtype serves float32 checkpoints in 16 bits
-            shape = replace(shape, dtype_bytes=2)
-        return shape, model.get("num_attention_heads")
+        return ModelShape.from_config(model), model.get("num_attention_heads")
     if isinstance(model, str) and model in PRESETS:
         return PRESETS[model], PRESET_CONFIGS.get(model, {}).get("num_attention_heads",
                                                                  PRESETS[model].num_attention_heads)
     raise ValueError(f"model must be one of {sorted(PRESETS)}, a ModelShape or a config.json dict, got {model!r}")
 
 
+ALLOW_LONG_WARNING = (
+    "VLLM_ALLOW_LONG_MAX_MODEL_LEN must be used with extreme caution. If the model uses relative position "
+    "encoding (RoPE), positions exceeding derived_max_model_len lead to nan. If the model uses absolute position "
+    "encoding, positions exceeding derived_max_model_len will cause a CUDA array out-of-bounds error.")
+
+
+def check_max_model_len(shape: ModelShape, max_model_len: int, allow_long_max_model_len: bool = False) -> int:
+    """vLLM's refusal of a ``max_model_len`` above the model's own limit; returns ``max_model_len``.
+
+    vLLM 0.33.0, ``config/model.py: _get_and_verify_max_len``: the *derived* max_model_len
+    is the config's ``max_position_embeddings`` (the smallest of several such keys; for the
+    models of this book, that one). A larger ``max_model_len`` raises a ValueError with the
+    words below, unless the environment variable ``VLLM_ALLOW_LONG_MAX_MODEL_LEN=1`` is set
+    (``allow_long_max_model_len=True`` here), which only logs a warning. A shape whose limit is
+    unknown (``max_position_embeddings`` None) takes any length, as vLLM does when the config
+    names none. vLLM multiplies the derived length by the RoPE scaling factor, 1.0 for these
+    configs (Llama 3.1's "llama3" and DeepSeek's YaRN scaling are skipped), so it prints a
+    float: ``max_position_embeddings=8192.0``.
+    """
+    max_model_len = check_int("max_model_len", max_model_len, 1)
+    if not isinstance(allow_long_max_model_len, bool):
+        raise TypeError(f"allow_long_max_model_len must be a bool, got {allow_long_max_model_len!r}")
+    derived = shape.max_position_embeddings
+    if derived is None or max_model_len <= derived or allow_long_max_model_len:
+        return max_model_len
+    raise ValueError(
+        f"User-specified max_model_len ({max_model_len}) is greater than the derived max_model_len "
+        f"(max_position_embeddings={float(derived)} or model_max_length=None in model's config.json). "
+        f"To allow overriding this maximum, set the env var VLLM_ALLOW_LONG_MAX_MODEL_LEN=1. {ALLOW_LONG_WARNING}")
+
+
 def kv_cache_report(model: str | ModelShape | dict[str, Any], available_kv_bytes: float | Sequence[float], *,
                     block_size: int = 16, max_model_len: int, max_num_batched_tokens: int = 2048,
                     tensor_parallel_size: int = 1, pipeline_parallel_size: int = 1, kv_cache_dtype: str = "auto",
-                    batches_in_flight: int | None = None) -> KVCacheReport:
+                    batches_in_flight: int | None = None, allow_long_max_model_len: bool = False) -> KVCacheReport:
     """Predict vLLM's KV-cache figures, or its refusal to start, for one engine.
 
     ``available_kv_bytes`` is what :func:`available_kv_bytes` gives one GPU (one number for
-    all, or one per pipeline stage). Steps, as vLLM 0.33.0's ``get_kv_cache_configs``
+    all, or one per pipeline stage). It may be zero or negative (weights larger than the
+    budget): vLLM then refuses with "No available memory for the cache blocks". A
+    ``max_model_len`` above the model's ``max_position_embeddings`` is refused first, as
+    vLLM's config check refuses it (:func:`check_max_model_len`; ``allow_long_max_model_len``
+    plays ``VLLM_ALLOW_LONG_MAX_MODEL_LEN=1``). Steps, as vLLM 0.33.0's ``get_kv_cache_configs``
     (``v1/core/kv_cache_planning.py``) takes them:
 
     1. Each stage holds the layers of :func:`get_pp_indices`; each group of
@@ -304,6 +339,14 @@ def kv_cache_report(model: str | ModelShape | dict[str, Any], available_kv_bytes
     4. ``max_concurrency = num_blocks / blocks per request`` summed over groups
        (``v1/core/kv_cache_utils.py: get_max_concurrency_for_kv_cache_config``).
 
+    ``max_num_batched_tokens`` (the token budget of one step) matters only for sliding-window
+    budgets. Its default here, 2,048, is ``vllm serve``'s on GPUs under 70 GiB; vLLM picks it
+    per entry point and GPU (``engine/arg_utils.py: EngineArgs.get_batch_defaults``): under
+    70 GiB (and on A100s) ``serve`` 2,048 and the offline ``LLM`` class 8,192; from 70 GiB
+    (H100, H200) ``serve`` 8,192 and ``LLM`` 16,384; from 160 GiB both 16,384. Pass the one
+    your engine uses: Mistral-7B with a 32k max_model_len on 20 GiB promises 19.96x at 2,048
+    and 7.99x at 8,192.
+
     ``batches_in_flight`` sets ``VllmConfig.max_in_flight_tokens = batches ×
     max_num_batched_tokens`` for sliding-window budgets (``config/vllm.py:
     max_concurrent_batches``). The default is what 0.33.0 picks on a GPU (async scheduling
@@ -312,30 +355,31 @@ def kv_cache_report(model: str | ModelShape | dict[str, Any], available_kv_bytes
 
     ``block_size`` must be a multiple of 16: vLLM's FlashAttention and Triton backends
     advertise kernel block sizes ``MultipleOf(16)`` (``v1/attention/backends/flash_attn.py:
-    get_supported_kernel_block_sizes``). (FlashMLA wants 64, CUTLASS MLA 128.)
+    get_supported_kernel_block_sizes``). For MLA on Hopper, 0.33.0 tries FLASH_ATTN_MLA first
+    (multiples of 16, bf16/fp16 caches only); FlashMLA (64) serves when that one refuses, e.g.
+    with an fp8 cache (``platforms/cuda.py: _get_backend_priorities``); CUTLASS MLA wants 128.
     """
     shape, attention_heads = _resolve_model(model)
     block_size = check_int("block_size", block_size, 1)
     if block_size % 16:
         raise ValueError(f"block_size must be a multiple of 16 (the kernel block sizes of vLLM's FlashAttention "
                          f"and Triton backends), got {block_size}")
-    max_model_len = check_int("max_model_len", max_model_len, 1)
+    max_model_len = check_max_model_len(shape, max_model_len, allow_long_max_model_len)
     max_num_batched_tokens = check_int("max_num_batched_tokens", max_num_batched_tokens, 1)
     tp = check_int("tensor_parallel_size", tensor_parallel_size, 1)
     pp = check_int("pipeline_parallel_size", pipeline_parallel_size, 1)
     if attention_heads is not None and attention_heads % tp:  # config/model.py: verify_with_parallel_config
         raise ValueError(f"tensor_parallel_size must divide the number of attention heads ({attention_heads}), "
                          f"got {tp}")
-    if pp > shape.num_layers:
-        raise ValueError(f"pipeline_parallel_size must be in [1, {shape.num_layers}] (the layers), got {pp}")
+    stages = pipeline_stages(shape.num_layers, pp)  # get_pp_indices' split, checked before anything else
     batches = pp + 1 if batches_in_flight is None else check_int("batches_in_flight", batches_in_flight, 1)
     if isinstance(available_kv_bytes, Sequence):
         if len(available_kv_bytes) != pp:
             raise ValueError(f"available_kv_bytes must be one number or {pp} (one per pipeline stage), "
                              f"got {len(available_kv_bytes)}")
-        per_worker = [int(_check_bytes("available_kv_bytes", a)) for a in available_kv_bytes]
+        per_worker = [_check_available(a) for a in available_kv_bytes]
     else:
-        per_worker = [int(_check_bytes("available_kv_bytes", available_kv_bytes))] * pp
+        per_worker = [_check_available(available_kv_bytes)] * pp
     page = page_size_bytes(shape, block_size, kv_cache_dtype, tp)
 
     groups = kv_cache_groups(shape)
@@ -345,9 +389,8 @@ def kv_cache_report(model: str | ModelShape | dict[str, Any], available_kv_bytes
         return sum(_blocks_per_request(w, block_size, model_len, in_flight) for w, _ in groups)
 
     bytes_per_block, num_blocks = [], []
-    for rank, available in enumerate(per_worker):
-        start, end = get_pp_indices(shape.num_layers, rank, pp)
-        block_bytes = max(sum(start <= i < end for i in layers) for _, layers in groups) * page
+    for stage, available in zip(stages, per_worker):
+        block_bytes = max(sum(i in stage for i in layers) for _, layers in groups) * page
         _check_enough_memory(available - block_bytes, block_bytes, max_model_len, blocks_per_request)
         bytes_per_block.append(block_bytes)
         num_blocks.append(available // block_bytes)
@@ -357,6 +400,14 @@ def kv_cache_report(model: str | ModelShape | dict[str, Any], available_kv_bytes
         page_size_bytes=page, groups=tuple((w, len(layers)) for w, layers in groups),
         bytes_per_block=tuple(bytes_per_block), blocks_per_request=blocks_per_request(max_model_len),
         num_gpu_blocks=num_gpu_blocks, max_concurrency=num_gpu_blocks / blocks_per_request(max_model_len))
+
+
+def _check_available(value: object) -> int:
+    """One worker's available KV memory: any finite number of bytes, negative included (vLLM then refuses)."""
+    if isinstance(value, bool) or not isinstance(value, numbers.Real) or not math.isfinite(value):
+        raise ValueError(f"available_kv_bytes must be a finite number of bytes (zero or below: vLLM refuses to "
+                         f"start), got {value!r}")
+    return math.floor(value)
 
 
 def _check_enough_memory(check_bytes: int, block_bytes: int, max_model_len: int, blocks_per_request) -> None:

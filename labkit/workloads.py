@@ -37,7 +37,7 @@ from dataclasses import dataclass, field
 
 import numpy as np
 
-from .checks import check_int, check_number
+from .checks import check_int, check_number, check_token_ids
 
 __all__ = ["RequestSpec", "LengthProfile", "SHAREGPT", "ALPACA", "PROFILES", "poisson_arrivals",
            "make_workload", "sharegpt_like", "alpaca_like", "long_document_questions", "distinct_short_requests",
@@ -61,6 +61,15 @@ class RequestSpec:
     output_len: int
     prefix_len: int = 0
 
+    def __post_init__(self) -> None:
+        # arrival_time is checked where it is used (Simulator.run refuses NaN, negative or infinite times).
+        check_int("request_id", self.request_id, 0)
+        check_token_ids("prompt_token_ids", self.prompt_token_ids, min_len=1)
+        check_int("output_len", self.output_len, 1)
+        if check_int("prefix_len", self.prefix_len, 0) > len(self.prompt_token_ids):
+            raise ValueError(f"prefix_len must be in [0, {len(self.prompt_token_ids)}] (the prompt's length), "
+                             f"got {self.prefix_len}")
+
     @property
     def prompt_len(self) -> int:
         return len(self.prompt_token_ids)
@@ -82,8 +91,18 @@ class LengthProfile:
     max_output_len: int = 1024
     source: str = field(default="", repr=False)
 
+    def __post_init__(self) -> None:
+        for name in ("prompt_mean", "output_mean", "prompt_sigma", "output_sigma"):
+            value = check_number(name, getattr(self, name), 0, strict=True)
+            if not math.isfinite(value):
+                raise ValueError(f"{name} must be a finite number > 0, got {value!r}")
+        for name, mean in (("max_prompt_len", self.prompt_mean), ("max_output_len", self.output_mean)):
+            if check_int(name, getattr(self, name), 1) < mean:
+                raise ValueError(f"{name} must be at least the mean it clips ({mean}), got {getattr(self, name)}")
+
     def sample(self, n: int, rng: np.random.Generator) -> tuple[np.ndarray, np.ndarray]:
         """``n`` prompt lengths and ``n`` output lengths (int64 arrays)."""
+        check_int("n", n, 0)
         prompts = _lognormal_lengths(n, self.prompt_mean, self.prompt_sigma, self.max_prompt_len, rng)
         outputs = _lognormal_lengths(n, self.output_mean, self.output_sigma, self.max_output_len, rng)
         return prompts, outputs
@@ -157,6 +176,9 @@ def make_workload(num_requests: int, arrival_rate: float, lengths: LengthProfile
         if lengths not in PROFILES:
             raise ValueError(f"lengths must be one of {sorted(PROFILES)} or a LengthProfile, got {lengths!r}")
         lengths = PROFILES[lengths]
+    if not isinstance(lengths, LengthProfile):
+        raise TypeError(f"lengths must be a LengthProfile or one of {sorted(PROFILES)}, got {type(lengths).__name__}")
+    check_int("seed", seed, 0)
     num_requests = check_int("num_requests", num_requests, 0)
     arrival_rate = check_number("arrival_rate", arrival_rate, 0, strict=True)
     shared_prefix_len = check_int("shared_prefix_len", shared_prefix_len, 0)

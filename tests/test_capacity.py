@@ -178,7 +178,7 @@ def test_beyond_context_is_a_comparison_with_max_position_embeddings():
         for length in [0, 1, rng.randint(0, 300_000)] + ([limit - 1, limit, limit + 1] if limit else []):
             assert shape.beyond_context(length) == (limit is not None and length > limit)
             assert shape.cache_bytes(length) == length * shape.bytes_per_token()  # the bytes do not change
-    shard = capacity.shard(PRESETS["Llama-3-70B"], tensor_parallel=8, pipeline_parallel=2)
+    shard = capacity.shard(PRESETS["Llama-3-70B"], tensor_parallel_size=8, pipeline_parallel_size=2)
     assert shard.max_position_embeddings == PRESETS["Llama-3-70B"].max_position_embeddings
 
 
@@ -197,7 +197,9 @@ def test_from_config_defaults_and_overrides():
     assert (mha.num_kv_heads, mha.head_dim, mha.dtype_bytes) == (4, 64, 2)
     cfg = dict(capacity.PRESET_CONFIGS["Llama-3-8B"])
     assert ModelShape.from_config(cfg, dtype="fp8").dtype_bytes == 1
-    assert ModelShape.from_config(cfg | {"dtype": "float32", "torch_dtype": None}).dtype_bytes == 4
+    # A float32 checkpoint is served in 16 bits (vLLM's dtype "auto"); dtype= keeps float32 on request.
+    assert ModelShape.from_config(cfg | {"dtype": "float32", "torch_dtype": None}).dtype_bytes == 2
+    assert ModelShape.from_config(cfg | {"torch_dtype": "float32"}, dtype="float32").dtype_bytes == 4
     gemma_new = capacity.PRESET_CONFIGS["Gemma-2-9B"] | {"layer_types": ["sliding_attention", "full_attention"] * 21}
     assert ModelShape.from_config(gemma_new).sliding_layers == tuple(range(0, 42, 2))
     with pytest.raises(ValueError, match="torch_dtype"):
@@ -206,6 +208,18 @@ def test_from_config_defaults_and_overrides():
         ModelShape.from_config({"num_attention_heads": 4, "hidden_size": 64, "torch_dtype": "bf16"})
     with pytest.raises(ValueError, match="num_kv_heads must be an integer >= 1, got 0"):
         ModelShape.from_config(cfg | {"num_key_value_heads": 0})
+
+
+def test_one_config_one_answer_through_both_paths():
+    # Gemma 2's config.json says float32; vLLM serves it in bf16. As a dict through kv_cache_report
+    # and through ModelShape.from_config it is the same shape: 2 × 16 × 8 × 256 × 2 = 131,072 B pages.
+    from labkit import vllm
+    config = capacity.PRESET_CONFIGS["Gemma-2-9B"]
+    shape = ModelShape.from_config(config)
+    assert shape.dtype_bytes == 2 and shape == ModelShape.from_config(config, dtype="bfloat16")
+    by_dict = vllm.kv_cache_report(config, 20 * GiB, max_model_len=8192)
+    by_shape = vllm.kv_cache_report(shape, 20 * GiB, max_model_len=8192)
+    assert by_dict == by_shape and by_dict.page_size_bytes == 131_072
 
 
 def test_from_config_reads_the_chapter_01_decoder_config_dict():
@@ -305,11 +319,13 @@ def test_tensor_parallel_replicates_when_devices_outnumber_kv_heads():
     assert capacity.kv_heads_per_device(8, 8) == capacity.kv_heads_per_device(8, 16) == 1
     assert capacity.shard(p, 16).bytes_per_token() == capacity.shard(p, 8).bytes_per_token()
     assert capacity.shard(PRESETS["DeepSeek-V3"], 8).bytes_per_token() == PRESETS["DeepSeek-V3"].bytes_per_token()
-    with pytest.raises(ValueError, match=r"tensor_parallel must divide num_kv_heads \(8\)"):
+    with pytest.raises(ValueError, match=r"tensor_parallel_size must divide num_kv_heads \(8\)"):
         capacity.kv_heads_per_device(8, 3)
-    with pytest.raises(ValueError, match=r"tensor_parallel must be a multiple of num_kv_heads \(8\)"):
+    with pytest.raises(ValueError, match=r"tensor_parallel_size must divide num_kv_heads \(8\)"):
+        capacity.kv_heads_per_device(8, 5)  # vLLM's QKVParallelLinear: divide(8, 5) fails
+    with pytest.raises(ValueError, match=r"tensor_parallel_size must be a multiple of num_kv_heads \(8\)"):
         capacity.kv_heads_per_device(8, 12)
-    with pytest.raises(ValueError, match="tensor_parallel must be an integer >= 1"):
+    with pytest.raises(ValueError, match="tensor_parallel_size must be an integer >= 1"):
         capacity.kv_heads_per_device(8, 0)
 
 
@@ -319,7 +335,7 @@ def test_pipeline_stages_cover_every_layer_once():
             stages = capacity.pipeline_stages(layers, pp)
             assert [i for s in stages for i in s] == list(range(layers))
             assert max(map(len, stages)) - min(map(len, stages)) <= 1
-    with pytest.raises(ValueError, match=r"pipeline_parallel must be in \[1, 4\]"):
+    with pytest.raises(ValueError, match=r"pipeline_parallel_size must be in \[1, 4\]"):
         capacity.pipeline_stages(4, 5)
 
 
@@ -489,6 +505,10 @@ def test_explorer_shows_what_vllm_would_print():
     expected = vllm.kv_cache_report("Gemma-2-9B", vllm.available_kv_bytes(24 * GiB, 0.92, 17 * GiB),
                                     max_model_len=8192).log_lines()
     assert explorer.setting.vllm_lines() == expected
+    explorer.sliders["context_len"].value = 131072  # past Gemma 2's 8,192: vLLM's config check refuses first
+    assert explorer.setting.vllm_lines()[0].startswith("ValueError: User-specified max_model_len (131072) is "
+                                                       "greater than the derived max_model_len")
+    explorer.preset.value = "teaching model"  # no stated limit: the cache is what is too small
     explorer.sliders["context_len"].value = 131072
     assert explorer.setting.vllm_lines()[0].startswith("ValueError: To serve at least one request")
     assert "estimated maximum model length is" in explorer.readout.value

@@ -190,3 +190,18 @@ def test_eos_ids_stop_requests_even_under_preemption(model):
     assert engine.scheduler.allocator.num_free == 6
     with pytest.raises(ValueError, match="eos_token_id"):
         engine.add_request([1, 2], 3, eos_token_id=[1, CONFIG.vocab_size])
+
+
+def test_the_engine_inherits_the_gate_and_parses_stop_ids_once(model):
+    import numpy as np
+
+    assert Engine(model, num_blocks=8, use_triton=False).scheduler.full_sequence_must_fit is True
+    assert Engine(model, num_blocks=8, use_triton=False, full_sequence_must_fit=False) \
+        .scheduler.full_sequence_must_fit is False
+    engine = Engine(model, num_blocks=8, block_size=4, use_triton=False)
+    assert engine.add_request([1, 2], 3, eos_token_id=np.int64(2)).stop_token_ids == {2}
+    with pytest.raises(ValueError, match="eos_token_id"):
+        engine.add_request([1, 2], 3, eos_token_id=True)
+    with pytest.raises(ValueError, match="eos_token_id"):
+        DecoderConfig(vocab_size=97, hidden_size=32, intermediate_size=64, num_hidden_layers=2,
+                      num_attention_heads=4, num_key_value_heads=2, eos_token_id=True)

@@ -100,3 +100,30 @@ def test_committed_table_matches_a_fresh_compile(subset):
         assert key in index, f"{key} is missing from {COMMITTED.name}: run benchmarks/kernels_static.py"
         assert {f: index[key][f] for f in fields} == {f: r[f] for f in fields}, \
             f"{key} changed: run benchmarks/kernels_static.py and commit its results"
+
+
+def test_triton_itself_has_no_tensor_core_path_on_sm75():
+    """The evidence behind labkit's upcast on a T4: one 16-bit tl.dot, *not* upcast, compiled by Triton.
+
+    labkit's sm75 launches upcast every load, so their zero tensor-core count alone would not
+    show what Triton does. This kernel hands fp16 and bf16 tiles straight to tl.dot: on sm75 the
+    PTX and SASS hold only float32 FMAs (no mma / HMMA), on sm80 the same source becomes mma.
+    """
+    committed = json.loads((ROOT / "benchmarks" / "results" / "bare_dot.json").read_text())
+    out = Path(os.environ.get("TMPDIR", "/tmp")) / f"bare_dot_{os.getpid()}.json"
+    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
+    proc = subprocess.run([sys.executable, str(SCRIPT), "--bare-dot", "--json", str(out)],
+                          capture_output=True, text=True, env=env, timeout=300, cwd=ROOT)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    fresh = json.loads(out.read_text())
+    out.unlink()
+    rows = fresh["rows"]
+    tile = rows[0]["tile"]
+    for r in rows:
+        if r["gpu"] == "sm75":  # every multiply-add of the tile on the FP32 units: M*N*K over 128 threads
+            assert r["ptx_mma"] == r["sass_hmma"] == 0, r
+            assert r["ptx_fma_f32"] == r["sass_ffma"] == tile ** 3 // 128, r
+        else:
+            assert r["ptx_mma"] > 0 and r["sass_hmma"] > 0 and r["ptx_fma_f32"] == 0, r
+    if committed["meta"]["triton"] == fresh["meta"]["triton"]:  # chapter 03 prints the committed file
+        assert committed["rows"] == rows, "run benchmarks/kernels_static.py --bare-dot and commit its result"

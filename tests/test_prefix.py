@@ -178,6 +178,7 @@ def test_evict_and_clear_only_touch_unreferenced_blocks():
     cache.release(gone)                                  # tail first: [6, 7] is freed before [4, 5]
     assert cache.evictable_block_ids() == [second, first]
     assert cache.evict(1) == [second] and cache.stats.evicted_blocks == 1
+    assert cache.allocator.num_evictions == 1  # one event, one counter (issue 19)
     assert cache.match([4, 5, 6, 7, 0]).num_cached_tokens == 2
     assert cache.clear() == 1 and cache.evictable_block_ids() == []
     assert cache.is_cached(keep.block_ids[0])            # in use: clear leaves it

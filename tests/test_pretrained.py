@@ -108,6 +108,40 @@ def test_dtype_and_device(checkpoints):
         from_pretrained(checkpoints["tied"][0], dtype=torch.int8)
 
 
+def mixed_dtype_copy(src: Path, dst: Path, config_dtype: str | None) -> Path:
+    """``src`` rewritten as some checkpoints are stored: norms in float32, every other tensor in bfloat16."""
+    import shutil
+    shutil.copytree(src, dst)
+    tensors = read_safetensors(dst)
+    for f in dst.glob("*.safetensors*"):
+        f.unlink()
+    mixed = {k: (v.float() if "norm" in k else v.to(torch.bfloat16)).contiguous() for k, v in tensors.items()}
+    safetensors_torch.save_file(mixed, dst / "model.safetensors")
+    config = json.loads((dst / "config.json").read_text())
+    config.pop("torch_dtype", None)
+    config.pop("dtype", None)
+    if config_dtype is not None:
+        config["torch_dtype"] = config_dtype
+    (dst / "config.json").write_text(json.dumps(config))
+    return dst
+
+
+@pytest.mark.parametrize("config_dtype, expected", [("bfloat16", torch.bfloat16), ("float32", torch.float32),
+                                                    (None, torch.bfloat16)])
+def test_dtype_none_loads_one_dtype_and_runs(checkpoints, tmp_path, config_dtype, expected):
+    # float32 norms, bf16 linears: kept as stored, the first matmul fails ("expected m1 and m2 to have the
+    # same dtype"). As transformers' dtype="auto": config.json's torch_dtype, else the first float tensor's.
+    path = mixed_dtype_copy(checkpoints["llama"][0], tmp_path / "mixed", config_dtype)
+    stored = {v.dtype for v in read_safetensors(path).values()}
+    assert stored == {torch.float32, torch.bfloat16}
+    first = next(v.dtype for v in read_safetensors(path).values() if v.is_floating_point())
+    model = from_pretrained(path)
+    assert {p.dtype for p in model.parameters()} == {expected if config_dtype else first}
+    with torch.no_grad():
+        logits = model(torch.tensor([[1, 2, 3]]))
+    assert torch.isfinite(logits).all()
+
+
 def hf_greedy(hf, prompt: list[int], max_new_tokens: int, eos: list[int] | None) -> list[int]:
     out = hf.generate(torch.tensor([prompt]), attention_mask=torch.ones(1, len(prompt), dtype=torch.long),
                       max_new_tokens=max_new_tokens, do_sample=False, eos_token_id=eos, pad_token_id=0)

@@ -111,7 +111,10 @@ def run(sched: Scheduler, arrivals: dict[int, list[Request]], max_steps: int = 1
         # every candidate's turn, as recorded, follows the article's rules
         for d in step.decisions:
             assert d.tokens == min(d.num_new_tokens, d.token_budget)
-            assert d.outcome == ("stop" if d.tokens == 0 else "skipped" if d.needed > d.free_blocks else "planned")
+            if d.outcome == "preempted":  # a running request that had to give its own blocks back
+                assert not d.waiting and d.request in step.preempted
+            else:
+                assert d.outcome == ("stop" if d.tokens == 0 else "skipped" if d.needed > d.free_blocks else "planned")
         assert [d.request for d in step.decisions if d.outcome == "planned"] == [c.request for c in step.chunks]
         assert all(d.outcome != "stop" for d in step.decisions[:-1])  # the pass ends at a stop
         waiting_turns = [d.outcome for d in step.decisions if d.waiting]
@@ -460,8 +463,9 @@ def workloads(draw):
     caching = draw(st.booleans())
     priority = draw(st.sampled_from([None, lambda r: len(r.prompt_token_ids), lambda r: -r.max_new_tokens]))
     hol = draw(st.booleans())
+    gate = draw(st.booleans())
     return Scheduler(num_blocks, bs, budget, enable_prefix_caching=caching, priority=priority,
-                     head_of_line=hol), arrivals
+                     head_of_line=hol, full_sequence_must_fit=gate), arrivals
 
 
 @settings(max_examples=150, deadline=None)
@@ -555,8 +559,8 @@ def test_a_request_id_is_used_once():
 
 
 def test_two_forks_sharing_a_tail_need_one_copy_not_two():
-    """The first fork to write copies the shared tail; the second then owns it alone. The
-    preemption pre-pass must count one copy, so nobody is preempted when one block is free."""
+    """The first fork to write copies the shared tail; the second then owns it alone. The pass
+    must count one copy, so nobody is preempted when one block is free."""
     bs = 4
     sched = Scheduler(3, bs, max_num_batched_tokens=32)
     parent = sched.add_request([5, 6, 7, 8, 9, 10], 4)   # 6 tokens: 2 blocks, the tail half full
@@ -643,3 +647,220 @@ def test_a_request_stops_on_any_of_several_eos_ids():
     assert r.status is RequestStatus.FINISHED and r.output_token_ids == [5, 9]
     with pytest.raises(ValueError, match="eos_token_id"):
         Request([1], 2, eos_token_id=[7, -1])
+
+
+# -- issue 19: vLLM's full-sequence admission gate -------------------------------------------------
+
+def _gate_case(gate: bool) -> tuple[Scheduler, Request, Request]:
+    """A holds 2 of 6 blocks; B's 20-token prompt needs 5 blocks of 4, and 4 are free."""
+    sched = Scheduler(6, 4, max_num_batched_tokens=8, enable_prefix_caching=False, full_sequence_must_fit=gate)
+    a = sched.add_request(list(range(1, 8)), 2)           # 7 tokens: 2 blocks
+    b = sched.add_request(list(range(10, 30)), 3)         # 20 tokens: 5 blocks
+    return sched, a, b
+
+
+def test_the_gate_admits_a_request_only_when_its_whole_sequence_fits():
+    sched, a, b = _gate_case(True)
+    assert sched.full_sequence_must_fit  # on by default: checked below with the default too
+    step = sched.schedule()
+    assert [(c.request, c.num_tokens) for c in step.chunks] == [(a, 7)]
+    turn = step.decisions[-1]
+    assert (turn.request, turn.needed, turn.free_blocks, turn.outcome) == (b, 5, 4, "skipped")
+    assert b.status is RequestStatus.WAITING and b.block_table is None and sched.allocator.num_free == 4
+    # without the gate B gets the last budget token and a block, as the article's pass has it
+    sched, a, b = _gate_case(False)
+    step = sched.schedule()
+    assert [(c.request, c.num_tokens) for c in step.chunks] == [(a, 7), (b, 1)]
+    assert Scheduler(4).full_sequence_must_fit is True
+
+
+def test_the_gate_counts_a_preempted_requests_outputs_and_its_prefix_hit():
+    """vLLM's allocate_slots(full_sequence_must_fit=True) counts min(num_tokens, max_model_len) tokens
+    after the hit: prompt and outputs so far, less the cached blocks (those it revives count too)."""
+    bs = 4
+    sched = Scheduler(8, bs, max_num_batched_tokens=64)
+    a = sched.add_request(list(range(1, 13)), 1)          # 12 tokens, 3 full blocks, cached when done
+    run(sched, {})
+    assert a.is_finished and sched.prefix_cache.num_cached_blocks == 3
+    r = Request(list(range(1, 13)) + [40, 41, 42, 43, 44], 2)
+    hit = sched.prefix_cache.match(r.all_token_ids)
+    assert hit.num_cached_tokens == 12
+    sched._hits[id(r)] = hit  # its turn in a pass, with 8 blocks free
+    assert sched._extra_blocks(r, 1) == 3 + 1   # whole sequence: 3 revived + 2 new fit; the chunk: 3 + 1
+    r.output_token_ids = [7] * 16               # as if preempted after 16 outputs: 33 tokens, 9 blocks
+    assert sched._extra_blocks(r, 1) == 3 + 6   # the whole sequence does not fit: its need is reported
+    sched.full_sequence_must_fit = False
+    assert sched._extra_blocks(r, 1) == 3 + 1
+
+
+@settings(max_examples=60, deadline=None)
+@given(workloads())
+def test_random_workloads_with_the_gate_off_still_finish(workload):
+    sched, arrivals = workload
+    sched.full_sequence_must_fit = not sched.full_sequence_must_fit
+    run(sched, arrivals, max_steps=10_000)
+    assert sched.allocator.num_free == sched.num_blocks
+
+
+# -- issue 19: operations between schedule() and postprocess() -----------------------------------
+
+def _two_decoding(pool: SymbolicPool | None = None, num_blocks: int = 16) -> tuple[Scheduler, Request, Request]:
+    sched = Scheduler(num_blocks, 4, max_num_batched_tokens=32)
+    a = sched.add_request([1, 2, 3, 4, 5], 6)
+    b = sched.add_request([6, 7, 8], 6)
+    step = sched.schedule()
+    sched.postprocess(step, (pool or SymbolicPool(4)).execute(step))
+    return sched, a, b
+
+
+def _finish_all(sched: Scheduler, pool: SymbolicPool, max_steps: int = 200) -> None:
+    for _ in range(max_steps):
+        if not sched.has_unfinished():
+            break
+        step = sched.schedule()
+        assert step.chunks, "a step with unfinished requests planned nothing (a stall)"
+        sched.postprocess(step, pool.execute(step))
+        check_ref_counts(sched)
+    assert not sched.has_unfinished() and sched.allocator.num_free == sched.num_blocks
+
+
+def test_a_twin_forked_mid_step_gets_its_parents_token_and_nothing_stalls():
+    pool = SymbolicPool(4)
+    sched, a, b = _two_decoding(pool)
+    step = sched.schedule()
+    child = sched.fork(a)                     # while the step is in flight
+    sched.postprocess(step, pool.execute(step))
+    assert child.output_token_ids == a.output_token_ids and len(a.output_token_ids) == 2
+    step = sched.schedule()                   # before the fix: 0 new tokens read as "budget spent"
+    assert {c.request for c in step.chunks} == {a, b, child}
+    sched.postprocess(step, pool.execute(step))
+    _finish_all(sched, pool)
+    for r in (a, b, child):
+        assert r.output_token_ids == reference_output(r.prompt_token_ids, 6)
+
+
+def test_a_request_finished_mid_step_gets_no_token_and_the_others_do():
+    pool = SymbolicPool(4)
+    sched, a, b = _two_decoding(pool)
+    step = sched.schedule()
+    sampled = pool.execute(step)
+    sched.finish(a)                           # an abort while the model runs
+    out_a = list(a.output_token_ids)
+    assert sched.postprocess(step, sampled) == []
+    assert a.output_token_ids == out_a and len(b.output_token_ids) == 2
+    _finish_all(sched, pool)
+    assert b.output_token_ids == reference_output(b.prompt_token_ids, 6)
+
+
+def test_a_fork_never_takes_an_id_in_use():
+    probe = Request([1], 1).request_id        # the module-wide counter hands out probe + 1 next
+    sched = Scheduler(16, 4, max_num_batched_tokens=32)
+    parent = sched.add_request(Request([1, 2, 3], 4, request_id=probe + 1))
+    other = sched.add_request(Request([4, 5, 6], 4, request_id=probe + 2))
+    pool = SymbolicPool(4)
+    step = sched.schedule()
+    sched.postprocess(step, pool.execute(step))
+    child = sched.fork(parent)
+    assert child.request_id not in (parent.request_id, other.request_id)
+    assert sched.requests[parent.request_id] is parent and sched.requests[child.request_id] is child
+    sched.finish(parent)
+    _finish_all(sched, pool)
+
+
+def test_postprocess_takes_only_the_step_in_flight_and_only_once():
+    pool = SymbolicPool(4)
+    sched, a, b = _two_decoding(pool)
+    step = sched.schedule()
+    sampled = pool.execute(step)
+    sched.postprocess(step, sampled)
+    outputs = [list(a.output_token_ids), list(b.output_token_ids)]
+    with pytest.raises(ValueError, match="step must be the step"):
+        sched.postprocess(step, sampled)
+    assert [a.output_token_ids, b.output_token_ids] == outputs
+
+
+def test_schedule_refuses_while_a_step_is_in_flight():
+    pool = SymbolicPool(4)
+    sched, a, b = _two_decoding(pool)
+    step = sched.schedule()
+    before = (sched.num_steps, a.num_computed_tokens, b.num_computed_tokens, sched.allocator.num_free)
+    with pytest.raises(ValueError, match="in flight"):
+        sched.schedule()
+    assert (sched.num_steps, a.num_computed_tokens, b.num_computed_tokens, sched.allocator.num_free) == before
+    sched.postprocess(step, pool.execute(step))
+    _finish_all(sched, pool)
+
+
+def test_bad_switches_and_keys_are_refused_at_construction():
+    with pytest.raises(ValueError, match="cache_key"):
+        Scheduler(8, cache_key="k")
+    with pytest.raises(ValueError, match="enable_prefix_caching"):
+        Scheduler(8, enable_prefix_caching="no")
+    with pytest.raises(ValueError, match="full_sequence_must_fit"):
+        Scheduler(8, full_sequence_must_fit=None)
+    cache = PrefixCache(BlockAllocator(8), 16)
+    with pytest.raises(ValueError, match="num_blocks"):
+        Scheduler(4, prefix_cache=cache)
+    assert Scheduler(prefix_cache=cache).num_blocks == 8
+
+
+def test_stop_ids_accept_numpy_integers_and_refuse_bools():
+    import numpy as np
+
+    r = Request([1, 2], 3, np.int64(2))
+    assert r.stop_token_ids == {2} and type(r.eos_token_id) is int
+    assert Request([1, 2], 3, [np.int32(4), 5]).stop_token_ids == {4, 5}
+    for bad in (True, [1, True], -1, "2", 2.0):
+        with pytest.raises(ValueError, match="eos_token_id"):
+            Request([1, 2], 3, bad)
+
+
+# -- the mid-step fuzzer: aborts and forks between schedule() and postprocess() ------------------
+
+def _fuzz_once(seed: int) -> None:
+    rng = random.Random(seed)
+    bs = rng.choice([2, 4])
+    num_blocks = rng.randrange(6, 16)
+    sched = Scheduler(num_blocks, bs, rng.randrange(4, 40), max_num_seqs=rng.randrange(2, 8),
+                      enable_prefix_caching=rng.random() < 0.7, full_sequence_must_fit=rng.random() < 0.7)
+    cap = num_blocks * bs
+    shared = [rng.randrange(VOCAB) for _ in range(rng.randrange(0, 2 * bs + 1))]
+    pending = []
+    for _ in range(rng.randrange(2, 9)):
+        new = rng.randrange(1, 6)
+        prompt = (shared if rng.random() < 0.5 else []) + [rng.randrange(VOCAB) for _ in range(rng.randrange(1, 10))]
+        prompt = prompt[:max(1, cap - new)]
+        pending.append((rng.randrange(0, 8), Request(prompt, new, rng.randrange(VOCAB) if rng.random() < 0.3 else None)))
+    aborted: set[int] = set()
+    pool = SymbolicPool(bs)
+    for t in range(400):
+        for at, r in pending:
+            if at == t:
+                sched.add_request(r)
+        if not sched.has_unfinished() and t > 8:
+            break
+        if not sched.has_unfinished():
+            continue
+        step = sched.schedule()
+        assert step.chunks, f"seed {seed}: a stall at step {step.index}"
+        sampled = pool.execute(step)
+        for _ in range(rng.choice([0, 0, 1, 2])):  # mid-step operations
+            live = list(sched.requests.values())
+            if rng.random() < 0.5 and live:
+                victim = rng.choice(live)
+                aborted.add(id(victim))
+                sched.finish(victim)
+            elif sched.running and len(sched.running) < sched.max_num_seqs:
+                sched.fork(rng.choice(sched.running))
+        sched.postprocess(step, sampled)
+        check_ref_counts(sched)
+    assert not sched.has_unfinished(), f"seed {seed}: unfinished after 400 steps"
+    assert sched.allocator.num_free == num_blocks and sched.allocator.ref_counts == [0] * num_blocks
+    for r in sched.finished:
+        if id(r) not in aborted:
+            assert r.output_token_ids == reference_output(r.prompt_token_ids, r.max_new_tokens, r.eos_token_id)
+
+
+def test_mid_step_fuzzer_no_stall_no_error():
+    for seed in range(400):
+        _fuzz_once(seed)

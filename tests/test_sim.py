@@ -245,14 +245,18 @@ ENGINE_CASES = [(0, 16, 32, 0.01), (1, 12, 16, 0.003), (2, 40, 64, 0.05), (3, 9,
                 (5, 30, 1, 0.001)]
 
 
+@pytest.mark.parametrize("gate", [True, False], ids=["full-sequence", "chunk-only"])
 @pytest.mark.parametrize("seed, num_blocks, budget, spread", ENGINE_CASES)
-def test_simulator_and_engine_make_the_same_schedule(model, seed, num_blocks, budget, spread):
+def test_simulator_and_engine_make_the_same_schedule(model, seed, num_blocks, budget, spread, gate):
     """Chapter 05's engine (a real model, real K/V) and the simulator (synthetic tokens)
     plan the same steps: the same requests, token counts and block tables at every step."""
     specs = tiny_workload(seed, 8, shared=9, max_prompt=24, max_output=14, spread=spread)
-    sim = Simulator(num_blocks=num_blocks, block_size=4, max_num_batched_tokens=budget, record_schedule=True)
+    sim = Simulator(num_blocks=num_blocks, block_size=4, max_num_batched_tokens=budget, record_schedule=True,
+                    full_sequence_must_fit=gate)
     result = sim.run(specs)
-    engine = Engine(model, num_blocks=num_blocks, block_size=4, max_num_batched_tokens=budget, use_triton=False)
+    assert result.scheduler.full_sequence_must_fit is gate
+    engine = Engine(model, num_blocks=num_blocks, block_size=4, max_num_batched_tokens=budget, use_triton=False,
+                    full_sequence_must_fit=gate)
     order = sorted(range(len(specs)), key=lambda i: (specs[i].arrival_time, i))
     by_engine_id, k, trace = {}, 0, []
     while k < len(order) or engine.has_unfinished():
@@ -484,3 +488,17 @@ def test_a_bool_dtype_has_no_cache_bytes():
     from labkit.capacity import bytes_per_token
     with pytest.raises(ValueError, match="dtype"):
         bytes_per_token(32, 8, 128, dtype=torch.bool)
+
+
+def test_the_gate_spares_long_documents_their_preemptions():
+    """vLLM's full-sequence admission (the default) against chunk-only admission: long prompts in a
+    tight pool with a small budget. Chunk-only admits them piece by piece and preempts them."""
+    cost = CostModel()
+    w = long_document_questions(60, 8.0, document_len=1024, num_documents=4, seed=1)
+    runs = {gate: Simulator(cost, num_blocks=200, max_num_batched_tokens=128, full_sequence_must_fit=gate).run(w)
+            for gate in (True, False)}
+    assert runs[False].preemptions.sum() > 0 and runs[False].recomputed_tokens > 0
+    assert 3 * runs[True].preemptions.sum() < runs[False].preemptions.sum()
+    assert runs[True].recomputed_tokens < runs[False].recomputed_tokens
+    with pytest.raises(ValueError, match="full_sequence_must_fit"):
+        Simulator(cost, num_blocks=16, full_sequence_must_fit="yes")

@@ -6,6 +6,7 @@ source (file and function named), not from labkit.capacity's formula.
 
 import math
 import random
+from fractions import Fraction
 
 import pytest
 
@@ -37,9 +38,10 @@ def test_the_articles_device_at_full_and_default_utilization():
     r = kv_cache_report("teaching model", 7 * GiB, max_model_len=8192)
     assert (r.num_gpu_blocks, r.gpu_kv_cache_tokens) == (3584, 57_344)
     assert r.log_lines()[1].endswith("8,192 tokens per request: 7.00x")
-    # Default 0.92: ceil(24 GiB × 0.92) = 23,708,219,228.16 -> ...229 (float: ...474); minus 17 GiB ≈ 5.08 GiB.
+    # Default 0.92: 24 GiB × 0.92 = 23,708,219,473.92 exactly (the float product rounds to the same
+    # ceiling), so request_memory asks for 23,708,219,474 B; minus 17 GiB ≈ 5.08 GiB.
     avail = vllm.available_kv_bytes(24 * GiB, 0.92, 17 * GiB)
-    assert avail == math.ceil(24 * GiB * 0.92) - 17 * GiB
+    assert avail == math.ceil(Fraction(24 * GiB) * Fraction("0.92")) - 17 * GiB == 23_708_219_474 - 17 * GiB
     r = kv_cache_report("teaching model", avail, max_model_len=8192)
     assert r.num_gpu_blocks == avail // (2 * MiB) == 2600  # 5.08 GiB / 2 MiB
     assert r.log_lines() == ["Available KV cache memory: 5.08 GiB",
@@ -122,8 +124,9 @@ def test_refusal_against_a_brute_force_search():
 
 
 def test_tensor_parallel_splits_then_replicates_kv_heads():
-    # Llama-3-70B: 8 KV heads, 80 layers. ModelConfig.get_num_kv_heads = max(1, 8 // tp).
-    assert [vllm.kv_heads_per_rank(8, tp) for tp in (1, 2, 4, 8, 16, 32)] == [8, 4, 2, 1, 1, 1]
+    # Llama-3-70B: 8 KV heads, 80 layers. QKVParallelLinear: divide(8, tp) below 8, else one head replicated.
+    from labkit.capacity import kv_heads_per_device
+    assert [kv_heads_per_device(8, tp) for tp in (1, 2, 4, 8, 16, 32)] == [8, 4, 2, 1, 1, 1]
     pages = {tp: kv_cache_report("Llama-3-70B", 40 * GiB, max_model_len=8192, tensor_parallel_size=tp)
              for tp in (2, 8, 16)}
     # TP 8 and 16: 16 × 1 × 256 × 2 = 8 KiB per layer; × 80 = 640 KiB per block; 40 GiB / 640 KiB = 65,536 blocks.
@@ -131,6 +134,17 @@ def test_tensor_parallel_splits_then_replicates_kv_heads():
     assert pages[8].num_gpu_blocks == pages[16].num_gpu_blocks == 65_536
     assert pages[2].page_size_bytes == 4 * 8192
     assert pages[16].max_concurrency == 65_536 / 512 == 128.0
+
+
+def test_tensor_parallel_that_does_not_divide_the_kv_heads_is_refused():
+    # 40 query heads, 8 KV heads, TP 5: the query heads divide (8 per GPU), but QKVParallelLinear's
+    # divide(8, 5) asserts, so vLLM refuses to build the model. labkit used to print an 8,192 B page.
+    shape = ModelShape("40q-8kv", 32, 8, 128, 2, num_attention_heads=40, max_position_embeddings=8192)
+    with pytest.raises(ValueError, match=r"tensor_parallel_size must divide num_kv_heads \(8\)"):
+        kv_cache_report(shape, 40 * GiB, max_model_len=8192, tensor_parallel_size=5)
+    with pytest.raises(ValueError, match=r"tensor_parallel_size must be a multiple of num_kv_heads \(8\)"):
+        kv_cache_report(shape, 40 * GiB, max_model_len=8192, tensor_parallel_size=20)
+    assert kv_cache_report(shape, 40 * GiB, max_model_len=8192, tensor_parallel_size=8).page_size_bytes == 8192
 
 
 def test_get_pp_indices_puts_extra_layers_before_the_last_stage():
@@ -173,7 +187,8 @@ def test_mla_has_one_head_and_no_factor_two():
     fp8 = vllm.page_size_bytes(PRESETS["DeepSeek-V3"], 64, "fp8")
     assert fp8 == 64 * 576  # one byte per element
     assert vllm.page_size_bytes(PRESETS["DeepSeek-V3"], 64, "fp8_ds_mla") == 64 * 656
-    assert vllm.page_size_bytes(PRESETS["DeepSeek-V3"], 64, "fp8_per_token_head") == 64 * (576 + 8)
+    with pytest.raises(ValueError, match="no MLA attention backend"):  # none lists it in 0.33.0
+        vllm.page_size_bytes(PRESETS["DeepSeek-V3"], 64, "fp8_per_token_head")
 
 
 def test_kv_cache_dtypes_of_full_attention():
@@ -244,8 +259,8 @@ def test_config_dict_input_and_float32_checkpoints():
 
 
 @pytest.mark.parametrize("kwargs, match", [
-    (dict(available_kv_bytes=-1), "available_kv_bytes must be a finite number of bytes >= 0"),
     (dict(available_kv_bytes=float("nan")), "available_kv_bytes must be a finite"),
+    (dict(available_kv_bytes=float("-inf")), "available_kv_bytes must be a finite"),
     (dict(available_kv_bytes=[8 * GiB, 8 * GiB]), r"available_kv_bytes must be one number or 1"),
     (dict(block_size=24), "block_size must be a multiple of 16"),
     (dict(block_size=0), "block_size must be an integer >= 1"),
@@ -265,8 +280,8 @@ def test_bad_input_names_the_parameter(kwargs, match):
 
 
 @pytest.mark.parametrize("args, match", [
-    ((-1, 0.9, 0), "gpu_total_bytes must be a finite number of bytes >= 0"),
-    ((0, 0.9, 0), "gpu_total_bytes must be > 0"),
+    ((-1, 0.9, 0), "gpu_total_bytes must be a finite number of bytes > 0"),
+    ((0, 0.9, 0), "gpu_total_bytes must be a finite number of bytes > 0"),
     ((80 * GiB, 0, 0), r"gpu_memory_utilization must be a number > 0"),
     ((80 * GiB, 1.01, 0), r"gpu_memory_utilization must be in \(0, 1\]"),
     ((80 * GiB, float("nan"), 0), "gpu_memory_utilization must be a number > 0"),
@@ -279,7 +294,46 @@ def test_available_kv_bytes_bad_input(args, match):
 
 
 def test_available_kv_bytes_can_go_negative_and_then_vllm_refuses():
+    # _check_enough_kv_cache_memory: any available figure at or below zero (after the null block)
+    # gets "No available memory for the cache blocks", negative ones included.
     avail = vllm.available_kv_bytes(24 * GiB, 0.5, 17 * GiB)
     assert avail == 12 * GiB - 17 * GiB
-    with pytest.raises(ValueError, match="available_kv_bytes"):
-        kv_cache_report("teaching model", avail, max_model_len=8192)
+    for figure in (avail, -1, -0.5, 0, [8 * GiB, -1]):
+        with pytest.raises(ValueError, match="^No available memory for the cache blocks"):
+            kv_cache_report("teaching model", figure, max_model_len=8192,
+                            pipeline_parallel_size=2 if isinstance(figure, list) else 1)
+
+
+def test_max_model_len_above_the_derived_maximum_is_refused_unless_allowed():
+    # config/model.py: _get_and_verify_max_len. Llama-3-8B's max_position_embeddings is 8,192
+    # (times a RoPE scaling factor of 1.0: a float). 65,536 is refused with vLLM's words; with
+    # VLLM_ALLOW_LONG_MAX_MODEL_LEN=1 it starts.
+    with pytest.raises(ValueError) as err:
+        kv_cache_report("Llama-3-8B", 20 * GiB, max_model_len=65_536)
+    assert not isinstance(err.value, KVCacheTooSmallError)
+    assert str(err.value).startswith(
+        "User-specified max_model_len (65536) is greater than the derived max_model_len "
+        "(max_position_embeddings=8192.0 or model_max_length=None in model's config.json). To allow overriding "
+        "this maximum, set the env var VLLM_ALLOW_LONG_MAX_MODEL_LEN=1. VLLM_ALLOW_LONG_MAX_MODEL_LEN must be "
+        "used with extreme caution.")
+    # Allowed: 20 GiB // 2 MiB = 10,240 blocks; cdiv(65536, 16) = 4,096 per request -> 2.50x.
+    r = kv_cache_report("Llama-3-8B", 20 * GiB, max_model_len=65_536, allow_long_max_model_len=True)
+    assert (r.num_gpu_blocks, r.blocks_per_request, r.max_concurrency) == (10_240, 4096, 2.5)
+    assert kv_cache_report("Llama-3-8B", 20 * GiB, max_model_len=8192).max_concurrency == 20.0  # at the limit
+    # The same check for a config dict and for a shape whose limit is unknown (no refusal).
+    with pytest.raises(ValueError, match="derived max_model_len"):
+        kv_cache_report(PRESET_CONFIGS["Llama-3-8B"], 20 * GiB, max_model_len=8193)
+    kv_cache_report(ModelShape("no limit", 32, 8, 128), 20 * GiB, max_model_len=65_536)
+    with pytest.raises(TypeError, match="allow_long_max_model_len"):
+        kv_cache_report("Llama-3-8B", 20 * GiB, max_model_len=8192, allow_long_max_model_len="1")
+
+
+def test_mla_refuses_cache_dtypes_no_mla_backend_lists():
+    # v1/attention/backends/mla/*: supported_kv_cache_dtypes never lists the *_per_token_head dtypes.
+    for dtype in ("fp8_per_token_head", "int8_per_token_head"):
+        with pytest.raises(ValueError, match=r"kv_cache_dtype must be one of .* for an MLA model"):
+            kv_cache_report("DeepSeek-V3", 40 * GiB, max_model_len=4096, kv_cache_dtype=dtype)
+        assert kv_cache_report("Llama-3-8B", 8 * GiB, max_model_len=8192, kv_cache_dtype=dtype).page_size_bytes \
+            == 16 * 8 * (2 * 128 + 8)  # full attention takes them: two float32 scales per head and token
+    for dtype in vllm.MLA_KV_CACHE_DTYPES:
+        kv_cache_report("DeepSeek-V3", 40 * GiB, max_model_len=4096, kv_cache_dtype=dtype)

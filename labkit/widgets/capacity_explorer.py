@@ -80,7 +80,7 @@ class Setting:
         available = vllm.available_kv_bytes(self.device_gib * GiB, self.gpu_memory_utilization,
                                             self.reserved_gib * GiB)
         try:
-            report = vllm.kv_cache_report(self.vllm_shape or self.shape, max(available, 0),
+            report = vllm.kv_cache_report(self.vllm_shape or self.shape, available,
                                           block_size=VLLM_BLOCK_SIZE, max_model_len=self.context_len)
         except ValueError as refusal:
             return [f"ValueError: {refusal}"]

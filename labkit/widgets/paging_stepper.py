@@ -23,6 +23,7 @@ from IPython.display import clear_output, display
 from matplotlib.figure import Figure
 from matplotlib.patches import FancyArrowPatch, Rectangle
 
+from ..checks import check_int
 from ..paging import BlockAllocator, BlockTable, OutOfBlocksError
 
 
@@ -35,6 +36,13 @@ class Request:
     arrival: int
     prompt_len: int
     output_len: int
+
+    def __post_init__(self) -> None:
+        if not isinstance(self.name, str) or not self.name:
+            raise ValueError(f"name must be a non-empty string, got {self.name!r}")
+        check_int("arrival", self.arrival, 0)
+        check_int("prompt_len", self.prompt_len, 1)
+        check_int("output_len", self.output_len, 0)
 
 
 @dataclass
@@ -76,8 +84,13 @@ def simulate(workload: list[Request] = DEFAULT_WORKLOAD, num_blocks: int = 16, b
     request admitted earlier appends one generated token, and a request that has generated ``output_len``
     tokens finishes and frees its blocks at the end of the step.
     """
-    if not workload:
-        raise ValueError("workload must hold at least one Request")
+    if not isinstance(workload, (list, tuple)) or not workload:
+        raise ValueError("workload must be a non-empty list of Request")
+    if not all(isinstance(r, Request) for r in workload):
+        raise TypeError(f"workload must hold Request objects, got {[type(r).__name__ for r in workload]}")
+    check_int("num_blocks", num_blocks, 1)
+    check_int("block_size", block_size, 1)
+    check_int("max_steps", max_steps, 1)
     names = [r.name for r in workload]
     if len(set(names)) != len(names):
         raise ValueError(f"workload request names must be unique, got {names}")

@@ -1,0 +1,501 @@
+"""Every bad input refused: one row a case, across labkit's public modules.
+
+The book's rule (CONTRIBUTING.md): bad input raises ``ValueError`` or ``TypeError`` that
+names the parameter (and its allowed range), and leaves all state unchanged. Each row of
+``CASES`` is one bad call:
+
+    (label, call, args, kwargs, exception type, parameter name the message must contain)
+
+``call`` is a function or class, or ``On(factory, "method")`` for a method of a fresh object
+that ``factory()`` builds. Every row checks, besides the exception and the name, that the
+object it acts on and every argument it was given are exactly as they were before the call
+(a deep snapshot: tensors element by element, objects attribute by attribute).
+
+Run ``python tests/test_bad_inputs.py`` for the count of rows refused correctly, without
+pytest (the issue's "before and after" figure). Issue 20's note: against the code before it
+(commit d847dcb), 146 of these 193 rows were refused correctly; 9 of the other 47 only because
+a parameter was renamed (``tensor_parallel`` became ``tensor_parallel_size``, ``pipeline_parallel``
+``pipeline_parallel_size``) or a function is new (``checks.check_bytes``, ``vllm.check_max_model_len``),
+and 38 were real faults: accepted, a wrong exception type, or a message naming another parameter.
+After it, 193 of 193.
+"""
+
+from __future__ import annotations
+
+import enum
+import math
+import sys
+from collections import deque
+from dataclasses import dataclass
+from typing import Any, Callable
+
+import numpy as np
+import pytest
+import torch
+
+import labkit  # noqa: F401  (first: Triton's interpreter without a GPU)
+from labkit import capacity, checks, costmodel, kernels, paging, pool, units, vllm, workloads
+from labkit import cache, engine, model, prefix, pretrained, scheduler, sim
+from labkit.capacity import GiB, PRESETS, TEACHING_MODEL, ModelShape
+from labkit.widgets import load_explorer, paging_stepper, prefix_stepper
+
+
+@dataclass(frozen=True)
+class On:
+    """A method of a fresh object: ``factory()`` builds it, then ``getattr(obj, method)`` is called."""
+
+    factory: Callable[[], Any]
+    method: str
+
+    def __repr__(self) -> str:
+        return f"On({getattr(self.factory, '__name__', 'factory')}, {self.method!r})"
+
+
+# ---------------------------------------------------------------------------------------------- objects
+
+
+def allocator_with_one_used() -> paging.BlockAllocator:
+    alloc = paging.BlockAllocator(4)
+    alloc.allocate()  # block 0 in use, 1..3 free
+    return alloc
+
+
+def table_of_five_tokens() -> paging.BlockTable:
+    table = paging.BlockTable(4)
+    table.append(5, paging.BlockAllocator(4))
+    return table
+
+
+def teaching_shape() -> ModelShape:
+    return TEACHING_MODEL
+
+
+def cost_model() -> costmodel.CostModel:
+    return costmodel.CostModel("teaching model", "RTX 4090 (24 GiB)")
+
+
+def pool_plan() -> pool.PoolPlan:
+    return pool.plan_pool()
+
+
+def tiny_config(**changes) -> model.DecoderConfig:
+    return model.DecoderConfig(vocab_size=32, hidden_size=16, intermediate_size=32, num_hidden_layers=1,
+                               num_attention_heads=2, num_key_value_heads=1, **changes)
+
+
+def tiny_decoder() -> model.Decoder:
+    return model.Decoder.random(tiny_config())
+
+
+def prefix_cache() -> prefix.PrefixCache:
+    return prefix.PrefixCache(paging.BlockAllocator(8), 4)
+
+
+def paged_cache() -> cache.PagedKVCache:
+    return cache.PagedKVCache(tiny_config(), num_blocks=4, block_size=4)
+
+
+# A small paged-attention problem: 2 sequences, 2 query heads, 1 KV head, head_dim 8, 16-token blocks.
+def _kv(num_blocks: int = 4, block_size: int = 16, heads: int = 1, dim: int = 8) -> tuple[torch.Tensor, torch.Tensor]:
+    g = torch.Generator().manual_seed(0)
+    shape = (num_blocks, block_size, heads, dim)
+    return torch.randn(shape, generator=g), torch.randn(shape, generator=g)
+
+
+K_CACHE, V_CACHE = _kv()
+Q = torch.randn(2, 2, 8, generator=torch.Generator().manual_seed(1))
+BLOCK_TABLES = torch.tensor([[0, 1], [2, 3]], dtype=torch.int32)
+SEQ_LENS = torch.tensor([20, 5], dtype=torch.int32)
+CU_SEQLENS = torch.tensor([0, 1, 2], dtype=torch.int32)
+K_NEW = torch.randn(3, 1, 8, generator=torch.Generator().manual_seed(2))
+V_NEW = torch.randn(3, 1, 8, generator=torch.Generator().manual_seed(3))
+SLOTS = torch.tensor([0, 1, 2], dtype=torch.int64)
+
+ATTN = (Q, K_CACHE, V_CACHE, BLOCK_TABLES, SEQ_LENS)
+RNG = lambda: np.random.default_rng(0)  # noqa: E731
+GOOD_SPEC = dict(request_id=0, arrival_time=0.0, prompt_token_ids=[1, 2, 3], output_len=4)
+LLAMA = PRESETS["Llama-3-8B"]
+DEEPSEEK = PRESETS["DeepSeek-V3"]
+SHAPE_40Q_8KV = ModelShape("40q-8kv", 32, 8, 128, 2, num_attention_heads=40, max_position_embeddings=8192)
+PROFILE = dict(name="p", prompt_mean=10.0, output_mean=10.0, prompt_sigma=0.5, output_sigma=0.5)
+REPORT = dict(max_model_len=8192)
+nan, inf = math.nan, math.inf
+
+
+def folder_without_config() -> str:
+    """A folder that exists and holds no config.json: this test's own."""
+    return str(__import__("pathlib").Path(__file__).resolve().parent)
+
+
+# ---------------------------------------------------------------------------------------------- the table
+
+CASES: list[tuple[str, Any, tuple, dict, type, str]] = [
+    # ---- checks
+    ("check_int negative", checks.check_int, ("n", -1, 0), {}, ValueError, "n"),
+    ("check_int bool", checks.check_int, ("n", True, 0), {}, ValueError, "n"),
+    ("check_int float", checks.check_int, ("n", 1.5, 0), {}, ValueError, "n"),
+    ("check_number nan", checks.check_number, ("x", nan, 0), {}, ValueError, "x"),
+    ("check_number str", checks.check_number, ("x", "1", 0), {}, ValueError, "x"),
+    ("check_number strict", checks.check_number, ("x", 0, 0), {"strict": True}, ValueError, "x"),
+    ("check_bytes inf", checks.check_bytes, ("device_bytes", inf), {}, ValueError, "device_bytes"),
+    ("check_bytes zero positive", checks.check_bytes, ("device_bytes", 0), {"positive": True}, ValueError,
+     "device_bytes"),
+    ("check_token_ids negative", checks.check_token_ids, ("ids", [1, -2]), {}, ValueError, "ids"),
+    ("check_token_ids bool", checks.check_token_ids, ("ids", [True]), {}, ValueError, "ids"),
+    ("check_token_ids str", checks.check_token_ids, ("ids", "abc"), {}, ValueError, "ids"),
+    ("check_token_ids too short", checks.check_token_ids, ("ids", []), {"min_len": 1}, ValueError, "ids"),
+    # ---- units
+    ("format_bytes unit", units.format_bytes, (1024, "XB"), {}, ValueError, "unit"),
+    ("format_bytes str", units.format_bytes, ("12",), {}, ValueError, "n"),
+    ("format_bytes nan", units.format_bytes, (nan,), {}, ValueError, "n"),
+    # ---- capacity: the formula
+    ("bytes_per_token layers", capacity.bytes_per_token, (0, 8, 128, 2), {}, ValueError, "num_layers"),
+    ("bytes_per_token kv heads", capacity.bytes_per_token, (32, 0, 128, 2), {}, ValueError, "num_kv_heads"),
+    ("bytes_per_token head_dim", capacity.bytes_per_token, (32, 8, 0, 2), {}, ValueError, "head_dim"),
+    ("bytes_per_token dtype_bytes", capacity.bytes_per_token, (32, 8, 128, 0), {}, ValueError, "dtype_bytes"),
+    ("bytes_per_token no dtype", capacity.bytes_per_token, (32, 8, 128), {}, ValueError, "dtype_bytes"),
+    ("bytes_per_token both dtypes", capacity.bytes_per_token, (32, 8, 128, 2), {"dtype": "bf16"}, ValueError,
+     "dtype"),
+    ("bytes_per_token dtype name", capacity.bytes_per_token, (32, 8, 128), {"dtype": "float64"}, ValueError,
+     "dtype"),
+    ("cache_bytes length", capacity.cache_bytes, (-1, 32, 8, 128, 2), {}, ValueError, "length"),
+    ("element_size bool dtype", capacity.element_size, (torch.bool,), {}, ValueError, "dtype"),
+    ("element_size complex", capacity.element_size, (torch.complex64,), {}, ValueError, "dtype"),
+    # ---- capacity: ModelShape
+    ("ModelShape layers", ModelShape, ("m", 0, 8, 128), {}, ValueError, "num_layers"),
+    ("ModelShape GQA groups", ModelShape, ("m", 2, 8, 128), {"num_attention_heads": 12}, ValueError,
+     "num_attention_heads"),
+    ("ModelShape latent heads", ModelShape, ("m", 2, 2, 128), {"latent": True}, ValueError, "num_kv_heads"),
+    ("ModelShape sliding layer index", ModelShape, ("m", 2, 2, 8), {"sliding_window": 4, "sliding_layers": (5,)},
+     ValueError, "sliding_layers"),
+    ("ModelShape layers without window", ModelShape, ("m", 2, 2, 8), {"sliding_layers": (0,)}, ValueError,
+     "sliding_window"),
+    ("ModelShape window zero", ModelShape, ("m", 2, 2, 8), {"sliding_window": 0}, ValueError, "sliding_window"),
+    ("ModelShape context", ModelShape, ("m", 2, 2, 8), {"max_position_embeddings": 0}, ValueError,
+     "max_position_embeddings"),
+    ("ModelShape.cache_bytes length", On(teaching_shape, "cache_bytes"), (-1,), {}, ValueError, "length"),
+    ("ModelShape.block_bytes", On(teaching_shape, "block_bytes"), (0,), {}, ValueError, "block_size"),
+    ("ModelShape.beyond_context", On(teaching_shape, "beyond_context"), (-5,), {}, ValueError, "length"),
+    ("ModelShape.with_dtype", On(teaching_shape, "with_dtype"), ("int4",), {}, ValueError, "dtype"),
+    ("from_config no layers", ModelShape.from_config, ({"num_attention_heads": 4},), {}, ValueError,
+     "num_hidden_layers"),
+    ("from_config no dtype", ModelShape.from_config,
+     ({"num_hidden_layers": 2, "num_attention_heads": 4, "hidden_size": 64},), {}, ValueError, "torch_dtype"),
+    ("from_config kv heads", ModelShape.from_config, (capacity.PRESET_CONFIGS["Llama-3-8B"]
+                                                      | {"num_key_value_heads": 0},), {}, ValueError, "num_kv_heads"),
+    # ---- capacity: sharding and fitting
+    ("kv_heads_per_device 8 on 5", capacity.kv_heads_per_device, (8, 5), {}, ValueError, "tensor_parallel_size"),
+    ("kv_heads_per_device 8 on 12", capacity.kv_heads_per_device, (8, 12), {}, ValueError, "tensor_parallel_size"),
+    ("kv_heads_per_device tp 0", capacity.kv_heads_per_device, (8, 0), {}, ValueError, "tensor_parallel_size"),
+    ("kv_heads_per_device heads 0", capacity.kv_heads_per_device, (0, 1), {}, ValueError, "num_kv_heads"),
+    ("pipeline_stages too many", capacity.pipeline_stages, (4, 5), {}, ValueError, "pipeline_parallel_size"),
+    ("pipeline_stages layers", capacity.pipeline_stages, (0, 1), {}, ValueError, "num_layers"),
+    ("shard tp 3", capacity.shard, (TEACHING_MODEL, 3), {}, ValueError, "tensor_parallel_size"),
+    ("shard pp 33", capacity.shard, (TEACHING_MODEL, 1, 33), {}, ValueError, "pipeline_parallel_size"),
+    ("shard not a shape", capacity.shard, ("Llama-3-8B", 1), {}, TypeError, "shape"),
+    ("kv_pool_bytes device 0", capacity.kv_pool_bytes, (0, 0), {}, ValueError, "device_bytes"),
+    ("kv_pool_bytes reserve too big", capacity.kv_pool_bytes, (10, 11), {}, ValueError, "reserved_bytes"),
+    ("kv_pool_bytes device inf", capacity.kv_pool_bytes, (inf, 0), {}, ValueError, "device_bytes"),
+    ("kv_pool_bytes reserve negative", capacity.kv_pool_bytes, (10, -1), {}, ValueError, "reserved_bytes"),
+    ("sequences_that_fit zero bytes", capacity.sequences_that_fit, (0, 10, 0), {}, ValueError,
+     "bytes_per_sequence"),
+    ("sequences_that_fit nan device", capacity.sequences_that_fit, (1, nan, 0), {}, ValueError, "device_bytes"),
+    # ---- vllm
+    ("available total 0", vllm.available_kv_bytes, (0, 0.9, 0), {}, ValueError, "gpu_total_bytes"),
+    ("available utilization 0", vllm.available_kv_bytes, (GiB, 0, 0), {}, ValueError, "gpu_memory_utilization"),
+    ("available utilization 1.5", vllm.available_kv_bytes, (GiB, 1.5, 0), {}, ValueError,
+     "gpu_memory_utilization"),
+    ("available non-KV negative", vllm.available_kv_bytes, (GiB, 0.9, -1), {}, ValueError, "non_kv_bytes"),
+    ("available non-KV inf", vllm.available_kv_bytes, (GiB, 0.9, inf), {}, ValueError, "non_kv_bytes"),
+    ("report unknown model", vllm.kv_cache_report, ("Llama-9", 8 * GiB), REPORT, ValueError, "model"),
+    ("report block 24", vllm.kv_cache_report, ("Llama-3-8B", 8 * GiB), REPORT | {"block_size": 24}, ValueError,
+     "block_size"),
+    ("report block 0", vllm.kv_cache_report, ("Llama-3-8B", 8 * GiB), REPORT | {"block_size": 0}, ValueError,
+     "block_size"),
+    ("report max_model_len 0", vllm.kv_cache_report, ("Llama-3-8B", 8 * GiB), {"max_model_len": 0}, ValueError,
+     "max_model_len"),
+    ("report max_model_len past the model's", vllm.kv_cache_report, ("Llama-3-8B", 20 * GiB),
+     {"max_model_len": 65_536}, ValueError, "max_model_len"),
+    ("report batched tokens 0", vllm.kv_cache_report, ("Llama-3-8B", 8 * GiB),
+     REPORT | {"max_num_batched_tokens": 0}, ValueError, "max_num_batched_tokens"),
+    ("report TP 5 on 8 KV heads", vllm.kv_cache_report, (SHAPE_40Q_8KV, 40 * GiB),
+     REPORT | {"tensor_parallel_size": 5}, ValueError, "tensor_parallel_size"),
+    ("report TP 3 on 32 heads", vllm.kv_cache_report, ("Llama-3-8B", 8 * GiB), REPORT | {"tensor_parallel_size": 3},
+     ValueError, "tensor_parallel_size"),
+    ("report PP 33", vllm.kv_cache_report, ("Llama-3-8B", 8 * GiB), REPORT | {"pipeline_parallel_size": 33},
+     ValueError, "pipeline_parallel_size"),
+    ("report dtype fp4", vllm.kv_cache_report, ("Llama-3-8B", 8 * GiB), REPORT | {"kv_cache_dtype": "fp4"},
+     ValueError, "kv_cache_dtype"),
+    ("report MLA per-token-head", vllm.kv_cache_report, ("DeepSeek-V3", 40 * GiB),
+     {"max_model_len": 4096, "kv_cache_dtype": "fp8_per_token_head"}, ValueError, "kv_cache_dtype"),
+    ("report fp8_ds_mla without MLA", vllm.kv_cache_report, ("Llama-3-8B", 8 * GiB),
+     REPORT | {"kv_cache_dtype": "fp8_ds_mla"}, ValueError, "kv_cache_dtype"),
+    ("report batches 0", vllm.kv_cache_report, ("Llama-3-8B", 8 * GiB), REPORT | {"batches_in_flight": 0},
+     ValueError, "batches_in_flight"),
+    ("report available nan", vllm.kv_cache_report, ("Llama-3-8B", nan), REPORT, ValueError, "available_kv_bytes"),
+    ("report available per stage", vllm.kv_cache_report, ("Llama-3-8B", [GiB, GiB]), REPORT, ValueError,
+     "available_kv_bytes"),
+    ("report negative available: vLLM's refusal", vllm.kv_cache_report, ("Llama-3-8B", -GiB), REPORT, ValueError,
+     "gpu_memory_utilization"),
+    ("report allow-long not a bool", vllm.kv_cache_report, ("Llama-3-8B", 8 * GiB),
+     REPORT | {"allow_long_max_model_len": "1"}, TypeError, "allow_long_max_model_len"),
+    ("get_pp_indices rank too big", vllm.get_pp_indices, (61, 4, 4), {}, ValueError, "pp_rank"),
+    ("get_pp_indices rank negative", vllm.get_pp_indices, (61, -1, 4), {}, ValueError, "pp_rank"),
+    ("get_pp_indices too many stages", vllm.get_pp_indices, (4, 0, 5), {}, ValueError, "pipeline_parallel_size"),
+    ("page_size_bytes not a shape", vllm.page_size_bytes, ("Llama-3-8B",), {}, TypeError, "shape"),
+    ("page_size_bytes block 0", vllm.page_size_bytes, (LLAMA, 0), {}, ValueError, "block_size"),
+    ("page_size_bytes MLA int8 per head", vllm.page_size_bytes, (DEEPSEEK, 64, "int8_per_token_head"), {},
+     ValueError, "kv_cache_dtype"),
+    ("check_max_model_len 0", vllm.check_max_model_len, (LLAMA, 0), {}, ValueError, "max_model_len"),
+    # ---- kernels
+    ("launch_settings kernel", kernels.launch_settings, ("bogus", torch.float16, 128, (8, 0)), {}, ValueError,
+     "kernel"),
+    ("launch_settings head_dim 0", kernels.launch_settings, ("decode", torch.float16, 0, (8, 0)), {}, ValueError,
+     "head_dim"),
+    ("launch_settings head_dim 512", kernels.launch_settings, ("decode", torch.float16, 512, (8, 0)), {},
+     ValueError, "head_dim"),
+    ("launch_settings dtype", kernels.launch_settings, ("decode", torch.int8, 64, (8, 0)), {}, ValueError, "dtype"),
+    ("launch_settings capability", kernels.launch_settings, ("decode", torch.float16, 64, (8,)), {}, ValueError,
+     "capability"),
+    ("launch_settings max_len", kernels.launch_settings, ("decode", torch.float16, 64, (8, 0), 0), {}, ValueError,
+     "max_len"),
+    ("choose_num_splits no seqs", kernels.choose_num_splits, (0, 8, 4096), {}, ValueError, "num_seqs"),
+    ("choose_num_splits no heads", kernels.choose_num_splits, (1, 0, 4096), {}, ValueError, "num_kv_heads"),
+    ("choose_num_splits no length", kernels.choose_num_splits, (1, 8, 0), {}, ValueError, "max_seq_len"),
+    ("choose_num_splits target 0", kernels.choose_num_splits, (1, 8, 4096), {"target_programs": 0}, ValueError,
+     "target_programs"),
+    ("write_kv slot out of range", kernels.write_kv, (K_NEW, V_NEW, K_CACHE, V_CACHE,
+                                                      torch.tensor([0, 1, 64])), {}, ValueError, "slot_mapping"),
+    ("write_kv duplicate slots", kernels.write_kv, (K_NEW, V_NEW, K_CACHE, V_CACHE, torch.tensor([0, 5, 5])), {},
+     ValueError, "slot_mapping"),
+    ("write_kv k dims", kernels.write_kv, (K_NEW[0], V_NEW[0], K_CACHE, V_CACHE, SLOTS[:1]), {}, ValueError, "k"),
+    ("write_kv v dtype", kernels.write_kv, (K_NEW, V_NEW.double(), K_CACHE, V_CACHE, SLOTS), {}, ValueError, "v"),
+    ("decode seq_lens 0", kernels.paged_decode_attention,
+     (Q, K_CACHE, V_CACHE, BLOCK_TABLES, torch.tensor([0, 5], dtype=torch.int32)), {}, ValueError, "seq_lens"),
+    ("decode seq_lens past the table", kernels.paged_decode_attention,
+     (Q, K_CACHE, V_CACHE, BLOCK_TABLES, torch.tensor([40, 5], dtype=torch.int32)), {}, ValueError, "seq_lens"),
+    ("decode scale", kernels.paged_decode_attention, ATTN, {"scale": -1.0}, ValueError, "scale"),
+    ("decode num_splits", kernels.paged_decode_attention, ATTN, {"num_splits": 0}, ValueError, "num_splits"),
+    ("decode q int", kernels.paged_decode_attention, (Q.long(),) + ATTN[1:], {}, ValueError, "q"),
+    ("decode block id", kernels.paged_decode_attention,
+     (Q, K_CACHE, V_CACHE, torch.tensor([[0, 9], [2, 3]], dtype=torch.int32), SEQ_LENS), {}, ValueError,
+     "block_tables"),
+    ("decode block_tables int64", kernels.paged_decode_attention,
+     (Q, K_CACHE, V_CACHE, BLOCK_TABLES.long(), SEQ_LENS), {}, ValueError, "block_tables"),
+    ("decode out shape", kernels.paged_decode_attention, ATTN, {"out": torch.empty(3, 2, 8)}, ValueError, "out"),
+    ("decode heads not a multiple", kernels.paged_decode_attention,
+     (torch.randn(2, 3, 8), *_kv(heads=2), BLOCK_TABLES, SEQ_LENS), {}, ValueError, "num_kv_heads"),
+    ("prefill cu_seqlens end", kernels.paged_prefill_attention,
+     ATTN + (torch.tensor([0, 1, 3], dtype=torch.int32),), {}, ValueError, "cu_seqlens_q"),
+    ("prefill cu_seqlens length", kernels.paged_prefill_attention,
+     ATTN + (torch.tensor([0, 2], dtype=torch.int32),), {}, ValueError, "cu_seqlens_q"),
+    ("prefill v_cache shape", kernels.paged_prefill_attention,
+     (Q, K_CACHE, V_CACHE[:2], BLOCK_TABLES, SEQ_LENS, CU_SEQLENS), {}, ValueError, "v_cache"),
+    # ---- paging
+    ("blocks_needed tokens", paging.blocks_needed, (-1, 16), {}, ValueError, "num_tokens"),
+    ("blocks_needed block_size", paging.blocks_needed, (1, 0), {}, ValueError, "block_size"),
+    ("BlockAllocator 0", paging.BlockAllocator, (0,), {}, ValueError, "num_blocks"),
+    ("allocator free unknown id", On(allocator_with_one_used, "free"), (99,), {}, ValueError, "block_id"),
+    ("allocator double free", On(allocator_with_one_used, "free"), (1,), {}, ValueError, "block_id"),
+    ("allocator free_blocks all-or-nothing", On(allocator_with_one_used, "free_blocks"), ([0, 0],), {},
+     ValueError, "block_id"),
+    ("allocator incref free block", On(allocator_with_one_used, "incref"), (2,), {}, ValueError, "block_id"),
+    ("allocator revive used block", On(allocator_with_one_used, "revive"), (0,), {}, ValueError, "block_id"),
+    ("allocator allocate_many negative", On(allocator_with_one_used, "allocate_many"), (-1,), {}, ValueError, "n"),
+    ("allocator is_free bool", On(allocator_with_one_used, "is_free"), (True,), {}, ValueError, "block_id"),
+    ("BlockTable block_size 0", paging.BlockTable, (0,), {}, ValueError, "block_size"),
+    ("table slot past the end", On(table_of_five_tokens, "slot"), (5,), {}, ValueError, "position"),
+    ("table slots past the end", On(table_of_five_tokens, "slots"), (0, 100), {}, ValueError, "stop"),
+    ("table slots reversed", On(table_of_five_tokens, "slots"), (3, 1), {}, ValueError, "stop"),
+    ("table slots negative start", On(table_of_five_tokens, "slots"), (-1, 2), {}, ValueError, "start"),
+    ("table new_blocks_for negative", On(table_of_five_tokens, "new_blocks_for"), (-1,), {}, ValueError, "n"),
+    # ---- pool
+    ("plan_pool device negative", pool.plan_pool, (), {"device_bytes": -1}, ValueError, "device_bytes"),
+    ("plan_pool device inf", pool.plan_pool, (), {"device_bytes": inf}, ValueError, "device_bytes"),
+    ("plan_pool set aside too big", pool.plan_pool, (), {"set_aside_bytes": 25 * GiB}, ValueError,
+     "set_aside_bytes"),
+    ("plan_pool no whole block", pool.plan_pool, (), {"set_aside_bytes": 24 * GiB - 1}, ValueError,
+     "set_aside_bytes"),
+    ("plan_pool block 0", pool.plan_pool, (), {"block_size": 0}, ValueError, "block_size"),
+    ("plan_pool max_num_seqs 0", pool.plan_pool, (), {"max_num_seqs": 0}, ValueError, "max_num_seqs"),
+    ("plan_pool model", pool.plan_pool, (), {"model": "teaching model"}, TypeError, "model"),
+    ("PoolPlan.host_metadata_bytes", On(pool_plan, "host_metadata_bytes"), (-1,), {}, ValueError,
+     "bytes_per_block"),
+    ("reservation_shares empty", pool.reservation_shares, ([],), {}, ValueError, "requests"),
+    ("reservation_shares max_len 0", pool.reservation_shares, ([workloads.RequestSpec(**GOOD_SPEC)],),
+     {"max_len": 0}, ValueError, "max_len"),
+    ("reservation_shares max_len short", pool.reservation_shares, ([workloads.RequestSpec(**GOOD_SPEC)],),
+     {"max_len": 5}, ValueError, "max_len"),
+    # ---- workloads
+    ("RequestSpec output_len 0", workloads.RequestSpec, (), GOOD_SPEC | {"output_len": 0}, ValueError,
+     "output_len"),
+    ("RequestSpec request_id", workloads.RequestSpec, (), GOOD_SPEC | {"request_id": -1}, ValueError,
+     "request_id"),
+    ("RequestSpec empty prompt", workloads.RequestSpec, (), GOOD_SPEC | {"prompt_token_ids": []}, ValueError,
+     "prompt_token_ids"),
+    ("RequestSpec negative token", workloads.RequestSpec, (), GOOD_SPEC | {"prompt_token_ids": [1, -1]},
+     ValueError, "prompt_token_ids"),
+    ("RequestSpec prefix_len", workloads.RequestSpec, (), GOOD_SPEC | {"prefix_len": 5}, ValueError, "prefix_len"),
+    ("LengthProfile mean", workloads.LengthProfile, (), PROFILE | {"prompt_mean": -1.0}, ValueError,
+     "prompt_mean"),
+    ("LengthProfile sigma", workloads.LengthProfile, (), PROFILE | {"output_sigma": 0.0}, ValueError,
+     "output_sigma"),
+    ("LengthProfile max below mean", workloads.LengthProfile, (), PROFILE | {"max_prompt_len": 5}, ValueError,
+     "max_prompt_len"),
+    ("poisson_arrivals count", workloads.poisson_arrivals, (-1, 1.0, RNG()), {}, ValueError, "num_requests"),
+    ("poisson_arrivals rate", workloads.poisson_arrivals, (3, 0.0, RNG()), {}, ValueError, "arrival_rate"),
+    ("make_workload prefix_share", workloads.make_workload, (5, 1.0), {"prefix_share": 1.5}, ValueError,
+     "prefix_share"),
+    ("make_workload profile name", workloads.make_workload, (5, 1.0), {"lengths": "nope"}, ValueError, "lengths"),
+    ("make_workload profile type", workloads.make_workload, (5, 1.0), {"lengths": 5}, TypeError, "lengths"),
+    ("make_workload seed", workloads.make_workload, (5, 1.0), {"seed": -1}, ValueError, "seed"),
+    ("make_workload vocab", workloads.make_workload, (5, 1.0), {"vocab_size": 1}, ValueError, "vocab_size"),
+    ("make_workload prefixes", workloads.make_workload, (5, 1.0), {"num_prefixes": 0}, ValueError, "num_prefixes"),
+    ("length_stats empty", workloads.length_stats, ([],), {}, ValueError, "requests"),
+    # ---- costmodel
+    ("Device memory", costmodel.Device, ("x", 0, 1, 1), {}, ValueError, "memory_bytes"),
+    ("get_device", costmodel.get_device, ("nope",), {}, ValueError, "device"),
+    ("get_model_cost", costmodel.get_model_cost, ("nope",), {}, ValueError, "model"),
+    ("CostModel overhead", costmodel.CostModel, (), {"overhead_s": -1.0}, ValueError, "overhead_s"),
+    ("CostModel.step empty chunk", On(cost_model, "step"), ([(0, 0)],), {}, ValueError, "work"),
+    ("CostModel.decode_step_time batch", On(cost_model, "decode_step_time"), (0, 10), {}, ValueError,
+     "batch_size"),
+    ("CostModel.decode_step_time context", On(cost_model, "decode_step_time"), (1, -1), {}, ValueError,
+     "context_len"),
+    ("CostModel.prefill_time prompt", On(cost_model, "prefill_time"), (0,), {}, ValueError, "prompt_len"),
+    ("CostModel.prefill_time chunk", On(cost_model, "prefill_time"), (10,), {"chunk": 0}, ValueError, "chunk"),
+    # ---- model (configuration) and pretrained
+    ("DecoderConfig vocab 0", model.DecoderConfig, (), {"vocab_size": 0}, ValueError, "vocab_size"),
+    ("DecoderConfig groups", model.DecoderConfig, (), {"num_attention_heads": 6, "num_key_value_heads": 4},
+     ValueError, "num_attention_heads"),
+    ("DecoderConfig odd head_dim", model.DecoderConfig, (), {"head_dim": 3}, ValueError, "head_dim"),
+    ("DecoderConfig rope_theta", model.DecoderConfig, (), {"rope_theta": -1.0}, ValueError, "rope_theta"),
+    ("DecoderConfig rms_norm_eps", model.DecoderConfig, (), {"rms_norm_eps": 0.0}, ValueError, "rms_norm_eps"),
+    ("DecoderConfig.from_dict model_type", model.DecoderConfig.from_dict, ({"model_type": "gpt2"},), {},
+     ValueError, "model_type"),
+    ("DecoderConfig.from_dict activation", model.DecoderConfig.from_dict, ({"hidden_act": "gelu"},), {},
+     ValueError, "hidden_act"),
+    ("Decoder.forward float ids", On(tiny_decoder, "forward"), (torch.zeros(1, 3),), {}, ValueError, "input_ids"),
+    ("Decoder.forward id past vocab", On(tiny_decoder, "forward"), (torch.tensor([[1, 40]]),), {}, ValueError,
+     "input_ids"),
+    ("from_pretrained int dtype", pretrained.from_pretrained, ("unused",), {"dtype": torch.int8}, ValueError,
+     "dtype"),
+    ("from_pretrained no config.json", pretrained.from_pretrained, (folder_without_config(),), {},
+     ValueError, "path_or_repo_id"),
+    # ---- cache, prefix, scheduler, sim, engine: rows their current code already refuses correctly
+    ("generate no prompt", cache.generate, (tiny_decoder(), [], 2), {}, ValueError, "prompt_ids"),
+    ("KVPool blocks 0", cache.KVPool, (tiny_config(), 0, 4), {}, ValueError, "num_blocks"),
+    ("PagedKVCache.free_sequence unknown", On(paged_cache, "free_sequence"), (99,), {}, ValueError, "seq_id"),
+    ("hash_chain block 0", prefix.hash_chain, ([1, 2, 3], 0), {}, ValueError, "block_size"),
+    ("PrefixCache block 0", prefix.PrefixCache, (paging.BlockAllocator(4), 0), {}, ValueError, "block_size"),
+    ("PrefixCache.evict negative", On(prefix_cache, "evict"), (-1,), {}, ValueError, "num_blocks"),
+    ("scheduler Request empty prompt", scheduler.Request, ([], 4), {}, ValueError, "prompt_token_ids"),
+    ("scheduler Request max_new_tokens", scheduler.Request, ([1, 2], 0), {}, ValueError, "max_new_tokens"),
+    ("Scheduler block 0", scheduler.Scheduler, (), {"num_blocks": 8, "block_size": 0}, ValueError, "block_size"),
+    ("Simulator block 0", sim.Simulator, (), {"num_blocks": 8, "block_size": 0}, ValueError, "block_size"),
+    ("Simulator blocks 0", sim.Simulator, (), {"num_blocks": 0}, ValueError, "num_blocks"),
+    ("Engine model", engine.Engine, ("not a model", 8), {}, ValueError, "model"),
+    # ---- widgets
+    ("paging stepper prompt_len", paging_stepper.Request, ("A", 0, -1, 3), {}, ValueError, "prompt_len"),
+    ("paging stepper arrival", paging_stepper.Request, ("A", -1, 1, 3), {}, ValueError, "arrival"),
+    ("paging stepper max_steps", paging_stepper.simulate, (), {"max_steps": 0}, ValueError, "max_steps"),
+    ("paging stepper empty workload", paging_stepper.simulate, ([],), {}, ValueError, "workload"),
+    ("paging stepper num_blocks", paging_stepper.simulate, (), {"num_blocks": 0}, ValueError, "num_blocks"),
+    ("paging stepper block_size", paging_stepper.simulate, (), {"block_size": 0}, ValueError, "block_size"),
+    ("load explorer rate", load_explorer.explore, (0.0, 0.5, 16, 1.0), {}, ValueError, "arrival_rate"),
+    ("prefix stepper blocks", prefix_stepper.story, (0,), {}, ValueError, "num_blocks"),
+]
+
+
+# ---------------------------------------------------------------------------------------------- the checks
+
+
+def snapshot(x: Any, depth: int = 0, seen: set[int] | None = None) -> Any:
+    """A comparable deep copy of ``x``'s state: tensors by value, objects attribute by attribute."""
+    seen = set() if seen is None else seen
+    if isinstance(x, torch.Tensor):
+        return ("tensor", str(x.dtype), tuple(x.shape), x.detach().cpu().reshape(-1).tolist())
+    if isinstance(x, np.ndarray):
+        return ("array", str(x.dtype), x.tolist())
+    if isinstance(x, float):
+        return repr(x)  # NaN equals itself this way
+    if x is None or isinstance(x, (bool, int, str, bytes, torch.dtype, torch.device, enum.Enum, range)):
+        return x
+    if depth > 8 or id(x) in seen:
+        return ("seen", type(x).__name__)
+    seen = seen | {id(x)}
+    if isinstance(x, dict):
+        return ("dict", [(repr(k), snapshot(v, depth + 1, seen)) for k, v in x.items()])
+    if isinstance(x, (list, tuple, deque)):
+        return (type(x).__name__, [snapshot(v, depth + 1, seen) for v in x])
+    if isinstance(x, (set, frozenset)):
+        return ("set", sorted(repr(v) for v in x))
+    if isinstance(x, torch.nn.Module):
+        return ("module", [(k, snapshot(v, depth + 1, seen)) for k, v in x.state_dict().items()])
+    if isinstance(x, np.random.Generator):
+        return ("rng", repr(x.bit_generator.state))
+    if callable(x) and not hasattr(x, "__dict__"):
+        return ("callable", repr(x))
+    state = getattr(x, "__dict__", None)
+    if state is not None:
+        return (type(x).__name__, snapshot(state, depth + 1, seen))
+    return ("repr", repr(x))
+
+
+def run_case(call: Any, args: tuple, kwargs: dict, exc: type, param: str) -> None:
+    """The call raises ``exc`` naming ``param``, and changes neither its object nor its arguments."""
+    target = call
+    if isinstance(call, On):
+        obj = call.factory()
+        target = getattr(obj, call.method)
+    else:
+        obj = None
+    before = snapshot((obj, args, kwargs))
+    with pytest.raises(exc) as err:
+        target(*args, **kwargs)
+    assert param in str(err.value), f"the message does not name {param!r}: {err.value}"
+    assert snapshot((obj, args, kwargs)) == before, "state changed although the call was refused"
+
+
+@pytest.mark.parametrize("label, call, args, kwargs, exc, param", CASES, ids=[c[0] for c in CASES])
+def test_bad_input_is_refused(label, call, args, kwargs, exc, param):
+    run_case(call, args, kwargs, exc, param)
+
+
+def test_the_table_is_large_and_covers_every_public_module():
+    assert len(CASES) >= 100
+    assert len({c[0] for c in CASES}) == len(CASES)  # one label a case
+    modules = set()
+    for _, call, *_ in CASES:
+        fn = call.factory if isinstance(call, On) else call
+        modules.add(getattr(fn, "__module__", "") or "")
+    covered = {m for m in modules if m.startswith("labkit.")}
+    for name in ("checks", "units", "capacity", "vllm", "kernels", "paging", "pool", "workloads", "costmodel",
+                 "model", "cache", "prefix", "scheduler", "sim", "engine", "widgets.paging_stepper",
+                 "widgets.load_explorer", "widgets.prefix_stepper"):
+        assert f"labkit.{name}" in covered, name
+
+
+def test_the_state_check_can_fail():
+    """The snapshot sees a change deep inside an object: the state check is not vacuous."""
+    alloc = allocator_with_one_used()
+    before = snapshot(alloc)
+    alloc.allocate()
+    assert snapshot(alloc) != before
+    t = torch.zeros(3)
+    before = snapshot(t)
+    t[1] = 1
+    assert snapshot(t) != before
+
+
+if __name__ == "__main__":  # the count, without pytest: python tests/test_bad_inputs.py
+    failures = []
+    for label, call, args, kwargs, exc, param in CASES:
+        try:
+            run_case(call, args, kwargs, exc, param)
+        except BaseException as e:  # noqa: BLE001 - a row that fails is counted, whatever the reason
+            failures.append((label, f"{type(e).__name__}: {str(e).splitlines()[0][:150] if str(e) else ''}"))
+    for label, why in failures:
+        print(f"NOT REFUSED CORRECTLY  {label}: {why}")
+    print(f"{len(CASES) - len(failures)} of {len(CASES)} bad inputs refused correctly")
+    sys.exit(0)
