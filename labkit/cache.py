@@ -162,7 +162,8 @@ class KVPool:
     slots, then the decode kernel (one new token per sequence) or the prefill kernel (several)
     reads each sequence's blocks. The caches of chapters 03 to 05 differ only in who decides the
     block tables; they all attend through this class. ``use_triton=False`` runs the kernels'
-    PyTorch references instead (same results, much faster than Triton's interpreter on a CPU).
+    PyTorch references instead (same results, much faster than Triton's interpreter on a CPU; decode
+    in its batched form, ``kernels.paged_decode_attention_batched``).
     """
 
     def __init__(self, config: DecoderConfig, num_blocks: int, block_size: int,
@@ -215,7 +216,7 @@ class KVPool:
         meta = self.meta
         self._check_qkv(q, k, v, None if meta is None else meta.slot_mapping.numel())
         write_kv = kernels.write_kv if self.use_triton else kernels.write_kv_ref
-        decode = kernels.paged_decode_attention if self.use_triton else kernels.paged_decode_attention_ref
+        decode = kernels.paged_decode_attention if self.use_triton else kernels.paged_decode_attention_batched
         prefill = kernels.paged_prefill_attention if self.use_triton else kernels.paged_prefill_attention_ref
         kc, vc = self.k_caches[layer_idx], self.v_caches[layer_idx]
         flat = lambda t: t.reshape(-1, *t.shape[2:]).to(self.dtype).contiguous()  # noqa: E731

@@ -21,7 +21,7 @@ Each ``Engine.step()`` follows what vLLM v1 does each iteration (``vllm/v1/engin
    then the Triton paged-attention kernels (chapter 03) attend over each request's
    blocks, request ``i`` owning query rows ``cu_seqlens_q[i]:cu_seqlens_q[i+1]``.
 5. The logits at the last token of each chunk that reaches the end of its known tokens
-   are turned into the next token (greedy), and ``Scheduler.postprocess`` appends them,
+   (and only there: ``logits_indices``, as vLLM computes them) are turned into the next token (greedy), and ``Scheduler.postprocess`` appends them,
    finishes requests and releases their blocks. A request also finishes on an end-of-sequence
    token: a real model's ``config.eos_token_id`` (a chat model may list several).
 
@@ -120,13 +120,14 @@ class Engine:
             self.backend.meta = AttentionMetadata.build(
                 [c.block_table for c in step.chunks], [c.seq_len for c in step.chunks],
                 [c.num_tokens for c in step.chunks], [s for c in step.chunks for s in c.slot_mapping], device)
-            logits = self.model(input_ids, positions, cache=self.backend)[0]
-            ends, end = [], 0
+            ends, end = [], 0  # the last token of each chunk that samples: only there are logits needed
             for c in step.chunks:
                 end += c.num_tokens
                 if c.samples:
                     ends.append(end - 1)
-            sampled = logits[ends].argmax(dim=-1).tolist()
+            logits = self.model(input_ids, positions, cache=self.backend,
+                                logits_indices=torch.tensor(ends, dtype=torch.long, device=device))[0]
+            sampled = logits.argmax(dim=-1).tolist()
         elif self.scheduler.has_unfinished():
             raise RuntimeError("the scheduler planned nothing although requests are unfinished")
         self.scheduler.postprocess(step, sampled)

@@ -140,6 +140,27 @@ def test_decode_ignores_poisoned_slots_and_table_padding():
     assert torch.equal(again, out)
 
 
+@pytest.mark.parametrize("heads", RATIOS)
+@pytest.mark.parametrize("block_size", [4, 16])
+def test_batched_decode_reference_equals_the_per_sequence_reference(heads, block_size):
+    """The engine's CPU path (one gather for the batch, a mask) against the loop over sequences,
+    in float64, on ragged lengths, shuffled block tables and a NaN-poisoned pool."""
+    gen = torch.Generator().manual_seed(block_size + 10 * heads[0])
+    lens = boundary_lens(block_size, gen, extra=3)
+    k_cache, v_cache, block_tables, seq_lens = make_pool(lens, heads[1], 32, block_size, torch.float64, gen,
+                                                         device="cpu")
+    q = torch.randn(len(lens), heads[0], 32, generator=gen, dtype=torch.float64)
+    ref = kernels.paged_decode_attention_ref(q, k_cache, v_cache, block_tables, seq_lens)
+    got = kernels.paged_decode_attention_batched(q, k_cache, v_cache, block_tables, seq_lens)
+    assert not got.isnan().any()
+    torch.testing.assert_close(got, ref, rtol=1e-12, atol=1e-12)
+    block_tables[:, -1] = 10**6  # padding past every sequence's blocks is never read
+    torch.testing.assert_close(kernels.paged_decode_attention_batched(q, k_cache, v_cache, block_tables, seq_lens),
+                               ref, rtol=1e-12, atol=1e-12)
+    half = kernels.paged_decode_attention_batched(q.float(), k_cache.float(), v_cache.float(), block_tables, seq_lens)
+    assert half.dtype == torch.float32 and (half.double() - ref).abs().max() < 1e-5
+
+
 @needs_kernels
 @pytest.mark.parametrize("dtype", list(TOL))
 @pytest.mark.parametrize("num_splits", [3, 7])
