@@ -818,69 +818,66 @@ assert recompute > hidden >= 0
 #
 # ## The engine with a real model
 #
-# The engine never looks inside the model: it needs a `Decoder`, and `Decoder.from_pretrained`
-# (chapter 01) makes one from a real checkpoint. So the same `Engine` serves
-# SmolLM2-135M-Instruct (`HuggingFaceTB/SmolLM2-135M-Instruct`): four chat requests at once, with
-# its tokenizer and chat template, each reply ending at the model's end-of-sequence token
-# (`eos_token_id` in its config, `<|im_end|>` for SmolLM2; a config may list several, as Llama 3's
-# chat models do, and the engine stops on any of them).
+# The engine never looks inside the model: it needs a `Decoder`, and `from_pretrained` (chapter 01)
+# makes one from a real model file. So the same `Engine` serves SmolLM2-135M-Instruct (the 4-bit GGUF
+# file that `make setup` installs, dequantized to float32 here): four chat requests at once, which
+# share a system prompt, with the model's tokenizer and chat template. A reply ends at the model's
+# end-of-turn token (`eos_token_id`, `<|im_end|>` for SmolLM2; a config may list several, as Llama 3's
+# chat models do, and the engine stops on any of them) or after 24 tokens.
 #
-# Offline, in CI and under the tests the weights are not reachable, and the cell says so. It then
-# checks what makes the online run trustworthy: transformers builds a small model of SmolLM2's
-# family with random weights and saves it as a Hub folder; the engine serves the checkpoint
-# `from_pretrained` loads, on the Triton kernels, and its greedy tokens must equal transformers' own
-# `generate`, first without a stop token and then with a list of two.
+# The pool is made tight on purpose: the four prompts fit (so vLLM's gate admits them all), but not
+# the four prompts with all their replies, so the scheduler must preempt a running request on the
+# way and recompute it later. On a CPU the engine calls the kernels' PyTorch references (a 30-layer
+# model through Triton's interpreter would take minutes); on a GPU, the Triton kernels.
 
 # %%
-import tempfile
+from labkit.pretrained import chat_token_ids, from_pretrained, load_tokenizer, real_model, to_transformers
 
-from labkit.pretrained import chat_token_ids, load_tokenizer, real_model_source, save_random_checkpoint
+path = real_model()
+real = from_pretrained(path, dtype=torch.float32, device=labkit.DEVICE)
+tokenizer = load_tokenizer(path)
+system = {"role": "system", "content": "You are a helpful assistant. Answer in one short sentence."}
+asks = ["What is the capital of France?", "Name the three primary colours.", "What does a CPU do?",
+        "How do you say hello in Spanish?"]
+chat_prompts = [chat_token_ids(tokenizer, [system, {"role": "user", "content": q}]) for q in asks]
+REPLY, BLOCK = 24, 16
+# Blocks for the prompts alone, and for the prompts with full replies (shared system-prompt blocks once).
+shortest = min(len(p) for p in chat_prompts)
+common = next((i for i in range(shortest) if len({p[i] for p in chat_prompts}) > 1), shortest) // BLOCK
+prompt_blocks = common + sum(-(-len(p) // BLOCK) - common for p in chat_prompts)
+full_blocks = common + sum(-(-(len(p) + REPLY) // BLOCK) - common for p in chat_prompts)
+tight = full_blocks - 2
+assert prompt_blocks <= tight < full_blocks
+real_engine = Engine(real, num_blocks=tight, block_size=BLOCK, max_num_batched_tokens=256, use_triton=not cpu)
+replies = real_engine.generate(chat_prompts, REPLY)  # stops at config.eos_token_id
 
-REAL_MODEL = "HuggingFaceTB/SmolLM2-135M-Instruct"
-source = real_model_source(REAL_MODEL)
-if source:
-    real = Decoder.from_pretrained(source, dtype=torch.bfloat16 if labkit.DEVICE.type == "cuda" else torch.float32,
-                                   device=labkit.DEVICE)
-    tokenizer = load_tokenizer(source)
-    system = {"role": "system", "content": "You are a helpful assistant. Answer briefly."}
-    asks = ["What is the capital of France?", "Name the three primary colours.",
-            "What does a CPU do?", "How do you say hello in Spanish?"]
-    chat_prompts = [chat_token_ids(tokenizer, [system, {"role": "user", "content": q}]) for q in asks]
-    # A 30-layer model through Triton's interpreter is slow: on a CPU, the kernels' PyTorch references.
-    real_engine = Engine(real, num_blocks=256, block_size=16, max_num_batched_tokens=256, use_triton=not cpu)
-    replies = real_engine.generate(chat_prompts, 48)  # stops at config.eos_token_id
-    for q, r in zip(asks, replies):
-        print(f"{q}\n  -> {tokenizer.decode(r, skip_special_tokens=True)!r} ({len(r)} tokens)")
-    stopped = sum(r[-1] in (real.config.eos_token_id if isinstance(real.config.eos_token_id, list)
-                            else [real.config.eos_token_id]) for r in replies)
-    print(f"{len(real_engine.stats)} steps; {stopped} of {len(replies)} replies ended at end-of-sequence")
-else:
-    print(f"The weights of {REAL_MODEL} are not reachable from here (offline, CI or tests): "
-          f"showing the offline check instead.")
-    stand_in = {"model_type": "llama", "hidden_size": 72, "intermediate_size": 96, "num_hidden_layers": 2,
-                "num_attention_heads": 9, "num_key_value_heads": 3, "vocab_size": cfg.vocab_size,
-                "rope_theta": 100000.0, "tie_word_embeddings": True}  # SmolLM2's recipe, smaller
-    folder = tempfile.mkdtemp()
-    hf_model = save_random_checkpoint(stand_in, folder, seed=1)
-    loaded = Decoder.from_pretrained(folder, dtype=torch.float32).to(labkit.DEVICE)
+# %%
+# NBVAL_CHECK_OUTPUT
+stop = real.config.eos_token_id
+print(f"pool: {tight} blocks of {BLOCK} tokens; the prompts need {prompt_blocks}, prompts and full replies "
+      f"{full_blocks} (the {common} system-prompt blocks counted once)")
+st = real_engine.stats
+print(f"{len(st)} steps, {sum(s.preemptions for s in st)} preemption(s), {sum(s.prefix_hit_tokens for s in st)} "
+      f"prompt tokens from the prefix cache, {sum(s.scheduled_tokens for s in st)} tokens computed for "
+      f"{sum(map(len, chat_prompts))} prompt and {sum(map(len, replies))} reply tokens")
+print(f"{sum(r[-1] == stop for r in replies)} of {len(replies)} replies ended at <|im_end|>")
+assert sum(s.preemptions for s in st) > 0
 
-    def hf_generate(p: list[int], stop: list[int] | None) -> list[int]:
-        ids = torch.tensor([p])
-        out = hf_model.generate(ids, attention_mask=torch.ones_like(ids), max_new_tokens=8, do_sample=False,
-                                eos_token_id=stop, pad_token_id=0)
-        return out[0, len(p):].tolist()
+# %% [markdown]
+# The replies, and the check that makes them trustworthy: transformers' own Llama implementation
+# (`to_transformers` hands it the same tensors) generates each reply alone, greedily, with its
+# own attention and its own cache. Batching, chunking, prefix reuse, paging and the preemption
+# must not have changed a single token:
 
-    free_run = Engine(loaded, num_blocks=POOL, block_size=4, max_num_batched_tokens=16).generate(
-        prompts, 8, eos_token_id=())
-    assert free_run == [hf_generate(p, None) for p in prompts]
-    stop = [next(t for t in range(cfg.vocab_size) if all(t not in r for r in free_run)), free_run[1][3]]
-    stop_run = Engine(loaded, num_blocks=POOL, block_size=4, max_num_batched_tokens=16, use_triton=not cpu).generate(
-        prompts, 8, eos_token_id=stop)
-    assert stop_run == [hf_generate(p, stop) for p in prompts]
-    assert any(len(r) < 8 for r in stop_run)
-    for p, a, b in zip(prompts, free_run, stop_run):
-        print(f"prompt of {len(p)} tokens: no stop {a}   stop on {stop}: {b}")
-    print("engine (Triton kernels, prefix cache) == transformers' generate, token for token: True")
+# %%
+reference = to_transformers(real)
+for q, p, r in zip(asks, chat_prompts, replies):
+    ids = torch.tensor([p], device=labkit.DEVICE)
+    alone_hf = reference.generate(ids, attention_mask=torch.ones_like(ids), max_new_tokens=REPLY, do_sample=False,
+                                  eos_token_id=stop, pad_token_id=stop)[0, len(p):].tolist()
+    assert r == alone_hf, q
+    print(f"{q}\n  -> {tokenizer.decode(r, skip_special_tokens=True)!r} ({len(r)} tokens)")
+print("engine == transformers' generate, token for token, for all four requests")
 
 
 # %% [markdown]
@@ -912,8 +909,9 @@ else:
 #   it takes under a tenth of the recompute's time for the teaching model, but holds CPU memory.
 # - The engine built from chapters 01 to 05 gives exactly the tokens of generating each prompt
 #   alone, with batching, chunking, prefix reuse and preemption all at work.
-# - The same engine serves a real checkpoint (`Decoder.from_pretrained`) unchanged, and stops each
-#   reply at the model's end-of-sequence token(s); offline, its greedy tokens equal transformers'.
+# - The same engine serves a real model (SmolLM2-135M-Instruct, `from_pretrained`) unchanged, in a
+#   pool tight enough to preempt, stops each reply at the model's end-of-turn token, and gives
+#   transformers' greedy tokens, token for token.
 #
 # Chapter 06 drives this same `Scheduler` with synthetic requests and a cost model to ask the next
 # question: fitting in memory is one thing; serving fast enough is another.

