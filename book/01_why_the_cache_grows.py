@@ -420,16 +420,16 @@ print(f"prefilled {real_cache.seq_len} tokens; K and V in {real.config.num_hidde
 # %% [markdown]
 # Measured on the cache tensors, 23,040 bytes per token, as the formula said. The template added a
 # default system prompt, since the conversation had none. Now the model answers, with this
-# chapter's `generate` (greedy decoding, prefill then one token per step, stopped here at the model's
-# end-of-turn token `<|im_end|>`):
+# chapter's `generate` (greedy decoding, prefill then one token per step, stopped at the model's
+# end-of-turn token `<|im_end|>`, its `eos_token_id`):
 
 # %%
-reply = generate(real, ids, max_new_tokens=48)
-stop = real.config.eos_token_id
-answer = reply.tokens[:reply.tokens.index(stop) + 1] if stop in reply.tokens else reply.tokens
-print("reply:", tokenizer.decode(answer, skip_special_tokens=True))
-print(f"{len(answer)} tokens generated; the cache at the end held {reply.cache_tokens} tokens × "
-      f"{smol_per_token:,} bytes = {labkit.format_bytes(reply.cache_tokens * smol_per_token)}")
+reply = generate(real, ids, max_new_tokens=48, eos_token_id=real.config.eos_token_id)
+print("reply:", tokenizer.decode(reply.tokens, skip_special_tokens=True))
+assert reply.cache_tokens == len(ids) + len(reply.tokens) - 1  # the last token is never fed back
+print(f"{len(reply.tokens)} tokens generated; the cache at the end held {reply.cache_tokens} tokens "
+      f"(the prompt, and every reply token but the last) × {smol_per_token:,} bytes = "
+      f"{labkit.format_bytes(reply.cache_tokens * smol_per_token)}")
 
 # %% [markdown]
 # ## Summary

@@ -33,7 +33,7 @@ from typing import Sequence
 
 import torch
 
-from .checks import check_int, check_token_ids
+from .checks import check_int, check_token_ids, parse_stop_token_ids
 from .model import Decoder, DecoderConfig, causal_attention
 from .paging import BlockAllocator, BlockTable, OutOfBlocksError, blocks_needed
 from .prefix import CacheKey, CachedBlockTable, PrefixCache
@@ -91,14 +91,18 @@ class Generation:
 
 
 @torch.no_grad()
-def generate(model: Decoder, prompt_ids: list[int], max_new_tokens: int, use_cache: bool = True) -> Generation:
+def generate(model: Decoder, prompt_ids: list[int], max_new_tokens: int, use_cache: bool = True,
+             eos_token_id: int | Sequence[int] | None = None) -> Generation:
     """Greedy decoding of one sequence.
 
     With ``use_cache`` the prompt is prefilled once and every later step feeds one
     token. Without it, every step recomputes the whole sequence from scratch: the
-    same tokens, at a cost that grows with the square of the length.
+    same tokens, at a cost that grows with the square of the length. Generation stops
+    after ``max_new_tokens``, or right after a token of ``eos_token_id`` (one id or several;
+    None: never early), which is kept in the output as transformers' ``generate`` keeps it.
     """
     check_int("max_new_tokens", max_new_tokens, 1)
+    stop = set(parse_stop_token_ids(eos_token_id, vocab_size=model.config.vocab_size))
     if len(prompt_ids) < 1:
         raise ValueError("prompt_ids must hold at least one token")
     device = model.lm_head.weight.device
@@ -111,6 +115,8 @@ def generate(model: Decoder, prompt_ids: list[int], max_new_tokens: int, use_cac
         logits = model(ids, cache=cache)[0, -1]
         all_logits.append(logits)
         tokens.append(int(logits.argmax()))
+        if tokens[-1] in stop:
+            break
         feed = tokens[-1:] if use_cache else tokens  # decode: one token, or everything again
     return Generation(tokens[len(prompt_ids):], torch.stack(all_logits), cache.seq_len if cache else 0)
 

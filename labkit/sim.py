@@ -29,7 +29,7 @@ from .scheduler import Request, Scheduler, Step, _check_flag, advance_decodes
 from .units import format_bytes
 from .workloads import RequestSpec
 
-__all__ = ["Simulator", "SimResult", "weighted_percentile"]
+__all__ = ["Simulator", "SimResult", "weighted_percentile", "step_sums"]
 
 
 # =========================================================================== results
@@ -232,6 +232,20 @@ class Simulator:
         return _Run(self, requests, progress).result()
 
 
+def step_sums(step: Step) -> tuple[int, int, float]:
+    """What the cost model reads from a step: Σ new tokens, Σ context tokens (already in the cache
+    before the step) and Σ attention pairs (a chunk of ``k`` tokens after ``start`` cached ones
+    makes ``k * start + k * (k + 1) / 2`` query-key pairs)."""
+    new = ctx = 0
+    pairs = 0.0
+    for c in step.chunks:
+        k = c.num_tokens
+        new += k
+        ctx += c.start
+        pairs += k * c.start + k * (k + 1) / 2
+    return new, ctx, pairs
+
+
 # Synthetic output ids: unique per (request, position), above any vocabulary, so no two
 # requests ever produce the same full block by accident.
 _OUTPUT_ID_BASE = 1 << 20
@@ -347,15 +361,8 @@ class _Run:
                 clock = self._skip(clock, specs[nxt].arrival_time if nxt < n else math.inf, step)
 
     def _step_time(self, step: Step) -> float:
-        """The cost model's time for the step: Σ new tokens, Σ context, Σ attention pairs."""
-        new = ctx = 0
-        pairs = 0.0
-        for c in step.chunks:
-            k = c.num_tokens
-            new += k
-            ctx += c.start
-            pairs += k * c.start + k * (k + 1) / 2
-        return self.cost.time_from_sums(new, ctx, pairs)
+        """The cost model's time for the step."""
+        return self.cost.time_from_sums(*step_sums(step))
 
     def _record_step(self, step: Step, start: float, end: float) -> None:
         sampled, self._first_tokens = [], 0

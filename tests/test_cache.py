@@ -74,3 +74,19 @@ def test_bad_input():
     with pytest.raises(ValueError, match="batch size 1"):  # two rows into a cache of one sequence
         model(torch.tensor([[4], [5]]), cache=cache)
     assert cache.seq_len == 3
+
+
+def test_generate_stops_right_after_a_stop_token():
+    from labkit.cache import generate
+    from labkit.model import Decoder, DecoderConfig
+
+    model = Decoder.random(DecoderConfig(), seed=0)
+    free = generate(model, [1, 2, 3], 8).tokens
+    stop = free[3]
+    first = free.index(stop)
+    stopped = generate(model, [1, 2, 3], 8, eos_token_id=[511, stop])
+    assert stopped.tokens == free[:first + 1] and stopped.logits.shape[0] == first + 1
+    assert stopped.cache_tokens == 3 + first  # the stop token is never fed back
+    import pytest
+    with pytest.raises(ValueError, match="eos_token_id"):
+        generate(model, [1, 2, 3], 8, eos_token_id=True)
