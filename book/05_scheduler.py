@@ -823,7 +823,8 @@ assert recompute > hidden >= 0
 # file that `make setup` installs, dequantized to float32 here): four chat requests at once, which
 # share a system prompt, with the model's tokenizer and chat template. A reply ends at the model's
 # end-of-turn token (`eos_token_id`, `<|im_end|>` for SmolLM2; a config may list several, as Llama 3's
-# chat models do, and the engine stops on any of them) or after 24 tokens.
+# chat models do, and the engine stops on any of them) or after 24 tokens; these questions ask for
+# a few sentences, so here every reply reaches the limit.
 #
 # The pool is made tight on purpose: the four prompts fit (so vLLM's gate admits them all), but not
 # the four prompts with all their replies, so the scheduler must preempt a running request on the
@@ -836,9 +837,8 @@ from labkit.pretrained import chat_token_ids, from_pretrained, load_tokenizer, r
 path = real_model()
 real = from_pretrained(path, dtype=torch.float32, device=labkit.DEVICE)
 tokenizer = load_tokenizer(path)
-system = {"role": "system", "content": "You are a helpful assistant. Answer in one short sentence."}
-asks = ["What is the capital of France?", "Name the three primary colours.", "What does a CPU do?",
-        "How do you say hello in Spanish?"]
+system = {"role": "system", "content": "You are a helpful assistant. Explain things clearly, in a few sentences."}
+asks = ["How does a CPU work?", "Describe the water cycle.", "How do vaccines work?", "Why do we have seasons?"]
 chat_prompts = [chat_token_ids(tokenizer, [system, {"role": "user", "content": q}]) for q in asks]
 REPLY, BLOCK = 24, 16
 # Blocks for the prompts alone, and for the prompts with full replies (shared system-prompt blocks once).
@@ -855,12 +855,13 @@ replies = real_engine.generate(chat_prompts, REPLY)  # stops at config.eos_token
 # NBVAL_CHECK_OUTPUT
 stop = real.config.eos_token_id
 print(f"pool: {tight} blocks of {BLOCK} tokens; the prompts need {prompt_blocks}, prompts and full replies "
-      f"{full_blocks} (the {common} system-prompt blocks counted once)")
+      f"{full_blocks} (the shared system-prompt block{'s' if common != 1 else ''} counted once)")
 st = real_engine.stats
 print(f"{len(st)} steps, {sum(s.preemptions for s in st)} preemption(s), {sum(s.prefix_hit_tokens for s in st)} "
       f"prompt tokens from the prefix cache, {sum(s.scheduled_tokens for s in st)} tokens computed for "
       f"{sum(map(len, chat_prompts))} prompt and {sum(map(len, replies))} reply tokens")
-print(f"{sum(r[-1] == stop for r in replies)} of {len(replies)} replies ended at <|im_end|>")
+print(f"replies: {[len(r) for r in replies]} tokens; {sum(r[-1] == stop for r in replies)} ended at <|im_end|>, "
+      f"the others at the limit of {REPLY}")
 assert sum(s.preemptions for s in st) > 0
 
 # %% [markdown]

@@ -1081,6 +1081,9 @@ print(f"fitted device: {cpu_device.memory_bandwidth / 1e9:.1f} GB/s, {cpu_device
       f"overhead {1000 * cpu_overhead:.0f} ms per step")
 print(f"step time predicted / measured: median {np.median(predicted_s / measured_s):.2f}, "
       f"from {np.min(predicted_s / measured_s):.2f} to {np.max(predicted_s / measured_s):.2f}")
+decode_s = np.median([x.seconds for x in samples if x.new_tokens <= len(fit_specs)])
+print(f"the fixed overhead is {cpu_overhead / decode_s:.0%} of a median decode step ({1000 * decode_s:.0f} ms)")
+assert cpu_overhead >= 0.5 * decode_s  # on a CPU, most of a small step is fixed cost
 
 # %%
 fig, ax = plt.subplots(figsize=(6, 3.6))
@@ -1096,10 +1099,13 @@ fig.tight_layout()
 plt.show()
 
 # %% [markdown]
-# The fitted device is the CPU as the engine sees it: a bandwidth and an arithmetic rate far
-# below a GPU's, and a large fixed cost per step (Python, and a few hundred small operations per
-# step whatever their size), which the 0 ms of the GPU presets above leave out. Each dot is one
-# measured step, against the time the fitted roofline gives it. Now the prediction: the
+# The fitted device is the CPU as the engine sees it. Most of a small step's time is the fixed
+# overhead (more than half of a decode step, the cell checks): Python, and a few hundred small
+# operations per step whatever their size, which the 0 ms of the GPU presets above leave out. The
+# bandwidth and arithmetic rate are only the values that best fit these steps, not measurements of
+# the machine's memory or arithmetic: with so much of the time fixed, the fit cannot pin them down
+# well. Each dot is one measured step, against the time the fitted roofline gives it; the dashed
+# line is a perfect prediction. Now the prediction: the
 # simulator (chapter 06's `Simulator`, the chapter-05 scheduler with synthetic tokens) with this
 # device, then the engine serving the same eight requests for real.
 
