@@ -66,11 +66,13 @@ class KVCache:
         if k.dim() != 4 or tuple(k.shape[2:]) != expected or k.shape != v.shape:
             raise ValueError(f"k and v must be [batch, new, {expected[0]}, {expected[1]}], "
                              f"got {tuple(k.shape)} and {tuple(v.shape)}")
-        if not isinstance(q, torch.Tensor) or q.dim() != 4 or q.shape[:2] != k.shape[:2] \
-                or tuple(q.shape[2:]) != (cfg.num_attention_heads, cfg.head_dim):
-            raise ValueError(f"q must be [batch, new, {cfg.num_attention_heads}, {cfg.head_dim}] with k's batch and "
-                             f"new {tuple(k.shape[:2])}, got {tuple(getattr(q, 'shape', ()))}")
         stored = self.k[layer_idx]
+        kv_len = k.shape[1] + (0 if stored is None else stored.shape[1])
+        if not isinstance(q, torch.Tensor) or q.dim() != 4 or q.shape[0] != k.shape[0] or q.shape[1] > kv_len \
+                or tuple(q.shape[2:]) != (cfg.num_attention_heads, cfg.head_dim):
+            raise ValueError(f"q must be [batch, q_len, {cfg.num_attention_heads}, {cfg.head_dim}] with k's batch "
+                             f"{k.shape[0]} and q_len <= the {kv_len} positions stored, "
+                             f"got {tuple(getattr(q, 'shape', ()))}")
         if stored is not None and stored.shape[0] != k.shape[0]:
             raise ValueError(f"k and v must have the cache's batch size {stored.shape[0]}, got {k.shape[0]}")
         if self.k[layer_idx] is None:
