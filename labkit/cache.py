@@ -33,7 +33,7 @@ from typing import Sequence
 
 import torch
 
-from .checks import check_int, check_token_ids, parse_stop_token_ids
+from .checks import check_flag, check_int, check_token_ids, parse_stop_token_ids
 from .model import Decoder, DecoderConfig, causal_attention
 from .paging import BlockAllocator, BlockTable, OutOfBlocksError, blocks_needed
 from .prefix import CacheKey, CachedBlockTable, PrefixCache
@@ -46,6 +46,7 @@ class KVCache:
     """
 
     def __init__(self, config: DecoderConfig):
+        _check_config(config)
         self.config = config
         self.k: list[torch.Tensor | None] = [None] * config.num_hidden_layers
         self.v: list[torch.Tensor | None] = [None] * config.num_hidden_layers
@@ -66,6 +67,12 @@ class KVCache:
             raise ValueError(f"k and v must be [batch, new, {expected[0]}, {expected[1]}], "
                              f"got {tuple(k.shape)} and {tuple(v.shape)}")
         stored = self.k[layer_idx]
+        kv_len = k.shape[1] + (0 if stored is None else stored.shape[1])
+        if not isinstance(q, torch.Tensor) or q.dim() != 4 or q.shape[0] != k.shape[0] or q.shape[1] > kv_len \
+                or tuple(q.shape[2:]) != (cfg.num_attention_heads, cfg.head_dim):
+            raise ValueError(f"q must be [batch, q_len, {cfg.num_attention_heads}, {cfg.head_dim}] with k's batch "
+                             f"{k.shape[0]} and q_len <= the {kv_len} positions stored, "
+                             f"got {tuple(getattr(q, 'shape', ()))}")
         if stored is not None and stored.shape[0] != k.shape[0]:
             raise ValueError(f"k and v must have the cache's batch size {stored.shape[0]}, got {k.shape[0]}")
         if self.k[layer_idx] is None:
@@ -101,10 +108,11 @@ def generate(model: Decoder, prompt_ids: list[int], max_new_tokens: int, use_cac
     after ``max_new_tokens``, or right after a token of ``eos_token_id`` (one id or several;
     None: never early), which is kept in the output as transformers' ``generate`` keeps it.
     """
+    _check_model(model)
     check_int("max_new_tokens", max_new_tokens, 1)
+    _check_vocab(check_token_ids("prompt_ids", prompt_ids, 1), model.config.vocab_size)
+    check_flag("use_cache", use_cache)
     stop = set(parse_stop_token_ids(eos_token_id, vocab_size=model.config.vocab_size))
-    if len(prompt_ids) < 1:
-        raise ValueError("prompt_ids must hold at least one token")
     device = model.lm_head.weight.device
     cache = KVCache(model.config) if use_cache else None
     tokens = list(prompt_ids)
@@ -175,6 +183,7 @@ class KVPool:
     def __init__(self, config: DecoderConfig, num_blocks: int, block_size: int,
                  dtype: torch.dtype = torch.float32, device: torch.device | str | None = None,
                  use_triton: bool = True):
+        _check_config(config)
         check_int("num_blocks", num_blocks, 1)
         check_int("block_size", block_size, 1)
         if dtype not in (torch.float32, torch.float16, torch.bfloat16):
@@ -183,7 +192,7 @@ class KVPool:
 
         self.config, self.block_size, self.dtype = config, block_size, dtype
         self.device = torch.device(device) if device is not None else DEVICE
-        self.use_triton = bool(use_triton)
+        self.use_triton = check_flag("use_triton", use_triton)
         shape = (num_blocks, block_size, config.num_key_value_heads, config.head_dim)
         self.k_caches = [torch.zeros(shape, dtype=dtype, device=self.device) for _ in range(config.num_hidden_layers)]
         self.v_caches = [torch.zeros(shape, dtype=dtype, device=self.device) for _ in range(config.num_hidden_layers)]
@@ -198,6 +207,10 @@ class KVPool:
     def copy_blocks(self, copies: list[tuple[int, int]]) -> None:
         """Copy-on-write: block ``dst`` gets ``src``'s K and V in every layer, before anything writes."""
         if copies:
+            n = self.k_caches[0].shape[0]
+            if not all(type(b) is int and 0 <= b < n for pair in copies for b in pair) \
+                    or not all(len(pair) == 2 for pair in copies):
+                raise ValueError(f"copies must be (src, dst) pairs of block ids in [0, {n - 1}], got {copies!r}")
             src = torch.tensor([s for s, _ in copies], device=self.device)
             dst = torch.tensor([d for _, d in copies], device=self.device)
             for cache in self.k_caches + self.v_caches:
@@ -356,9 +369,12 @@ def generate_paged(model: Decoder, prompts: list[list[int]], max_new_tokens: int
     sequences decode together, one token each per step, as one batch with ragged lengths.
     By default the pool holds exactly the blocks the prompts and their new tokens need.
     """
+    _check_model(model)
     check_int("max_new_tokens", max_new_tokens, 1)
-    if not prompts or any(len(p) < 1 for p in prompts):
+    if isinstance(prompts, (str, bytes)) or not prompts:
         raise ValueError("prompts must be a non-empty list of non-empty token lists")
+    for prompt in prompts:
+        _check_vocab(check_token_ids("prompts", prompt, 1), model.config.vocab_size, "prompts")
     if num_blocks is None:
         num_blocks = sum(blocks_needed(len(p) + max_new_tokens, block_size) for p in prompts)
     device = model.lm_head.weight.device
@@ -397,6 +413,10 @@ class PrefixKVCache(KVPool):
     def __init__(self, config, num_blocks: int, block_size: int, *, dtype=None, device=None,
                  model_name: str = "teaching-model", reuse: bool = True):
         check_int("block_size", block_size, 1)
+        check_flag("reuse", reuse)
+        if not isinstance(model_name, str):
+            raise ValueError(f"model_name must be a string (it names the weights in every block hash), "
+                             f"got {model_name!r}")
         super().__init__(config, num_blocks, block_size, torch.float32 if dtype is None else dtype, device)
         self.reuse = bool(reuse)
         self.model_name = model_name
@@ -488,6 +508,9 @@ def generate_with_prefix_cache(model, kv: PrefixKVCache, prompt_ids: Sequence[in
     Reuses blocks named by earlier requests of the same ``model`` on ``kv`` (``key`` defaults to
     ``kv.key(model=model)``) and names its own full blocks for later ones.
     """
+    _check_model(model)
+    if not isinstance(kv, PrefixKVCache):
+        raise ValueError(f"kv must be a labkit.cache.PrefixKVCache, got {type(kv).__name__}")
     check_int("max_new_tokens", max_new_tokens, 1)
     prompt = check_token_ids("prompt_ids", prompt_ids, 1)
     _check_vocab(prompt, model.config.vocab_size)  # before begin(): a bad id must change nothing
@@ -508,9 +531,19 @@ def generate_with_prefix_cache(model, kv: PrefixKVCache, prompt_ids: Sequence[in
                             max_new_tokens - 1)
 
 
-def _check_vocab(tokens: tuple[int, ...], vocab_size: int) -> None:
+def _check_config(config: object) -> None:
+    if not isinstance(config, DecoderConfig):
+        raise ValueError(f"config must be a labkit.model.DecoderConfig, got {type(config).__name__}")
+
+
+def _check_model(model: object) -> None:
+    if not isinstance(model, Decoder):
+        raise ValueError(f"model must be a labkit.model.Decoder, got {type(model).__name__}")
+
+
+def _check_vocab(tokens: tuple[int, ...], vocab_size: int, name: str = "prompt_ids") -> None:
     """Every id must name a row of the embedding table: [0, vocab_size)."""
     if tokens and max(tokens) >= vocab_size:
         bad = next(t for t in tokens if t >= vocab_size)
-        raise ValueError(f"prompt_ids must hold token ids in [0, {vocab_size - 1}] (the model's vocab_size is "
+        raise ValueError(f"{name} must hold token ids in [0, {vocab_size - 1}] (the model's vocab_size is "
                          f"{vocab_size}), found {bad}")

@@ -19,13 +19,23 @@ def check_int(name: str, value: object, minimum: int) -> int:
     return int(value)
 
 
-def check_number(name: str, value: object, minimum: float, *, strict: bool = False) -> float:
-    """``value`` as a float >= ``minimum`` (> with ``strict``); NaN and bool are refused."""
+def check_number(name: str, value: object, minimum: float, *, strict: bool = False, finite: bool = False) -> float:
+    """``value`` as a float >= ``minimum`` (> with ``strict``); NaN and bool are refused, and infinity
+    too with ``finite``."""
     ok = not isinstance(value, bool) and isinstance(value, numbers.Real) and not math.isnan(value) \
-        and (value > minimum if strict else value >= minimum)
+        and (value > minimum if strict else value >= minimum) and (not finite or math.isfinite(value))
     if not ok:
-        raise ValueError(f"{name} must be a number {'>' if strict else '>='} {minimum}, got {value!r}")
+        raise ValueError(f"{name} must be a {'finite ' if finite else ''}number {'>' if strict else '>='} {minimum}, "
+                         f"got {value!r}")
     return float(value)
+
+
+def check_flag(name: str, value: object) -> bool:
+    """``value`` if it is a bool (NumPy's too), else ValueError: a string such as 'no' is not a switch
+    (``bool("no")`` is True)."""
+    if isinstance(value, bool) or getattr(getattr(value, "dtype", None), "kind", "") == "b":
+        return bool(value)
+    raise ValueError(f"{name} must be True or False, got {value!r}")
 
 
 def check_bytes(name: str, value: object, *, positive: bool = False) -> float:

@@ -36,7 +36,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from .checks import check_int, parse_stop_token_ids
+from .checks import check_flag, check_int, check_number, parse_stop_token_ids
 
 
 @dataclass
@@ -73,10 +73,10 @@ class DecoderConfig:
             self.head_dim = self.hidden_size // self.num_attention_heads
         if not isinstance(self.head_dim, int) or self.head_dim < 2 or self.head_dim % 2:
             raise ValueError(f"head_dim must be an even integer >= 2 (RoPE rotates pairs), got {self.head_dim!r}")
-        if not self.rope_theta > 0:
-            raise ValueError(f"rope_theta must be > 0, got {self.rope_theta!r}")
-        if not self.rms_norm_eps > 0:
-            raise ValueError(f"rms_norm_eps must be > 0, got {self.rms_norm_eps!r}")
+        check_number("rope_theta", self.rope_theta, 0, strict=True, finite=True)  # kept as given (int or float)
+        check_number("rms_norm_eps", self.rms_norm_eps, 0, strict=True, finite=True)
+        check_flag("tie_word_embeddings", self.tie_word_embeddings)  # bool("no") would tie the matrices
+        check_flag("qkv_bias", self.qkv_bias)
         if self.rope_scaling is not None:
             _check_llama3_scaling(self.rope_scaling)
         parse_stop_token_ids(self.eos_token_id)  # labkit's one parser of stop ids
@@ -185,6 +185,7 @@ def causal_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: f
     1/sqrt(D). Half-precision inputs take their softmax in float32; float64 stays float64,
     so this is also the book's high-precision reference.
     """
+    _check_attention_inputs(q, k, v, scale)
     q_len, kv_len = q.shape[1], k.shape[1]
     group = q.shape[2] // k.shape[2]
     k = k.repeat_interleave(group, dim=2)
@@ -196,6 +197,25 @@ def causal_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: f
     scores = scores.masked_fill(k_pos > q_pos, float("-inf"))
     probs = torch.softmax(scores, dim=-1, dtype=torch.promote_types(scores.dtype, torch.float32)).to(v.dtype)
     return torch.einsum("bhqk,bkhd->bqhd", probs, v)
+
+
+def _check_attention_inputs(q: object, k: object, v: object, scale: object) -> None:
+    """ValueError unless q [batch, q_len, Hq, D] and k, v [batch, kv_len, Hkv, D] fit ``causal_attention``."""
+    for name, t in (("q", q), ("k", k), ("v", v)):
+        if not isinstance(t, torch.Tensor) or t.dim() != 4 or not t.is_floating_point():
+            raise ValueError(f"{name} must be a floating-point tensor [batch, {'q_len' if name == 'q' else 'kv_len'}, "
+                             f"heads, head_dim], got {getattr(t, 'dtype', type(t).__name__)} "
+                             f"{tuple(getattr(t, 'shape', ()))}")
+    if k.shape != v.shape or k.dtype != v.dtype:
+        raise ValueError(f"v must have k's shape and dtype [batch, kv_len, heads, head_dim] {tuple(k.shape)} "
+                         f"{k.dtype}, got {tuple(v.shape)} {v.dtype}")
+    b, q_len, hq, d = q.shape
+    if k.shape[0] != b or k.shape[3] != d or hq % k.shape[2] or k.shape[1] < q_len or q.dtype != k.dtype:
+        raise ValueError(f"q [batch, q_len, heads, head_dim] {tuple(q.shape)} {q.dtype} does not fit k "
+                         f"{tuple(k.shape)} {k.dtype}: same batch, head_dim and dtype, heads a multiple of k's, "
+                         f"kv_len >= q_len")
+    if scale is not None:
+        check_number("scale", scale, 0, strict=True, finite=True)
 
 
 class RMSNorm(nn.Module):
@@ -309,6 +329,9 @@ class Decoder(nn.Module):
     """A Llama-style decoder. ``model(input_ids)`` returns logits [batch, seq, vocab_size]."""
 
     def __init__(self, config: DecoderConfig):
+        if not isinstance(config, DecoderConfig):
+            raise TypeError(f"config must be a labkit.model.DecoderConfig (DecoderConfig.from_dict for a dict), "
+                            f"got {type(config).__name__}")
         super().__init__()
         self.config = config
         self.model = _Body(config)
@@ -319,8 +342,10 @@ class Decoder(nn.Module):
     @classmethod
     def random(cls, config: DecoderConfig | None = None, seed: int = 0) -> "Decoder":
         """A seeded random model: the book's offline default. Runs in seconds on a CPU."""
-        config = config or DecoderConfig()
-        gen = torch.Generator().manual_seed(seed)
+        config = DecoderConfig() if config is None else config
+        if not isinstance(config, DecoderConfig):
+            raise TypeError(f"config must be None or a labkit.model.DecoderConfig, got {type(config).__name__}")
+        gen = torch.Generator().manual_seed(check_int("seed", seed, 0))
         model = cls(config)
         with torch.no_grad():
             for name, p in model.named_parameters():
@@ -354,9 +379,11 @@ class Decoder(nn.Module):
         if positions is None:
             start = cache.seq_len if cache is not None else 0
             positions = torch.arange(start, start + s, device=input_ids.device).expand(b, s)
-        elif positions.shape != input_ids.shape:
-            raise ValueError(f"positions must have the shape of input_ids {tuple(input_ids.shape)}, "
-                             f"got {tuple(positions.shape)}")
+        elif not isinstance(positions, torch.Tensor) or positions.shape != input_ids.shape \
+                or positions.dtype not in (torch.int32, torch.int64) or int(positions.min()) < 0:
+            raise ValueError(f"positions must be an integer tensor >= 0 of the shape of input_ids "
+                             f"{tuple(input_ids.shape)}, got {getattr(positions, 'dtype', type(positions).__name__)} "
+                             f"{tuple(getattr(positions, 'shape', ()))}")
         cfg = self.config
         cos, sin = rope_cos_sin(positions, rope_inv_freq(cfg, input_ids.device))
         x = self.model.embed_tokens(input_ids)

@@ -31,7 +31,7 @@ import math
 from dataclasses import astuple, dataclass
 from typing import Callable, Sequence
 
-from .checks import check_int, check_token_ids
+from .checks import check_flag, check_int, check_token_ids
 from .paging import BlockAllocator, BlockTable, OutOfBlocksError, blocks_needed
 
 __all__ = ["CacheKey", "block_hash", "hash_chain", "PrefixMatch", "AppendResult", "PrefixCacheStats", "CachedBlock",
@@ -79,6 +79,10 @@ def block_hash(parent_hash: str | None, token_ids: Sequence[int], key: CacheKey)
     same block gets the same name in every process, unlike Python's salted ``hash``.
     ``parent_hash`` is ``None`` for a sequence's first block.
     """
+    if parent_hash is not None and not isinstance(parent_hash, str):
+        raise ValueError(f"parent_hash must be None (a first block) or a block hash (str), got {parent_hash!r}")
+    check_token_ids("token_ids", token_ids, 1)
+    _check_key(key)
     payload = json.dumps([parent_hash, [int(t) for t in token_ids], list(astuple(key))],
                          separators=(",", ":"))
     return hashlib.sha256(payload.encode()).hexdigest()
@@ -90,6 +94,8 @@ def hash_chain(token_ids: Sequence[int], block_size: int, key: CacheKey = CacheK
     check_int("block_size", block_size, 1)
     tokens = check_token_ids("token_ids", token_ids)
     _check_key(key)
+    if not callable(hash_fn):
+        raise ValueError("hash_fn must be callable (parent_hash, token_ids, key) -> block hash")
     hashes: list[str] = []
     parent = None
     for start in range(0, len(tokens) - block_size + 1, block_size):
@@ -187,8 +193,12 @@ def extra_blocks(num_computed_tokens: int, num_blocks_held: int, tokens: int, bl
     * **revived blocks**: a prefix hit on cached blocks that no one holds takes them out of
       the free queue too.
     """
+    check_int("num_computed_tokens", num_computed_tokens, 0)
+    check_int("num_blocks_held", num_blocks_held, 0)
     check_int("tokens", tokens, 0)
     check_int("block_size", block_size, 1)
+    check_flag("shared_tail", shared_tail)
+    check_int("revived_blocks", revived_blocks, 0)
     return _extra_blocks(num_computed_tokens, num_blocks_held, tokens, block_size, shared_tail, revived_blocks)
 
 
@@ -297,17 +307,20 @@ class PrefixCache:
 
     def hit_extra_blocks(self, hit: PrefixMatch, tokens: int) -> int:
         """``extra_blocks`` of a new request computing ``tokens`` tokens after its prefix ``hit``."""
+        if not isinstance(hit, PrefixMatch):
+            raise ValueError(f"hit must be a PrefixMatch (from match), got {type(hit).__name__}")
+        check_int("tokens", tokens, 0)
         revived = sum(1 for b in hit.block_ids if self.allocator.ref_counts[b] == 0)
-        return extra_blocks(hit.num_cached_tokens, hit.num_cached_blocks, tokens, self.block_size,
-                            revived_blocks=revived)
+        return _extra_blocks(hit.num_cached_tokens, hit.num_cached_blocks, tokens, self.block_size, revived=revived)
 
     def extra_blocks(self, table: CachedBlockTable, num_new_tokens: int, released: int = 0) -> int:
         """Free blocks that ``append``-ing ``num_new_tokens`` tokens to ``table`` would use: new blocks,
         plus a private copy of a shared, partly filled tail (``released``: see ``tail_is_shared``)."""
         self._check_table(table)
         check_int("num_new_tokens", num_new_tokens, 0)
-        return extra_blocks(table.num_tokens, len(table.block_ids), num_new_tokens, self.block_size,
-                            shared_tail=tail_is_shared(table, self.allocator, released))
+        check_int("released", released, 0)
+        return _extra_blocks(table.num_tokens, len(table.block_ids), num_new_tokens, self.block_size,
+                             tail_is_shared(table, self.allocator, released))
 
     def allocate(self, token_ids: Sequence[int], key: CacheKey = CacheKey(), *,
                  lookup: bool = True) -> tuple[CachedBlockTable, int]:
@@ -319,6 +332,7 @@ class PrefixCache:
         """
         tokens = check_token_ids("token_ids", token_ids, 1)
         _check_key(key)
+        check_flag("lookup", lookup)
         m = self.match(tokens, key) if lookup else PrefixMatch((), 0, ())
         revived = [b for b in m.block_ids if self.allocator.ref_counts[b] == 0]
         needed = _extra_blocks(m.num_cached_tokens, m.num_cached_blocks, len(tokens) - m.num_cached_tokens,

@@ -25,7 +25,7 @@ from collections import deque
 from dataclasses import dataclass, field
 from typing import Any, Callable, Iterable, Iterator, Sequence
 
-from .checks import check_int, check_token_ids, parse_stop_token_ids
+from .checks import check_flag, check_int, check_token_ids, parse_stop_token_ids
 from .paging import BlockAllocator, blocks_needed
 from .prefix import CachedBlockTable, CacheKey, PrefixCache, PrefixMatch, extra_blocks
 
@@ -43,11 +43,7 @@ _request_ids = itertools.count()
 _NO_HIT = PrefixMatch((), 0, ())
 
 
-def _check_flag(name: str, value: object) -> bool:
-    """``value`` if it is a bool (NumPy's too), else ValueError: a string such as 'no' is not a switch."""
-    if isinstance(value, bool) or getattr(getattr(value, "dtype", None), "kind", "") == "b":
-        return bool(value)
-    raise ValueError(f"{name} must be True or False, got {value!r}")
+_check_flag = check_flag  # the old private name (labkit.sim imported it from here)
 
 
 @dataclass(eq=False)
@@ -75,6 +71,21 @@ class Request:
     def __post_init__(self) -> None:
         self.prompt_token_ids = list(check_token_ids("prompt_token_ids", self.prompt_token_ids, 1))
         check_int("max_new_tokens", self.max_new_tokens, 1)
+        self.output_token_ids = list(check_token_ids("output_token_ids", self.output_token_ids))
+        check_int("num_computed_tokens", self.num_computed_tokens, 0)
+        if self.num_computed_tokens > self.num_tokens:
+            raise ValueError(f"num_computed_tokens must be in [0, {self.num_tokens}] (the tokens known), "
+                             f"got {self.num_computed_tokens}")
+        if not isinstance(self.status, RequestStatus):
+            raise ValueError(f"status must be a RequestStatus, got {self.status!r}")
+        if self.block_table is not None and not isinstance(self.block_table, CachedBlockTable):
+            raise ValueError(f"block_table must be None or a CachedBlockTable, got {type(self.block_table).__name__}")
+        check_int("num_cached_tokens", self.num_cached_tokens, 0)
+        check_int("num_preemptions", self.num_preemptions, 0)
+        try:
+            hash(self.request_id)
+        except TypeError:
+            raise ValueError(f"request_id must be hashable (a dict key), got {self.request_id!r}") from None
         ids = parse_stop_token_ids(self.eos_token_id)
         self.eos_token_id = ids[0] if len(ids) == 1 else (ids or None)
         self.stop_token_ids = frozenset(ids)
@@ -95,8 +106,14 @@ class Request:
         return self.num_tokens - self.num_computed_tokens
 
     def token_ids(self, start: int, stop: int) -> list[int]:
-        """The tokens at positions ``[start, stop)`` (while decoding, without copying the whole history)."""
+        """The tokens at positions ``[start, stop)`` (while decoding, without copying the whole history);
+        ``0 <= start <= stop <= num_tokens``."""
         p = len(self.prompt_token_ids)
+        if not (type(start) is int and type(stop) is int and 0 <= start <= stop <= p + len(self.output_token_ids)):
+            check_int("start", start, 0)
+            check_int("stop", stop, 0)
+            raise ValueError(f"start and stop must satisfy 0 <= start <= stop <= {self.num_tokens} (num_tokens), "
+                             f"got start={start!r}, stop={stop!r}")
         return self.output_token_ids[start - p:stop - p] if start >= p else self.all_token_ids[start:stop]
 
     @property
@@ -145,7 +162,7 @@ def plan_iteration(candidates: Iterable[Request], free_blocks: int, token_budget
     ``[(request, tokens), ...]`` in order.
     """
     check_int("free_blocks", free_blocks, 0)
-    check_int("token_budget", token_budget, 0)
+    check_int("token_budget", token_budget, 1)  # a step computes at least one token
     check_int("block_size", block_size, 1)
     plan = []
     for request in candidates:
@@ -423,7 +440,7 @@ class Scheduler:
         """After the model ran: one sampled token per chunk of ``step.sampling_chunks``, in order,
         appended to its request (and to twins forked meanwhile; not to requests finished meanwhile);
         finish and release. Returns the finished requests (named full blocks stay cached)."""
-        if step is not self._in_flight:
+        if self._in_flight is None or step is not self._in_flight:
             raise ValueError("step must be the step the last schedule() returned, postprocessed once")
         sampling = step.sampling_chunks
         if len(sampled_token_ids) != len(sampling):
@@ -568,7 +585,12 @@ def advance_decodes(sched: Scheduler, max_steps: int, next_tokens: Callable[[Req
     theirs. Each request's tokens are appended by ``Scheduler._append`` (the stepping code) at its
     next new block, its finish or the end: in between they touch nothing shared.
     """
-    check_int("max_steps", max_steps, 0)
+    if not isinstance(sched, Scheduler):
+        raise ValueError(f"sched must be a labkit.scheduler.Scheduler, got {type(sched).__name__}")
+    check_int("max_steps", max_steps, 1)
+    for name, fn in (("next_tokens", next_tokens), ("may_run", may_run)):
+        if not callable(fn):
+            raise ValueError(f"{name} must be callable, got {type(fn).__name__}")
     if sched._in_flight is not None:
         raise ValueError(f"step {sched._in_flight.index} is in flight: postprocess it before advance_decodes")
     bs, running = sched.block_size, list(sched.running)

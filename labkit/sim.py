@@ -21,11 +21,11 @@ from typing import Sequence
 
 import numpy as np
 
-from .checks import check_int, check_number
+from .checks import check_flag as _check_flag, check_int, check_number
 from .costmodel import CostModel
 from .paging import BlockAllocator, blocks_needed
 from .prefix import PrefixCache, tail_is_shared
-from .scheduler import Request, Scheduler, Step, _check_flag, advance_decodes
+from .scheduler import Request, Scheduler, Step, advance_decodes
 from .units import format_bytes
 from .workloads import RequestSpec
 
@@ -39,10 +39,19 @@ def weighted_percentile(values: np.ndarray, weights: np.ndarray, q: float) -> fl
     """The ``q``-th percentile (0-100) of ``values`` where each value counts ``weights`` times.
 
     The lower value at a tie (no interpolation), so ``weighted_percentile(v, ones, q)``
-    equals ``np.percentile(v, q, method="inverted_cdf")``.
+    equals ``np.percentile(v, q, method="inverted_cdf")``. ``values``: at least one;
+    ``weights``: one finite weight >= 0 per value, not all zero.
     """
-    if len(values) == 0:
-        return float("nan")
+    check_number("q", q, 0)
+    if q > 100:
+        raise ValueError(f"q must be a percentile in [0, 100], got {q!r}")
+    values, weights = np.asarray(values), np.asarray(weights)
+    if values.ndim != 1 or len(values) == 0:
+        raise ValueError(f"values must be a 1-D array of at least one value, got shape {values.shape}")
+    if weights.shape != values.shape or not (np.isfinite(weights).all() and (weights >= 0).all()
+                                             and weights.sum() > 0):
+        raise ValueError(f"weights must hold one finite weight >= 0 per value ({len(values)}), not all zero, "
+                         f"got shape {weights.shape}")
     order = np.argsort(values, kind="stable")
     cum = np.cumsum(weights[order])
     rank = q / 100 * cum[-1]
@@ -101,6 +110,9 @@ class SimResult:
         return {f"p{q}": float(np.percentile(self.ttft, q)) for q in (50, 90, 99)}
 
     def itl_percentiles(self) -> dict[str, float]:
+        """NaN when no request produced a second token (no interval to measure)."""
+        if len(self.itl) == 0:
+            return {f"p{q}": math.nan for q in (50, 90, 99)}
         return {f"p{q}": weighted_percentile(self.itl, self.itl_weight, q) for q in (50, 90, 99)}
 
     # ------------------------------------------------------------ throughput
@@ -229,6 +241,7 @@ class Simulator:
 
     def run(self, requests: Sequence[RequestSpec], progress: bool = False) -> SimResult:
         """Serve ``requests`` (arriving at their ``arrival_time``) to completion."""
+        _check_flag("progress", progress)
         return _Run(self, requests, progress).result()
 
 
@@ -311,8 +324,11 @@ class _Run:
     """One simulated run: the event loop, the records, and the skip-ahead."""
 
     def __init__(self, sim: Simulator, specs: Sequence[RequestSpec], progress: bool):
-        if len(specs) == 0:
-            raise ValueError("requests must hold at least one RequestSpec")
+        if isinstance(specs, (str, bytes)) or not hasattr(specs, "__len__") or len(specs) == 0:
+            raise ValueError("requests must be a list of at least one RequestSpec")
+        bad = next((s for s in specs if not isinstance(s, RequestSpec)), None)
+        if bad is not None:  # before sorting them by arrival_time
+            raise ValueError(f"requests must hold RequestSpec objects, got {type(bad).__name__}")
         self.sim, self.cost, self.sched = sim, sim.cost_model, sim.new_scheduler()
         self.specs = sorted(specs, key=lambda s: (s.arrival_time, getattr(s, "request_id", 0)))
         self.requests = _requests(self.specs, self.sched)

@@ -213,6 +213,17 @@ def test_weighted_percentile_equals_repeating_values():
             np.percentile(repeated, q, method="inverted_cdf")
 
 
+def test_itl_percentiles_are_nan_without_a_second_token():
+    """One output token each: no interval to measure. weighted_percentile refuses empty input, the
+    result says NaN (as before that check), and the summary still has its row."""
+    specs = [RequestSpec(request_id=i, arrival_time=0.1 * i, prompt_token_ids=[1, 2, 3], output_len=1)
+             for i in range(3)]
+    result = Simulator(num_blocks=16).run(specs)
+    assert len(result.itl) == 0
+    assert all(math.isnan(v) for v in result.itl_percentiles().values())
+    assert math.isnan(result.summary()["ITL p50 (ms)"])
+
+
 # --------------------------------------------------------------------------- the simulator
 
 # More random systems for the skip-ahead check: SIM_RANDOM_SEEDS=600 pytest tests/test_sim.py -k random
