@@ -1127,9 +1127,9 @@ assert [len(o) for o in measured.outputs] == [s.output_len for s in test_specs]
 # The table sets the simulator's prediction beside the measurement, for time to first token and
 # inter-token latency, and the last line says whether both medians came within the 25% the book
 # aims for (the cell fails past 50%: the measurement is a single run, and a busy machine moves it).
-# The medians are what a roofline with a fitted overhead predicts best. The tails are harder: in
-# the engine a step costs more with every request it carries (Python work per request that a
-# fixed overhead does not capture), and the wall clock adds whatever else the machine was doing.
+# The p90s are printed too; they can move more from one run to the next: in the engine a step
+# costs a little more with every request it carries (Python work per request, which a fixed
+# overhead does not capture), and the wall clock adds whatever else the machine was doing.
 # So the simulator's figures for the GPUs above are *simulated*: right in their comparisons (more
 # traffic, less memory, another budget), and only as good in absolute terms as the device figures
 # and the overhead they are given. `benchmarks/real_model.py` measures the engine further.
@@ -1164,8 +1164,8 @@ assert [len(o) for o in measured.outputs] == [s.output_len for s in test_specs]
 #   and TTFT grows to seconds while the median ITL hardly moves; on one workload with a shared
 #   document, prefix caching keeps TTFT p99 under 0.1 s where caching off reaches seconds.
 # - All of those latencies are simulated. Fitted to steps of the real engine serving
-#   SmolLM2-135M-Instruct on this CPU, the same simulator predicts the medians of TTFT and ITL of
-#   other requests, measured on the wall clock; the tails it predicts less well.
+#   SmolLM2-135M-Instruct on this CPU, the same simulator predicts the TTFT and ITL of other
+#   requests, measured on the wall clock; the book aims for medians within 25%.
 
 # %% [markdown]
 # ## Exercises
