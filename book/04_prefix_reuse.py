@@ -491,14 +491,14 @@ assert edit_at < common_prefix_len(first, prompts["question 2"])
 
 # %% [markdown]
 # Now the engine serves them one after the other in one pool, with blocks of 16 tokens, twice: with
-# the prefix cache on and off. Each reply stops at the end-of-turn token or after 12 tokens. On a CPU
+# the prefix cache on and off. Each reply stops at the end-of-turn token or after 8 tokens. On a CPU
 # the engine runs the kernels' PyTorch references, which chapter 03 proves equal to the Triton
 # kernels (a 30-layer model through Triton's interpreter would take minutes).
 #
 # The table gives, for each request, the prompt tokens found in the cache and the time to its first
 # token, which is its prefill: the whole prompt, or only the uncached rest. A time measured once on
-# a busy machine can be off by a lot, so the prefills are served three times more (one token each)
-# and the table keeps each request's fastest.
+# a busy machine can be off by a lot, so the prefills are served twice more (one token each) and
+# the table keeps each request's fastest.
 
 # %%
 use_triton = labkit.RUNTIME.triton_mode == "compiled"  # on a GPU the Triton kernels, on a CPU their references
@@ -520,9 +520,9 @@ def serve(enable_prefix_caching: bool, max_new_tokens: int) -> dict[str, tuple]:
     return out
 
 
-cached_run, plain_run = serve(True, 12), serve(False, 12)
+cached_run, plain_run = serve(True, 8), serve(False, 8)
 ttft = {True: {n: t for n, (_, t) in cached_run.items()}, False: {n: t for n, (_, t) in plain_run.items()}}
-for _ in range(3):  # prefill only, three more times: keep each request's fastest
+for _ in range(2):  # prefill only, twice more: keep each request's fastest
     for caching in (True, False):
         for name, (_, t) in serve(caching, 1).items():
             ttft[caching][name] = min(ttft[caching][name], t)

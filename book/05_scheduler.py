@@ -823,7 +823,7 @@ assert recompute > hidden >= 0
 # file that `make setup` installs, dequantized to float32 here): four chat requests at once, which
 # share a system prompt, with the model's tokenizer and chat template. A reply ends at the model's
 # end-of-turn token (`eos_token_id`, `<|im_end|>` for SmolLM2; a config may list several, as Llama 3's
-# chat models do, and the engine stops on any of them) or after 24 tokens; these questions ask for
+# chat models do, and the engine stops on any of them) or after 16 tokens; these questions ask for
 # a few sentences, so here every reply reaches the limit.
 #
 # The pool is made tight on purpose: the four prompts fit (so vLLM's gate admits them all), but not
@@ -840,7 +840,7 @@ tokenizer = load_tokenizer(path)
 system = {"role": "system", "content": "You are a helpful assistant. Explain things clearly, in a few sentences."}
 asks = ["How does a CPU work?", "Describe the water cycle.", "How do vaccines work?", "Why do we have seasons?"]
 chat_prompts = [chat_token_ids(tokenizer, [system, {"role": "user", "content": q}]) for q in asks]
-REPLY, BLOCK = 24, 16
+REPLY, BLOCK = 16, 16
 # Blocks for the prompts alone, and for the prompts with full replies (shared system-prompt blocks once).
 shortest = min(len(p) for p in chat_prompts)
 common = next((i for i in range(shortest) if len({p[i] for p in chat_prompts}) > 1), shortest) // BLOCK

@@ -1032,7 +1032,7 @@ assert short_128.ttft_percentiles()["p50"] > short_small.ttft_percentiles()["p50
 #    the cost model reads from it: new tokens, tokens already cached, and query-key pairs.
 # 2. **Fit.** A device for this CPU: the memory bandwidth, the arithmetic rate and the fixed
 #    overhead per step for which the roofline best predicts the measured times.
-# 3. **Predict, then measure.** Eight *other* requests arrive as a Poisson process of 3 per second.
+# 3. **Predict, then measure.** Eight *other* requests arrive as a Poisson process of 5 per second.
 #    The simulator, with the fitted device, predicts their TTFT and ITL; then the engine serves
 #    them for real, each request added when the wall clock reaches its arrival time.
 #
@@ -1059,7 +1059,7 @@ chat = [chat_token_ids(smol_tokenizer, [{"role": "system", "content": SYSTEM}, {
         for q in ASKS]
 lengths = np.random.default_rng(0).integers(8, 25, len(ASKS)).tolist()  # reply lengths, 8 to 24 tokens
 fit_specs = [workloads.RequestSpec(i, 0.0, chat[i], lengths[i]) for i in range(6)]
-arrivals = workloads.poisson_arrivals(8, 3.0, np.random.default_rng(1))
+arrivals = workloads.poisson_arrivals(8, 5.0, np.random.default_rng(1))
 test_specs = [workloads.RequestSpec(i, float(arrivals[i - 6]), chat[i], lengths[i]) for i in range(6, 14)]
 cpu_engine = lambda: Engine(smol, num_blocks=128, block_size=16, max_num_batched_tokens=64,  # noqa: E731
                             use_triton=labkit.RUNTIME.triton_mode == "compiled")

@@ -22,9 +22,10 @@ Quantization changes the *weights* only. The KV cache holds what the model compu
 (keys and values), in whatever dtype the engine chooses (the book uses bf16 or float32):
 its shape, and so its bytes per token, come from the metadata alone.
 
-``read_gguf`` opens a file (the container is parsed by ggml-org's ``gguf`` package, the
-reference reader; the dequantization below is the book's own, checked against ``gguf``'s in
-the tests); ``decoder_config`` turns its metadata into a ``DecoderConfig``;
+``read_gguf`` opens a file: the header is a sequence of little-endian fields (counts, strings,
+typed values), read here in a few dozen lines; the tensor bytes stay in the memory-mapped file.
+The dequantization below is the book's own too; the tests check both against ggml-org's ``gguf``
+package, the reference reader. ``decoder_config`` turns its metadata into a ``DecoderConfig``;
 ``state_dict`` dequantizes the tensors and renames them to the decoder's keys, undoing the
 row order llama.cpp gives Q and K; ``load_gguf_tokenizer`` rebuilds the tokenizer from the
 vocabulary in the file. ``labkit.pretrained.from_pretrained`` puts them together.
@@ -35,6 +36,7 @@ from __future__ import annotations
 import functools
 import os
 import re
+import struct
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -67,7 +69,7 @@ class GGUFTensor:
 
     @property
     def num_bytes(self) -> int:
-        return int(self.raw.nbytes)
+        return 0 if self.raw is None else int(self.raw.nbytes)
 
 
 @dataclass(frozen=True)
@@ -98,9 +100,8 @@ def read_gguf(path: str | os.PathLike) -> GGUFFile:
     """Open a GGUF file: metadata and tensor infos now, tensor bytes memory-mapped (read on use).
 
     Raises ``ValueError`` naming the file and the reason for a file that is missing, is not a
-    GGUF file, or is cut short (a tensor's bytes would lie past the end of the file). Reading
-    the metadata of a real model takes seconds (49,152 vocabulary strings), so a file read once
-    is kept while it is unchanged on disk (same size and modification time).
+    GGUF file, or is cut short (a tensor's bytes would lie past the end of the file). A file
+    read once is kept while it is unchanged on disk (same size and modification time).
     """
     if not isinstance(path, (str, os.PathLike)):
         raise TypeError(f"path must be a file path (str or os.PathLike), got {type(path).__name__}")
@@ -111,33 +112,98 @@ def read_gguf(path: str | os.PathLike) -> GGUFFile:
     return _read_gguf(path, stat.st_size, stat.st_mtime_ns)
 
 
+# GGML's type ids (ggml.h) for the names in messages; labkit dequantizes SUPPORTED_TYPES only.
+GGML_TYPES = {0: "F32", 1: "F16", 2: "Q4_0", 3: "Q4_1", 6: "Q5_0", 7: "Q5_1", 8: "Q8_0", 9: "Q8_1",
+              10: "Q2_K", 11: "Q3_K", 12: "Q4_K", 13: "Q5_K", 14: "Q6_K", 15: "Q8_K", 24: "I8", 25: "I16",
+              26: "I32", 27: "I64", 28: "F64", 30: "BF16"}
+# bytes per block and weights per block of the types labkit reads
+TYPE_SIZES = {"F32": (4, 1), "F16": (2, 1), "BF16": (2, 1), **{k: (v, QK) for k, v in BLOCK_BYTES.items()}}
+# GGUF metadata value types: struct formats of the scalars; 8 is a string, 9 an array
+_SCALARS = {0: "B", 1: "b", 2: "H", 3: "h", 4: "I", 5: "i", 6: "f", 7: "?", 10: "Q", 11: "q", 12: "d"}
+_NUMPY = {0: np.uint8, 1: np.int8, 2: np.uint16, 3: np.int16, 4: np.uint32, 5: np.int32, 6: np.float32,
+          7: np.bool_, 10: np.uint64, 11: np.int64, 12: np.float64}
+
+
+class _Cursor:
+    """Reads GGUF's little-endian fields one after the other from a byte buffer."""
+
+    def __init__(self, buf: np.ndarray):
+        self.buf, self.at = buf, 0
+
+    def scalar(self, fmt: str):
+        value = struct.unpack_from("<" + fmt, self.buf, self.at)[0]
+        self.at += struct.calcsize(fmt)
+        return value
+
+    def string(self) -> str:
+        n = self.scalar("Q")
+        if self.at + n > len(self.buf):
+            raise ValueError("a string runs past the end of the file")
+        text = self.buf[self.at:self.at + n].tobytes().decode("utf-8")
+        self.at += n
+        return text
+
+    def value(self, kind: int):
+        if kind in _SCALARS:
+            return self.scalar(_SCALARS[kind])
+        if kind == 8:
+            return self.string()
+        if kind != 9:
+            raise ValueError(f"unknown metadata value type {kind}")
+        item, count = self.scalar("I"), self.scalar("Q")
+        if item in _NUMPY:  # numbers: one read for the whole array
+            width = np.dtype(_NUMPY[item]).itemsize
+            if self.at + count * width > len(self.buf):
+                raise ValueError("an array runs past the end of the file")
+            out = np.frombuffer(self.buf, _NUMPY[item], count, self.at).tolist()
+            self.at += count * width
+            return out
+        return [self.value(item) for _ in range(count)]
+
+
 @functools.lru_cache(maxsize=4)
 def _read_gguf(path: Path, size: int, mtime_ns: int) -> GGUFFile:
+    """Parse the header (metadata, tensor infos); tensor bytes stay in the memory-mapped file."""
     with open(path, "rb") as f:
         if f.read(4) != b"GGUF":
             raise _fail(path, "not a GGUF file (it does not start with the magic bytes 'GGUF')")
-    from gguf import GGUFReader
-
+    buf = np.memmap(path, dtype=np.uint8, mode="r")
+    cur = _Cursor(buf)
+    cur.at = 4
     try:
-        reader = GGUFReader(path, "r")
-    except Exception as err:  # the reader raises whatever numpy raises past the end of the file
-        raise _fail(path, f"cannot be read, truncated or damaged ({type(err).__name__}: {err})") from err
-    metadata: dict[str, Any] = {}
-    for key, field in reader.fields.items():
-        if key.startswith("GGUF."):
-            continue
-        try:
-            metadata[key] = field.contents()
-        except Exception as err:
-            raise _fail(path, f"metadata {key!r} cannot be read ({err})") from err
+        version = cur.scalar("I")
+        if version not in (2, 3):
+            raise _fail(path, f"GGUF version {version}; labkit reads versions 2 and 3")
+        num_tensors, num_kv = cur.scalar("Q"), cur.scalar("Q")
+        metadata: dict[str, Any] = {}
+        for _ in range(num_kv):
+            key = cur.string()
+            metadata[key] = cur.value(cur.scalar("I"))
+        infos = []
+        for _ in range(num_tensors):
+            name = cur.string()
+            dims = [cur.scalar("Q") for _ in range(cur.scalar("I"))]
+            infos.append((name, dims, cur.scalar("I"), cur.scalar("Q")))
+    except (struct.error, ValueError, UnicodeDecodeError) as err:
+        if isinstance(err, ValueError) and str(err).startswith("GGUF file"):
+            raise
+        raise _fail(path, f"truncated or damaged: its header cannot be read ({err})") from err
+    alignment = int(metadata.get("general.alignment", 32))
+    data_start = -(-cur.at // alignment) * alignment
     tensors: dict[str, GGUFTensor] = {}
-    for t in reader.tensors:
-        kind = t.tensor_type.name
-        shape = tuple(int(n) for n in reversed(t.shape.tolist()))  # GGUF lists the fastest axis first
-        if t.data_offset + t.n_bytes > size:
-            raise _fail(path, f"truncated: tensor {t.name!r} needs bytes up to {t.data_offset + t.n_bytes:,}, "
-                              f"the file ends at {size:,}")
-        tensors[t.name] = GGUFTensor(t.name, kind, shape, t.data)
+    for name, dims, type_id, offset in infos:
+        kind = GGML_TYPES.get(type_id, f"type {type_id}")
+        shape = tuple(int(n) for n in reversed(dims))  # GGUF lists the fastest axis first
+        rows = int(np.prod(shape[:-1])) if len(shape) > 1 else 1
+        raw = None
+        if kind in TYPE_SIZES:  # the bytes of a type labkit cannot read are never touched
+            block_bytes, per_block = TYPE_SIZES[kind]
+            row_bytes = shape[-1] // per_block * block_bytes
+            start, end = data_start + offset, data_start + offset + rows * row_bytes
+            if end > size:
+                raise _fail(path, f"truncated: tensor {name!r} needs bytes up to {end:,}, the file ends at {size:,}")
+            raw = buf[start:end].reshape(rows, row_bytes)
+        tensors[name] = GGUFTensor(name, kind, shape, raw)
     return GGUFFile(path, metadata, tensors)
 
 

@@ -124,6 +124,26 @@ def test_dequantize_equals_ggml_reference(kind):
         assert 0 < np.abs(ours - x).max() < 0.5 * np.abs(x).max()
 
 
+@pytest.mark.parametrize("which", ["tiny", "real"])
+def test_reader_equals_ggml_reference_reader(which, tiny):
+    """labkit's own header parser against ggml-org's GGUFReader: every metadata value, every tensor's bytes."""
+    if which == "real":
+        try:
+            path = real_model()
+        except FileNotFoundError as err:
+            pytest.skip(str(err))
+    else:
+        path = tiny[0]
+    ours = lg.read_gguf(path)
+    ref = gguf.GGUFReader(path, "r")
+    assert ours.metadata == {k: f.contents() for k, f in ref.fields.items() if not k.startswith("GGUF.")}
+    assert list(ours.tensors) == [t.name for t in ref.tensors]
+    for t in ref.tensors:
+        mine = ours.tensors[t.name]
+        assert mine.type == t.tensor_type.name and mine.shape == tuple(int(n) for n in reversed(t.shape.tolist()))
+        np.testing.assert_array_equal(mine.raw, np.asarray(t.data).view(np.uint8).reshape(mine.raw.shape))
+
+
 def test_unpermute_inverts_llama_cpp():
     w = torch.arange(8 * 16 * 3, dtype=torch.float32).reshape(8 * 16, 3)
     for heads in (1, 2, 8):
