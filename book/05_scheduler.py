@@ -832,6 +832,7 @@ assert recompute > hidden >= 0
 # model through Triton's interpreter would take minutes); on a GPU, the Triton kernels.
 
 # %%
+# NBVAL_SKIP_IN_SOLUTIONS
 from labkit.pretrained import chat_token_ids, from_pretrained, load_tokenizer, real_model, to_transformers
 
 path = real_model()
@@ -852,6 +853,7 @@ real_engine = Engine(real, num_blocks=tight, block_size=BLOCK, max_num_batched_t
 replies = real_engine.generate(chat_prompts, REPLY)  # stops at config.eos_token_id
 
 # %%
+# NBVAL_SKIP_IN_SOLUTIONS
 # NBVAL_CHECK_OUTPUT
 stop = real.config.eos_token_id
 print(f"pool: {tight} blocks of {BLOCK} tokens; the prompts need {prompt_blocks}, prompts and full replies "
@@ -871,6 +873,7 @@ assert sum(s.preemptions for s in st) > 0
 # must not have changed a single token:
 
 # %%
+# NBVAL_SKIP_IN_SOLUTIONS
 reference = to_transformers(real)
 for q, p, r in zip(asks, chat_prompts, replies):
     ids = torch.tensor([p], device=labkit.DEVICE)

@@ -1040,6 +1040,7 @@ assert short_128.ttft_percentiles()["p50"] > short_small.ttft_percentiles()["p50
 # Triton kernels), in float32: the cost model counts 4-byte weights and cache here.
 
 # %%
+# NBVAL_SKIP_IN_SOLUTIONS
 import torch
 
 from labkit.calibration import fit_device, measure_steps, model_cost, serve_in_real_time
@@ -1070,6 +1071,7 @@ print(f"fit on {len(fit_specs)} requests sent at once; test on {len(test_specs)}
       f"{arrivals[-1] - arrivals[0]:.1f} s")
 
 # %%
+# NBVAL_SKIP_IN_SOLUTIONS
 samples = measure_steps(cpu_engine(), fit_specs)
 cpu_device, cpu_overhead = fit_device(samples, smol_cost)
 cpu_cost = CostModel(smol_cost, cpu_device, overhead_s=cpu_overhead)
@@ -1086,6 +1088,7 @@ print(f"the fixed overhead is {cpu_overhead / decode_s:.0%} of a median decode s
 assert cpu_overhead >= 0.5 * decode_s  # on a CPU, most of a small step is fixed cost
 
 # %%
+# NBVAL_SKIP_IN_SOLUTIONS
 fig, ax = plt.subplots(figsize=(6, 3.6))
 kinds = np.array([x.new_tokens > 16 for x in samples])
 ax.scatter(1000 * measured_s[~kinds], 1000 * predicted_s[~kinds], label="decode steps (few tokens)")
@@ -1110,6 +1113,7 @@ plt.show()
 # device, then the engine serving the same eight requests for real.
 
 # %%
+# NBVAL_SKIP_IN_SOLUTIONS
 predicted = Simulator(cpu_cost, num_blocks=128, block_size=16, max_num_batched_tokens=64).run(test_specs)
 measured = serve_in_real_time(cpu_engine(), test_specs)
 rows = [("TTFT", predicted.ttft_percentiles(), measured.ttft_percentiles()),

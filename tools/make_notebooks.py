@@ -9,6 +9,8 @@ turns it into two notebooks:
 Markers in the source (whole lines, any indentation):
 
 * a cell whose first line is ``# SOLUTIONS ONLY`` or ``# CHAPTER ONLY`` goes to one side only;
+* a code cell whose first line is ``# NBVAL_SKIP_IN_SOLUTIONS`` (a slow cell with no exercise in
+  it) is tested in chapters/ only: solutions/ gets ``# NBVAL_SKIP`` instead;
 * ``# BEGIN SOLUTION`` ... ``# END SOLUTION``: kept in solutions, dropped in chapters;
 * ``# BEGIN STUB`` ... ``# END STUB``: kept in chapters, dropped in solutions. A solution
   block indented inside a function needs no stub: chapters get ``raise NotImplementedError``.
@@ -100,6 +102,14 @@ def _transform_code(source: str, solutions: bool, where: str) -> str:
     return "\n".join(out)
 
 
+# A code cell whose first line is SKIP_IN_SOLUTIONS is identical on both sides (no exercise in it) and
+# slow (a real model): nbval runs it in chapters/ only. In solutions/ the cell is still executed by
+# `make notebooks` (readers see its output); the tests skip it there. Such cells sit at the end of a
+# chapter, and no later cell uses what they define.
+SKIP_IN_SOLUTIONS = "# NBVAL_SKIP_IN_SOLUTIONS"
+SOLUTIONS_SKIP_LINE = "# NBVAL_SKIP  (the tests run this cell in chapters/, where it is the same)"
+
+
 def generate(src: Path, side: str) -> nbformat.NotebookNode:
     """The notebook for one side, with no outputs."""
     solutions = SIDES[side]
@@ -117,6 +127,9 @@ def generate(src: Path, side: str) -> nbformat.NotebookNode:
             if (first == "# SOLUTIONS ONLY") != solutions:
                 continue
             text = text.split("\n", 1)[1] if "\n" in text else ""
+        elif first == SKIP_IN_SOLUTIONS:  # heavy cells the tests run once, in chapters/
+            rest = text.split("\n", 1)[1] if "\n" in text else ""
+            text = f"{SOLUTIONS_SKIP_LINE}\n{rest}" if solutions else rest
         if cell.cell_type == "code":
             nb.cells.append(nbformat.v4.new_code_cell(_transform_code(text, solutions, f"{src.name} cell {n}")))
         elif cell.cell_type == "markdown":
