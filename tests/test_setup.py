@@ -149,3 +149,18 @@ def test_colab_cell_installs_only_in_colab():
     badge, install = make_notebooks.header_cells("chapters", "01_x")
     assert f"github/{repo}/blob/{branch}/chapters/01_x.ipynb" in badge.source
     assert 'if "google.colab" in sys.modules:' in install.source
+
+
+def test_slow_cells_are_tested_once_in_chapters(tmp_path):
+    """A cell marked NBVAL_SKIP_IN_SOLUTIONS runs under nbval in chapters/ and is skipped in solutions/."""
+    from nbval.plugin import find_comment_markers
+
+    src = tmp_path / "99_x.py"
+    src.write_text("# %%\n# NBVAL_SKIP_IN_SOLUTIONS\n# NBVAL_CHECK_OUTPUT\nprint(1)\n")
+    chapter = make_notebooks.generate(src, "chapters").cells[-1].source
+    solution = make_notebooks.generate(src, "solutions").cells[-1].source
+    assert "NBVAL_SKIP" not in chapter and chapter.startswith("# NBVAL_CHECK_OUTPUT")
+    assert dict(find_comment_markers(solution)).get("skip") is True and "print(1)" in solution
+    committed = [json.loads(p.read_text()) for p in (ROOT / "solutions").glob("*.ipynb")]
+    skipped = [c for nb in committed for c in nb["cells"] if dict(find_comment_markers("".join(c["source"]))).get("skip")]
+    assert skipped and all(c.get("execution_count") for c in skipped)  # still executed for readers

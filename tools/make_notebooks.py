@@ -107,7 +107,7 @@ def _transform_code(source: str, solutions: bool, where: str) -> str:
 # `make notebooks` (readers see its output); the tests skip it there. Such cells sit at the end of a
 # chapter, and no later cell uses what they define.
 SKIP_IN_SOLUTIONS = "# NBVAL_SKIP_IN_SOLUTIONS"
-SOLUTIONS_SKIP_LINE = "# NBVAL_SKIP  (the tests run this cell in chapters/, where it is the same)"
+SOLUTIONS_SKIP_LINE = "# NBVAL_SKIP\n# (the tests run this cell in chapters/, where it is the same)"  # nbval: the marker alone on its line
 
 
 def generate(src: Path, side: str) -> nbformat.NotebookNode:
