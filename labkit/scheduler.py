@@ -43,7 +43,6 @@ _request_ids = itertools.count()
 _NO_HIT = PrefixMatch((), 0, ())
 
 
-_check_flag = check_flag  # the old private name (labkit.sim imported it from here)
 
 
 @dataclass(eq=False)
@@ -320,7 +319,7 @@ class Scheduler:
         check_int("block_size", block_size, 1)
         check_int("max_num_batched_tokens", max_num_batched_tokens, 1)
         check_int("max_num_seqs", max_num_seqs, 1)
-        flags = [_check_flag(name, value) for name, value in (
+        flags = [check_flag(name, value) for name, value in (
             ("enable_prefix_caching", enable_prefix_caching), ("head_of_line", head_of_line),
             ("full_sequence_must_fit", full_sequence_must_fit))]
         if not isinstance(cache_key, CacheKey):

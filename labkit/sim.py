@@ -21,7 +21,7 @@ from typing import Sequence
 
 import numpy as np
 
-from .checks import check_flag as _check_flag, check_int, check_number
+from .checks import check_flag, check_int, check_number
 from .costmodel import CostModel
 from .paging import BlockAllocator, blocks_needed
 from .prefix import PrefixCache, tail_is_shared
@@ -220,10 +220,10 @@ class Simulator:
         self.block_size = block_size
         self.max_num_batched_tokens = max_num_batched_tokens
         self.max_num_seqs = max_num_seqs
-        self.enable_prefix_caching = _check_flag("enable_prefix_caching", enable_prefix_caching)
-        self.full_sequence_must_fit = _check_flag("full_sequence_must_fit", full_sequence_must_fit)
-        self.skip_ahead = _check_flag("skip_ahead", skip_ahead)
-        self.record_schedule = _check_flag("record_schedule", record_schedule)
+        self.enable_prefix_caching = check_flag("enable_prefix_caching", enable_prefix_caching)
+        self.full_sequence_must_fit = check_flag("full_sequence_must_fit", full_sequence_must_fit)
+        self.skip_ahead = check_flag("skip_ahead", skip_ahead)
+        self.record_schedule = check_flag("record_schedule", record_schedule)
 
     def __repr__(self) -> str:
         return (f"Simulator({self.num_blocks:,} blocks of {self.block_size} tokens, budget "
@@ -241,7 +241,7 @@ class Simulator:
 
     def run(self, requests: Sequence[RequestSpec], progress: bool = False) -> SimResult:
         """Serve ``requests`` (arriving at their ``arrival_time``) to completion."""
-        _check_flag("progress", progress)
+        check_flag("progress", progress)
         return _Run(self, requests, progress).result()
 
 
