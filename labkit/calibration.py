@@ -78,12 +78,12 @@ def model_cost(config, dtype_bytes: int, name: str = "") -> ModelCost:
                      vocab_size=config.vocab_size, tie_word_embeddings=config.tie_word_embeddings)
 
 
-def _timed_step(engine) -> tuple[object, StepSample]:
+def _timed_step(engine) -> StepSample:
+    """Run one engine step; what it computed, and how long it took."""
     start = time.perf_counter()
     step = engine.step()
     seconds = time.perf_counter() - start
-    new, context, pairs = step_sums(step)
-    return step, StepSample(new, context, pairs, seconds)
+    return StepSample(*step_sums(step), seconds)
 
 
 def measure_steps(engine, specs: Sequence[RequestSpec]) -> list[StepSample]:
@@ -94,7 +94,7 @@ def measure_steps(engine, specs: Sequence[RequestSpec]) -> list[StepSample]:
         engine.add_request(spec.prompt_token_ids, spec.output_len, eos_token_id=())
     samples = []
     while engine.has_unfinished():
-        step, sample = _timed_step(engine)
+        sample = _timed_step(engine)
         if sample.new_tokens:
             samples.append(sample)
     return samples
@@ -166,7 +166,7 @@ def serve_in_real_time(engine, specs: Sequence[RequestSpec]) -> MeasuredRun:
         if not engine.has_unfinished():
             time.sleep(max(0.0, pending[0].arrival_time - clock()))
             continue
-        _, sample = _timed_step(engine)
+        sample = _timed_step(engine)
         steps.append(sample)
         now = clock()
         for _, request, times in running:

@@ -272,7 +272,7 @@ def decoder_config(file: GGUFFile) -> DecoderConfig:
     ``llama.attention.layer_norm_rms_epsilon``  ``rms_norm_eps``
     ``llama.context_length``                    ``max_position_embeddings``
     ``llama.vocab_size`` (or the token list)    ``vocab_size``
-    ``llama.rope.scaling.*``                    ``rope_scaling`` (llama3)
+    ``llama.rope.scaling.*``, ``rope_freqs``     refused: scaled RoPE is read from config.json only
     no ``output.weight`` tensor                 ``tie_word_embeddings``
     ``tokenizer.ggml.eos_token_id``             ``eos_token_id``
     ==========================================  ==========================
@@ -292,7 +292,6 @@ def decoder_config(file: GGUFFile) -> DecoderConfig:
     if int(rope_dim) != head_dim:
         raise _fail(file.path, f"llama.rope.dimension_count is {rope_dim}, head_dim is {head_dim}: "
                                f"RoPE must rotate the whole head")
-    scaling = None
     if _meta(file, "rope.scaling.type", required=False, default="none") not in ("none", None):
         raise _fail(file.path, f"llama.rope.scaling.type {_meta(file, 'rope.scaling.type')!r} is not supported")
     if "rope_freqs.weight" in file.tensors:  # Llama 3.1's scaling is stored as factors per frequency
@@ -310,7 +309,6 @@ def decoder_config(file: GGUFFile) -> DecoderConfig:
         rms_norm_eps=float(_meta(file, "attention.layer_norm_rms_epsilon")),
         max_position_embeddings=int(_meta(file, "context_length")),
         tie_word_embeddings="output.weight" not in file.tensors,
-        rope_scaling=scaling,
         eos_token_id=None if eos is None else int(eos))
 
 
