@@ -6,12 +6,23 @@ the notebook calls ``Exercises(..., strict=True)``, and there a checker that doe
 not pass raises, so the notebook tests (nbval) fail.
 
 Expected values are always computed, usually with labkit itself, never typed in.
+
+Two rules keep a checker honest:
+
+* any error in the reader's code (other than the stub's ``NotImplementedError``) becomes a ❌
+  with the error's type, its message and the hint, never a traceback that hides the verdict;
+* ``forbid=`` names labkit functions the exercise asks the reader to write: handing one in
+  under a new name, or calling it from inside the answer, is refused. The check watches the
+  calls themselves (``sys.setprofile``), so a wrapper or a lambda around the library function
+  is caught as well as the function itself.
 """
 
 from __future__ import annotations
 
 import math
-from typing import Any, Callable, Iterable
+import sys
+from contextlib import contextmanager
+from typing import Any, Callable, Iterable, Iterator
 
 import torch
 
@@ -29,6 +40,62 @@ def _close(got: Any, expected: Any, rel_tol: float) -> bool:
         except (TypeError, ValueError, RuntimeError):  # a reader's answer of the wrong kind or shape
             return False
     return got == expected
+
+
+class _ForbiddenCall(Exception):
+    """Raised inside a checker when the reader's answer runs a library function it should replace."""
+
+    def __init__(self, fn: Callable[..., Any]):
+        super().__init__(f"{fn.__module__}.{fn.__qualname__}")
+        self.fn = fn
+
+
+def _code_of(fn: Callable[..., Any]) -> Any:
+    """The code object a call to ``fn`` runs (through functools.wraps and bound methods)."""
+    fn = getattr(fn, "__func__", fn)
+    while hasattr(fn, "__wrapped__"):
+        fn = fn.__wrapped__
+    return getattr(fn, "__code__", None)
+
+
+def _runs_inside(frame: Any, code: Any) -> bool:
+    """Whether ``code`` is on the call stack above ``frame``."""
+    while frame is not None:
+        if frame.f_code is code:
+            return True
+        frame = frame.f_back
+    return False
+
+
+@contextmanager
+def _refuse_calls(forbid: Iterable[Callable[..., Any]], answer: Any = None) -> Iterator[None]:
+    """Raise ``_ForbiddenCall`` as soon as one of ``forbid`` starts running, under any name.
+
+    With ``answer`` (the reader's function), only calls made while it runs count, so a checker may
+    still use the library function to compute what it expects.
+    """
+    inside = _code_of(answer) if answer is not None else None
+    codes = {_code_of(f): f for f in forbid if _code_of(f) is not None}
+    if not codes:
+        yield
+        return
+    previous = sys.getprofile()
+
+    def profile(frame, event, arg):  # noqa: ANN001 (sys.setprofile's signature)
+        if event == "call" and frame.f_code in codes and (inside is None or _runs_inside(frame, inside)):
+            sys.setprofile(None)  # the exception unwinds through frames we no longer need to watch
+            raise _ForbiddenCall(codes[frame.f_code])
+
+    sys.setprofile(profile)
+    try:
+        yield
+    finally:
+        sys.setprofile(previous)
+
+
+def _error_text(err: BaseException) -> str:
+    text = str(err).strip().split("\n")[0]
+    return f"{type(err).__name__}: {text}" if text else type(err).__name__
 
 
 class Exercises:
@@ -59,15 +126,37 @@ class Exercises:
             return self._wrong(name, f"Your answer was {answer!r}.", hint)
         print(f"✅ {name}: correct.")
 
+    def _forbidden(self, name: str, fn: Callable[..., Any], hint: str) -> None:
+        return self._wrong(name, f"your answer uses labkit's own `{fn.__module__}.{fn.__qualname__}`; "
+                                 "the exercise is to write it yourself.", hint)
+
+    def _crashed(self, name: str, err: BaseException, hint: str) -> None:
+        return self._wrong(name, f"your code raised {_error_text(err)}.", hint)
+
     def check_function(self, name: str, fn: Callable[..., Any], cases: Iterable[tuple[tuple, Any]], *,
-                       rel_tol: float = 0.0, hint: str = "") -> None:
-        """Call the reader's ``fn(*args)`` for each ``(args, expected)`` case."""
-        cases = list(cases)
+                       rel_tol: float = 0.0, hint: str = "",
+                       forbid: Iterable[Callable[..., Any]] = ()) -> None:
+        """Call the reader's ``fn(*args)`` for each ``(args, expected)`` case.
+
+        ``forbid``: the library functions this exercise rebuilds; an answer that is one of them,
+        or calls one, gets a ❌.
+        """
+        cases, forbid = list(cases), list(forbid)
+        if fn is None or fn is Ellipsis:
+            return self._not_solved(name)
+        for banned in forbid:
+            if _code_of(fn) is not None and _code_of(fn) is _code_of(banned):
+                return self._forbidden(name, banned, hint)
         for args, expected in cases:
             try:
-                got = fn(*args)
+                with _refuse_calls(forbid, answer=fn):
+                    got = fn(*args)
             except NotImplementedError:
                 return self._not_solved(name)
+            except _ForbiddenCall as err:
+                return self._forbidden(name, err.fn, hint)
+            except Exception as err:  # the reader's bug: a verdict, not a traceback
+                return self._crashed(name, err, hint)
             if got is None or got is Ellipsis:
                 return self._not_solved(name)
             if not _close(got, expected, rel_tol):
@@ -76,20 +165,30 @@ class Exercises:
         print(f"✅ {name}: correct on all {len(cases)} cases.")
 
     def check_behaviour(self, name: str, solution: Any, verify: Callable[[Any], list[str]], *,
-                        hint: str = "") -> None:
+                        hint: str = "", forbid: Iterable[Callable[..., Any]] = ()) -> None:
         """Run the reader's ``solution`` (a function, a policy, a setting) and judge what it *does*.
 
         ``verify(solution)`` exercises it on cases built by the chapter (a workload, a stream,
         random tensors) and returns the list of broken expectations, each a sentence; an
         empty list passes. A stub (``None``, ``...``, or a function raising
-        ``NotImplementedError``) counts as not solved yet.
+        ``NotImplementedError``) counts as not solved yet; any other error is a ❌ with the hint.
+        ``forbid`` works as in ``check_function``, while ``verify`` runs.
         """
+        forbid = list(forbid)
         if solution is None or solution is Ellipsis:
             return self._not_solved(name)
+        for banned in forbid:
+            if _code_of(solution) is not None and _code_of(solution) is _code_of(banned):
+                return self._forbidden(name, banned, hint)
         try:
-            problems = list(verify(solution))
+            with _refuse_calls(forbid, answer=solution if callable(solution) else None):
+                problems = list(verify(solution))
         except NotImplementedError:
             return self._not_solved(name)
+        except _ForbiddenCall as err:
+            return self._forbidden(name, err.fn, hint)
+        except Exception as err:  # the reader's bug: a verdict, not a traceback
+            return self._crashed(name, err, hint)
         if problems:
             shown = "; ".join(problems[:3]) + (f" (and {len(problems) - 3} more)" if len(problems) > 3 else "")
             return self._wrong(name, shown + ".", hint)

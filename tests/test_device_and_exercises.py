@@ -115,3 +115,55 @@ def test_gpu_decisions(monkeypatch, capability, mode, bf16):
     assert "Fake GPU" in runtime.reason
     monkeypatch.setenv("LABKIT_DEVICE", "cpu")
     assert device._decide().device.type == "cpu"  # the reader can force the CPU
+
+
+def test_checker_turns_any_error_into_a_verdict(capsys):
+    """A bug in the reader's code gives a ❌ with the error and the hint, not a traceback."""
+    ex = Exercises("03_x")
+
+    def crashes(x):
+        return [1, 2][x]
+
+    ex.check_function("f", crashes, [((5,), 1)], hint="mind the range")
+    out = capsys.readouterr().out
+    assert "❌" in out and "IndexError" in out and "mind the range" in out
+    ex.check_behaviour("b", lambda x: 1 / 0, lambda fn: [] if fn(1) else ["no"], hint="h")
+    out = capsys.readouterr().out
+    assert "❌" in out and "ZeroDivisionError" in out
+    with pytest.raises(AssertionError, match="KeyError"):
+        Exercises("03_x", strict=True).check_function("f", lambda x: {}[x], [((1,), 1)])
+
+
+def _library_twice(x):
+    return 2 * x
+
+
+def test_checker_refuses_the_library_function_under_any_name(capsys):
+    """forbid=: the function itself, a wrapper around it, or a helper that calls it all get a ❌;
+    a checker computing its expectation with the same function does not."""
+    ex = Exercises("04_x")
+    cases = [((1,), 2), ((3,), 6)]
+    renamed = _library_twice
+
+    def helper(x):
+        return _library_twice(x)
+
+    def via_helper(x):
+        return helper(x) + 0
+
+    for answer in (renamed, lambda x: _library_twice(x), via_helper):
+        ex.check_function("f", answer, cases, forbid=[_library_twice])
+        out = capsys.readouterr().out
+        assert "❌" in out and "_library_twice" in out and "write it yourself" in out
+    ex.check_function("f", lambda x: x + x, cases, forbid=[_library_twice])
+    assert "✅" in capsys.readouterr().out
+
+    def verify(fn):  # the checker may call the library function itself
+        return [] if all(fn(x) == _library_twice(x) for x in range(4)) else ["wrong"]
+
+    ex.check_behaviour("b", lambda x: x + x, verify, forbid=[_library_twice])
+    assert "✅" in capsys.readouterr().out
+    ex.check_behaviour("b", lambda x: _library_twice(x), verify, forbid=[_library_twice])
+    assert "❌" in capsys.readouterr().out
+    import sys
+    assert sys.getprofile() is None  # nothing left watching calls

@@ -86,7 +86,7 @@ def notebooks():
 
 
 def test_every_source_has_both_notebooks():
-    stems = sorted(p.stem for p in (ROOT / "book").glob("[0-9][0-9]_*.py"))
+    stems = sorted(p.stem for pattern in ("[0-9][0-9]_*.py", "A[0-9]_*.py") for p in (ROOT / "book").glob(pattern))
     assert stems, "book/ holds no chapter sources"
     assert sorted(p.stem for p in (ROOT / "chapters").glob("*.ipynb")) == stems
     assert sorted(p.stem for p in (ROOT / "solutions").glob("*.ipynb")) == stems
@@ -164,3 +164,34 @@ def test_slow_cells_are_tested_once_in_chapters(tmp_path):
     committed = [json.loads(p.read_text()) for p in (ROOT / "solutions").glob("*.ipynb")]
     skipped = [c for nb in committed for c in nb["cells"] if dict(find_comment_markers("".join(c["source"]))).get("skip")]
     assert skipped and all(c.get("execution_count") for c in skipped)  # still executed for readers
+
+
+CHAPTER_STEMS = [f"{n:02d}" for n in range(1, 7)]
+
+
+def _markdown(path) -> list[str]:
+    return ["".join(c["source"]) for c in json.loads(path.read_text())["cells"] if c["cell_type"] == "markdown"]
+
+
+@pytest.mark.parametrize("stem", CHAPTER_STEMS)
+def test_chapter_ends_with_what_you_can_now_do(stem):
+    """Chapters 01 to 06 list three to five concrete abilities under "What you can now do"."""
+    (path,) = (ROOT / "chapters").glob(f"{stem}_*.ipynb")
+    sections = [m for m in _markdown(path) if "## What you can now do" in m]
+    assert len(sections) == 1, f"{path.name}: one '## What you can now do' section"
+    after = sections[0].split("## What you can now do", 1)[1].strip().split("\n\n")[0]
+    items = [l for l in after.splitlines() if l.startswith("- ")]
+    assert 3 <= len(items) <= 5, f"{path.name}: {len(items)} abilities listed"
+
+
+@pytest.mark.parametrize("stem", CHAPTER_STEMS)
+def test_every_solution_says_why_it_works(stem):
+    """In solutions/, each exercise's answer comes with a **Why this works.** note; chapters/ have none."""
+    (solved,) = (ROOT / "solutions").glob(f"{stem}_*.ipynb")
+    (chapter,) = (ROOT / "chapters").glob(f"{stem}_*.ipynb")
+    code = "".join("".join(c["source"]) for c in json.loads(solved.read_text())["cells"] if c["cell_type"] == "code")
+    exercises = set(re.findall(r'ex\.check\w*\(\s*"(Exercise \d+)"', code))
+    assert exercises, f"{solved.name}: no exercise checkers found"
+    notes = [m for m in _markdown(solved) if m.lstrip().startswith("**Why this works")]
+    assert len(notes) >= len(exercises), f"{solved.name}: {len(notes)} notes for {sorted(exercises)}"
+    assert not [m for m in _markdown(chapter) if m.lstrip().startswith("**Why this works")]

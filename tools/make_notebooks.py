@@ -40,6 +40,13 @@ import nbformat
 
 ROOT = Path(__file__).resolve().parent.parent
 BOOK, SIDES = ROOT / "book", {"chapters": False, "solutions": True}
+# Chapters are NN_name.py; appendices (deeper dives a chapter links to) are AN_name.py and sort after them.
+SOURCE_PATTERNS = ("[0-9][0-9]_*.py", "A[0-9]_*.py")
+
+
+def book_sources() -> list[Path]:
+    """Every chapter and appendix source in book/, in reading order."""
+    return sorted(p for pattern in SOURCE_PATTERNS for p in BOOK.glob(pattern))
 
 
 def repository() -> tuple[str, str]:
@@ -156,7 +163,7 @@ def main() -> int:
     parser.add_argument("names", nargs="*", help="source names in book/ (default: all)")
     parser.add_argument("--check", action="store_true", help="compare with the committed notebooks; write nothing")
     args = parser.parse_args()
-    srcs = sorted(BOOK.glob("[0-9][0-9]_*.py"))
+    srcs = book_sources()
     if args.names:
         srcs = [s for s in srcs if s.stem in args.names or s.name in args.names]
     problems = []
@@ -176,7 +183,7 @@ def main() -> int:
             execute(nb, path.parent, path.name)
             nbformat.write(nb, path)
     if args.check:
-        stems = {s.stem for s in sorted(BOOK.glob("[0-9][0-9]_*.py"))}
+        stems = {s.stem for s in book_sources()}
         for side in SIDES:
             for p in (ROOT / side).glob("*.ipynb"):
                 if p.stem not in stems:
