@@ -109,6 +109,19 @@ with torch.no_grad():
 print("generated:", generated)
 
 # %% [markdown]
+# The article draws this flow as its Figure 1: prompt tokens, prefill, the cache, then decode
+# steps that read the cache and append to it. Here it is, drawn from the run above: its boxes are
+# the 12 prompt tokens, the cache's 4 layers, and the 4 tokens the decode steps fed.
+
+# %%
+from labkit.diagrams import prefill_decode_diagram
+
+fed_by_decode = generated[:-1]  # each decode step fed the token chosen before it; the last is not fed yet
+assert len(prompt) + len(fed_by_decode) == cache.seq_len
+prefill_decode_diagram(prompt, fed_by_decode, config.num_hidden_layers)
+plt.show()
+
+# %% [markdown]
 # ## Why keeping old keys and values is allowed
 #
 # In causal attention a position sees only itself and earlier positions. Adding token 13 cannot
@@ -228,8 +241,8 @@ print(f"({prompt_len:,} + {max_new}) tokens × {per_token:,} bytes = {planned:,}
 # (timings depend on your machine, so they are printed but not checked):
 
 # %%
-# One thread while timing: on a shared 2-core machine a two-thread step waits for its slower thread,
-# and the timings jump by a hundred milliseconds whenever another process runs.
+# One thread while timing: with two, a step waits for the slower thread, and timings jump whenever
+# another process takes a core.
 threads = torch.get_num_threads()
 torch.set_num_threads(1)
 
@@ -262,61 +275,100 @@ for t, a, b in zip(contexts, cached_ms, full_ms):
 # Recomputing grows steeply with the context; with the cache the step grows far more slowly at
 # these lengths. That hides the reads: at 1,536 tokens this model's whole cache is 3 MiB, which a
 # CPU reads in well under a millisecond, so the fixed work of a step (the projections and MLPs of
-# 4 layers) dominates. The history shows once it is large. Next we time cached decode steps at
-# contexts up to 65,536 tokens, where the cache reaches 128 MiB. Prefilling that many tokens through
-# the model would take minutes here, so the cache is filled directly through `KVCache.attend` with
-# random keys and values: their values do not change how many bytes a step touches.
+# 4 layers) dominates.
+#
+# To see the reads, time them alone, at contexts up to 98,304 tokens (a cache of 192 MiB). The next
+# cell does the attention of one decode step the way a serving kernel does: one query per head, and
+# every cached key and value read **once**, the 4 query heads of a group sharing their KV head's
+# reads. (This chapter's simple `KVCache` would blur the picture: it appends by concatenation, which
+# copies the whole cache every step, and it repeats each KV head for its 4 query heads. Chapter 03's
+# paged cache writes in place.) The keys and values are random: their values do not change how many
+# bytes a step reads, which is exactly `context × 2,048`.
 
 # %%
-def time_long_decode_step(context: int, repeats: int = 5) -> float:
-    """Seconds for one cached decode step over a cache already holding `context` tokens (fastest of a few)."""
+def time_attention_read(context: int, repeats: int = 7) -> float:
+    """Seconds for the attention of one decode step over `context` cached tokens in every layer
+    (fastest of a few runs): each cached K and V is read once."""
     gen = torch.Generator().manual_seed(context)
-    kv_shape = (1, context, config.num_key_value_heads, config.head_dim)
-    one_query = torch.zeros(1, 1, config.num_attention_heads, config.head_dim)  # its output is discarded
-    c = KVCache(config)
-    with torch.no_grad():
-        for layer in range(config.num_hidden_layers):
-            c.attend(layer, one_query, torch.randn(kv_shape, generator=gen), torch.randn(kv_shape, generator=gen))
-        assert c.seq_len == context and c.nbytes == context * per_token
-        times = []
-        for _ in range(repeats):  # each timed step appends one token: the context grows by `repeats`, 0.01%
-            start = time.perf_counter()
-            model(torch.tensor([[1]]), cache=c)
-            times.append(time.perf_counter() - start)
+    kv_heads, group, d = config.num_key_value_heads, config.num_attention_heads // config.num_key_value_heads, config.head_dim
+    layers = [(torch.randn(kv_heads, context, d, generator=gen), torch.randn(kv_heads, context, d, generator=gen))
+              for _ in range(config.num_hidden_layers)]
+    assert sum(k.nbytes + v.nbytes for k, v in layers) == context * per_token  # exactly the cache's bytes
+    q = torch.randn(kv_heads, group, d, generator=gen)  # the group's query heads, side by side
+    times = []
+    for _ in range(repeats):
+        start = time.perf_counter()
+        for k, v in layers:
+            weights = torch.softmax(q @ k.transpose(1, 2) * d ** -0.5, dim=-1)  # [kv_heads, group, context]
+            out = weights @ v  # [kv_heads, group, d]
+        times.append(time.perf_counter() - start)
     return min(times)
 
 
-long_contexts = [4096, 16384, 32768, 65536]
-long_ms = [1e3 * time_long_decode_step(t) for t in long_contexts]
-for t, ms in zip(long_contexts, long_ms):
-    print(f"context {t:>6,}: one cached decode step {ms:7.2f} ms, over a cache of {labkit.format_bytes(t * per_token)}")
-print(f"65,536 against 4,096 tokens: {long_ms[-1] / long_ms[0]:.1f}x the time for 16x the history")
+long_contexts = [2048, 4096, 8192, 16384, 32768, 65536, 98304]
+read_mib = [t * per_token / 2**20 for t in long_contexts]
+read_ms = [1e3 * time_attention_read(t) for t in long_contexts]
 torch.set_num_threads(threads)  # timing done: back to what PyTorch had
+for t, mib, ms in zip(long_contexts, read_mib, read_ms):
+    print(f"context {t:>6,}: reads {mib:5.0f} MiB in {ms:6.2f} ms = {ms / mib:.3f} ms per MiB")
 
 # %% [markdown]
-# Now the step time grows with the history: the last line compares 16 times the history with the
-# time it cost (the ratio depends on your machine and on what else runs on it). A step touches
-# every cached byte, and here more than once: this simple `KVCache` appends by concatenation, which copies the
-# whole layer cache every step, and the plain attention repeats each KV head for its 4 query heads.
-# A serving engine writes new keys and values in place (chapter 03) and its kernels read each
-# cached byte once, but it still reads all of them: on a GPU, where decode is limited by memory
-# bandwidth, the step time follows the bytes read.
+# The bytes grow 48-fold from the first line to the last. The time per MiB (the last column) is not
+# one constant, and the reason is the processor, not the cache's size law: a CPU keeps recently used
+# data in its own cache memory, tens of MiB on a desktop or server processor. A KV cache that fits
+# there is read from it, faster per MiB; one that does not comes from main memory at main memory's
+# rate. Past that size, each extra MiB costs the same time, and the step time is a straight line in
+# the bytes read. The next cell fits that line to the contexts of 64 MiB and more, and reads the
+# size of this processor's last cache where the operating system reports it (Linux does).
 
 # %%
-fig, (ax1, ax2) = plt.subplots(1, 2, figsize=(10, 3.8))
+from pathlib import Path
+
+big = [i for i, mib in enumerate(read_mib) if mib >= 64]
+slope, intercept = torch.linalg.lstsq(torch.tensor([[read_mib[i], 1.0] for i in big], dtype=torch.float64),
+                                      torch.tensor([[read_ms[i]] for i in big], dtype=torch.float64)).solution.flatten().tolist()
+small_rate, big_rate = read_ms[0] / read_mib[0], slope
+print(f"from main memory: {slope:.3f} ms per extra MiB read (line fitted to {len(big)} contexts of 64 MiB and more)")
+print(f"a {read_mib[0]:.0f} MiB cache, small enough for the processor's cache: {small_rate:.3f} ms per MiB")
+llc = Path("/sys/devices/system/cpu/cpu0/cache/index3/size")
+llc_mib = int(llc.read_text().strip().rstrip("K")) / 1024 if llc.exists() else None
+print(f"this processor's last-level cache: {f'{llc_mib:.0f} MiB' if llc_mib else 'not reported here'}")
+
+fig, (ax1, ax2, ax3) = plt.subplots(1, 3, figsize=(14, 3.9))
 ax1.plot(contexts, full_ms, marker="o", label="recompute everything")
 ax1.plot(contexts, cached_ms, marker="o", label="with the KV cache")
-ax1.set(xlabel="context length (tokens)", ylabel="ms per new token (measured)",
-        title="The cache removes recomputation")
+ax1.set(xlabel="context length (tokens)", ylabel="ms per new token",
+        title="The cache removes recomputation\n(measured on the CPU running this notebook)")
 ax1.legend()
-ax2.plot(long_contexts, long_ms, marker="o", color="C1", label="with the KV cache")
-ax2.set_xticks(long_contexts, [f"{t:,}\n{labkit.format_bytes(t * per_token)}" for t in long_contexts],
-               fontsize="small")
-ax2.set(xlabel="context length (tokens), and the cache it holds", ylabel="ms per decode step (measured)",
-        xlim=(0, 1.05 * long_contexts[-1]), ylim=(0, None), title="...but a step's time grows with the history")
-ax2.legend(loc="upper left")
+ax2.plot(read_mib, read_ms, marker="o", color="C1", linestyle="none", label="measured")
+ax2.plot([0, read_mib[-1]], [intercept, intercept + slope * read_mib[-1]], color="0.4", linestyle="--",
+         label=f"line fitted ≥ 64 MiB: {slope:.2f} ms per MiB")
+ax2.set(xlabel="KV cache read per decode step (MiB)", ylabel="ms per step (attention only)",
+        xlim=(0, None), ylim=(0, None), title="...but a step reads the whole history\n(measured, same CPU)")
+ax2.legend(loc="upper left", fontsize="small")
+ax3.plot(read_mib, [ms / mib for ms, mib in zip(read_ms, read_mib)], marker="o", color="C1")
+if llc_mib:
+    ax3.axvline(llc_mib, color="0.5", linestyle=":", label=f"last-level CPU cache: {llc_mib:.0f} MiB")
+    ax3.legend(loc="lower right", fontsize="small")
+ax3.set_xscale("log", base=2)
+ax3.set_xticks(read_mib, [f"{m:g}" for m in read_mib], fontsize="small")
+ax3.set(xlabel="KV cache read per decode step (MiB)", ylabel="ms per MiB read", ylim=(0, None),
+        title="Time per MiB: two levels, the CPU's cache\nand main memory (measured, same CPU)")
 fig.tight_layout()
 plt.show()
+
+# %% [markdown]
+# Left: without a cache, a step recomputes the whole context and its time climbs with it; with the
+# cache, the step is nearly flat at these short contexts. Middle: the attention reads alone, up to
+# 192 MiB. From 64 MiB on, the points sit on the fitted line: every extra MiB of history costs the
+# same time, the main-memory rate printed above. Right: the same data as time per MiB. Small caches
+# are read at the processor cache's rate, large ones at main memory's; between the two levels the
+# history outgrows the last-level cache. A decode step does not grow faster than linearly in its
+# history: it grows linearly, at a rate set by where the bytes live.
+#
+# A GPU has the same structure with different sizes. An H100's L2 cache holds 50 MB (NVIDIA's H100 whitepaper), while a
+# serving batch holds gigabytes of KV cache in HBM, so decode runs at the HBM rate: the bytes read per
+# step set the step time. Chapter 06 turns that into a model of serving speed.
 
 # %% [markdown]
 # ## With a real model
@@ -446,8 +498,9 @@ print(f"{len(reply.tokens)} tokens generated; the cache at the end held {reply.c
 # - The cache grows linearly with the tokens processed; plan a request at prompt length plus its
 #   generation limit.
 # - The cache saves recomputation, not reading: every decode step reads all of the history, so longer
-#   contexts mean more memory *and* more memory traffic per token; measured at 4,096 to 65,536
-#   tokens, the step time grew with the history.
+#   contexts mean more memory *and* more memory traffic per token. Measured from 4 to 192 MiB of
+#   cache, the attention's time grew linearly with the bytes read once the cache no longer fit in
+#   the processor's own cache.
 # - All of this is the standard autoregressive (decoder-only, causal) Transformer; windowed, latent
 #   or recurrent layers keep other state.
 # - A real model runs in the same decoder: SmolLM2-135M-Instruct, read from its 4-bit GGUF file
@@ -483,6 +536,12 @@ answer_1 = None  # replace None with a number
 ex.check("Exercise 1", answer_1, expected=generate(model, list(range(20)), 5).cache_tokens)
 
 # %% [markdown]
+# SOLUTIONS ONLY
+# **Why this works.** Prefill stores all 20 prompt positions. Each decode step feeds the token chosen
+# before it, so the 5 generated tokens cost only 4 more positions: the fifth is returned to the user
+# and never fed back. `generate` counts the same thing in `cache_tokens`.
+
+# %% [markdown]
 # **Exercise 2.** Write `kv_cache_bytes(num_layers, num_kv_heads, head_dim, tokens, bytes_per_element)`,
 # the size of a contiguous cache. The checker compares it with caches of real tensors for several
 # model shapes.
@@ -509,6 +568,26 @@ shapes = [(2, 1, 16, 10, torch.float32), (3, 2, 32, 7, torch.float16), (1, 4, 8,
 ex.check_function("Exercise 2", kv_cache_bytes,
                   [((L, h, d, t, torch.tensor([], dtype=dt).element_size()), measured_bytes(L, h, d, t, dt))
                    for L, h, d, t, dt in shapes])
+
+# %% [markdown]
+# SOLUTIONS ONLY
+# **Why this works.** A contiguous cache holds, for each of the 2 tensors (K and V) in each layer, one
+# vector of `head_dim` numbers per KV head per token, and every number takes `bytes_per_element`
+# bytes. The product of the five factors and the 2 is the whole size; query heads do not appear,
+# because grouped-query attention stores only the KV heads.
+
+# %% [markdown]
+# ## What you can now do
+#
+# - Tell prefill from decode in a trace, and say which one produces the first token and which one
+#   appends one position per step.
+# - Check that a cached model gives the same tokens as one that recomputes everything, and explain
+#   why causality allows it.
+# - Compute a cache's size from layers, KV heads, head dimension, tokens and element size, and plan a
+#   request at its prompt length plus its generation limit.
+# - Measure how a decode step's time follows the bytes of history it reads, and tell the processor
+#   cache's rate from main memory's.
+# - Load a real model from a GGUF file into the book's decoder and measure its cache per token.
 
 # %% [markdown]
 # ## References

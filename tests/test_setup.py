@@ -144,6 +144,16 @@ def test_generator_splits_solutions_and_stubs():
         make_notebooks._transform_code("# BEGIN SOLUTION\nx = 1\n# END SOLUTION", solutions=False, where="t")
 
 
+def test_markdown_cells_go_to_one_side(tmp_path, monkeypatch):
+    """`# SOLUTIONS ONLY` as the first line of a markdown cell keeps it out of chapters/."""
+    src = tmp_path / "01_x.py"
+    src.write_text("# %% [markdown]\n# Intro\n\n# %% [markdown]\n# SOLUTIONS ONLY\n# **Why this works.** Because.\n\n"
+                   "# %% [markdown]\n# CHAPTER ONLY\n# Try it first.\n")
+    text = {side: [c.source for c in make_notebooks.generate(src, side).cells[2:]] for side in make_notebooks.SIDES}
+    assert text["chapters"] == ["Intro", "Try it first."]
+    assert text["solutions"] == ["Intro", "**Why this works.** Because."]
+
+
 def test_colab_cell_installs_only_in_colab():
     repo, branch = make_notebooks.repository()
     badge, install = make_notebooks.header_cells("chapters", "01_x")

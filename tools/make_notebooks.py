@@ -8,7 +8,8 @@ turns it into two notebooks:
 
 Markers in the source (whole lines, any indentation):
 
-* a cell whose first line is ``# SOLUTIONS ONLY`` or ``# CHAPTER ONLY`` goes to one side only;
+* a cell (code or markdown) whose first line is ``# SOLUTIONS ONLY`` or ``# CHAPTER ONLY`` goes to
+  one side only;
 * a code cell whose first line is ``# NBVAL_SKIP_IN_SOLUTIONS`` (a slow cell with no exercise in
   it) is tested in chapters/ only: solutions/ gets ``# NBVAL_SKIP`` instead;
 * ``# BEGIN SOLUTION`` ... ``# END SOLUTION``: kept in solutions, dropped in chapters;
@@ -130,6 +131,8 @@ def generate(src: Path, side: str) -> nbformat.NotebookNode:
     for n, cell in enumerate(book.cells):
         text = cell.source
         first = text.split("\n", 1)[0].strip()
+        if cell.cell_type == "markdown" and first in ("SOLUTIONS ONLY", "CHAPTER ONLY"):
+            first = f"# {first}"  # jupytext has already taken the "# " off a markdown line
         if first in ("# SOLUTIONS ONLY", "# CHAPTER ONLY"):
             if (first == "# SOLUTIONS ONLY") != solutions:
                 continue
