@@ -264,20 +264,20 @@ def time_step(context: int, use_cache: bool, repeats: int = 5) -> float:
     return min(times)
 
 
-contexts = [64, 256, 512, 1024, 1536]
+contexts = [64, 128, 256, 512, 1024]
 cached_ms = [1e3 * time_step(t, True) for t in contexts]
-full_ms = [1e3 * time_step(t, False) for t in contexts]
+full_ms = [1e3 * time_step(t, False, repeats=3) for t in contexts]
 for t, a, b in zip(contexts, cached_ms, full_ms):
     print(f"context {t:>5}: with cache {a:7.2f} ms/token   recompute {b:8.2f} ms/token   "
           f"cache read {labkit.format_bytes(t * per_token)}")
 
 # %% [markdown]
 # Recomputing grows steeply with the context; with the cache the step grows far more slowly at
-# these lengths. That hides the reads: at 1,536 tokens this model's whole cache is 3 MiB, which a
+# these lengths. That hides the reads: at 1,024 tokens this model's whole cache is 2 MiB, which a
 # CPU reads in well under a millisecond, so the fixed work of a step (the projections and MLPs of
 # 4 layers) dominates.
 #
-# To see the reads, time them alone, at contexts up to 98,304 tokens (a cache of 192 MiB). The next
+# To see the reads, time them alone, at contexts up to 131,072 tokens (a cache of 256 MiB). The next
 # cell does the attention of one decode step the way a serving kernel does: one query per head, and
 # every cached key and value read **once**, the 4 query heads of a group sharing their KV head's
 # reads. (This chapter's simple `KVCache` would blur the picture: it appends by concatenation, which
@@ -305,15 +305,15 @@ def time_attention_read(context: int, repeats: int = 7) -> float:
     return min(times)
 
 
-long_contexts = [2048, 4096, 8192, 16384, 32768, 65536, 98304]
+long_contexts = [2048, 4096, 8192, 16384, 32768, 49152, 65536, 98304, 131072]
 read_mib = [t * per_token / 2**20 for t in long_contexts]
 read_ms = [1e3 * time_attention_read(t) for t in long_contexts]
 torch.set_num_threads(threads)  # timing done: back to what PyTorch had
 for t, mib, ms in zip(long_contexts, read_mib, read_ms):
-    print(f"context {t:>6,}: reads {mib:5.0f} MiB in {ms:6.2f} ms = {ms / mib:.3f} ms per MiB")
+    print(f"context {t:>7,}: reads {mib:5.0f} MiB in {ms:6.2f} ms = {ms / mib:.3f} ms per MiB")
 
 # %% [markdown]
-# The bytes grow 48-fold from the first line to the last. The time per MiB (the last column) is not
+# The bytes grow 64-fold from the first line to the last. The time per MiB (the last column) is not
 # one constant, and the reason is the processor, not the cache's size law: a CPU keeps recently used
 # data in its own cache memory, tens of MiB on a desktop or server processor. A KV cache that fits
 # there is read from it, faster per MiB; one that does not comes from main memory at main memory's
@@ -328,7 +328,9 @@ big = [i for i, mib in enumerate(read_mib) if mib >= 64]
 slope, intercept = torch.linalg.lstsq(torch.tensor([[read_mib[i], 1.0] for i in big], dtype=torch.float64),
                                       torch.tensor([[read_ms[i]] for i in big], dtype=torch.float64)).solution.flatten().tolist()
 small_rate, big_rate = read_ms[0] / read_mib[0], slope
-print(f"from main memory: {slope:.3f} ms per extra MiB read (line fitted to {len(big)} contexts of 64 MiB and more)")
+off = max(abs(read_ms[i] - (intercept + slope * read_mib[i])) / read_ms[i] for i in big)
+print(f"from main memory: {slope:.3f} ms per extra MiB read (line fitted to {len(big)} contexts of 64 MiB and more; "
+      f"the farthest is {off:.0%} off the line)")
 print(f"a {read_mib[0]:.0f} MiB cache, small enough for the processor's cache: {small_rate:.3f} ms per MiB")
 llc = Path("/sys/devices/system/cpu/cpu0/cache/index3/size")
 llc_mib = int(llc.read_text().strip().rstrip("K")) / 1024 if llc.exists() else None
@@ -360,8 +362,9 @@ plt.show()
 # %% [markdown]
 # Left: without a cache, a step recomputes the whole context and its time climbs with it; with the
 # cache, the step is nearly flat at these short contexts. Middle: the attention reads alone, up to
-# 192 MiB. From 64 MiB on, the points sit on the fitted line: every extra MiB of history costs the
-# same time, the main-memory rate printed above. Right: the same data as time per MiB. Small caches
+# 256 MiB. From 64 MiB on, the points follow the fitted line (the cell prints how far the farthest
+# strays; a busy machine adds scatter): every extra MiB of history costs about the same time, the
+# main-memory rate printed above. Right: the same data as time per MiB. Small caches
 # are read at the processor cache's rate, large ones at main memory's; between the two levels the
 # history outgrows the last-level cache. A decode step does not grow faster than linearly in its
 # history: it grows linearly, at a rate set by where the bytes live.

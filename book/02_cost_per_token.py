@@ -191,17 +191,6 @@ fig.tight_layout()
 plt.show()
 
 # %% [markdown]
-# Bad input is refused with a `ValueError` that names the parameter and its allowed range:
-
-# %%
-try:
-    capacity.cache_bytes(length=-1, num_layers=32, num_kv_heads=8, head_dim=128, dtype="bfloat16")
-except ValueError as err:
-    print(f"ValueError: {err}")
-else:
-    raise AssertionError("a negative length was accepted")
-
-# %% [markdown]
 # ## 4. The GQA mistake
 #
 # With grouped-query attention, several query heads share one K/V head: Llama-3-8B has 32 query
@@ -580,6 +569,12 @@ ex.check("Exercise 1", answer_1, expected=PRESETS["Qwen2.5-7B"].bytes_per_token(
          hint="head_dim = hidden_size / query heads; then use the KV heads.")
 
 # %% [markdown]
+# SOLUTIONS ONLY
+# **Why this works.** `config.json` gives no `head_dim`, so it is the hidden size shared out among
+# the query heads: 3584 / 28 = 128. The cache then stores K and V (the 2) for the 4 KV heads in each
+# of the 28 layers, at 2 bytes each: 57,344 bytes, 56 KiB per token.
+
+# %% [markdown]
 # **Exercise 2.** A colleague sized Llama-3-70B's cache with its 64 query heads instead of its
 # 8 KV heads. For one 8,192-token request (its longest context), by how many bytes is the estimate
 # too large?
@@ -594,6 +589,12 @@ answer_2 = None  # replace None with your expression
 llama70 = PRESETS["Llama-3-70B"]  # the numbers quoted in the exercise
 assert (llama70.num_attention_heads, llama70.num_kv_heads, llama70.max_position_embeddings) == (64, 8, 8192)
 ex.check("Exercise 2", answer_2, expected=8192 * (llama70.query_head_mistake() - llama70.bytes_per_token()))
+
+# %% [markdown]
+# SOLUTIONS ONLY
+# **Why this works.** The mistaken and the right estimate differ only in the head count, so the
+# excess is the formula with 64 − 8 = 56 heads in place of 8: per token 2 × 80 × 56 × 128 × 2 bytes,
+# times 8,192 tokens. It is 7 times the true cache, since the group size is 64 / 8 = 8.
 
 # %% [markdown]
 # **Exercise 3.** Write `fits(device_gib, reserved_gib, context_len)`: how many sequences of
@@ -613,7 +614,16 @@ def expected_fits(device_gib, reserved_gib, context_len):
 
 
 ex.check_function("Exercise 3", fits, [((d, r, t), expected_fits(d, r, t))
-                                       for d, r, t in [(24, 17, 8192), (80, 20, 131072), (80, 20, 5000), (141, 16.5, 32768)]])
+                                       for d, r, t in [(24, 17, 8192), (80, 20, 131072), (80, 20, 5000), (141, 16.5, 32768)]],
+                  forbid=[capacity.sequences_that_fit, capacity.kv_pool_bytes, capacity.cache_bytes,
+                          capacity.ModelShape.cache_bytes, capacity.ModelShape.bytes_per_token],
+                  hint="pool = (device - reserved) GiB in bytes; one sequence = context_len × 131,072 bytes.")
+
+# %% [markdown]
+# SOLUTIONS ONLY
+# **Why this works.** The pool is what the reservation leaves, converted from GiB to bytes; one
+# sequence costs its length times the teaching model's 131,072 bytes per token (2 × 32 × 8 × 128 × 2).
+# Integer division counts only whole sequences: a sequence that does not fit entirely cannot run.
 
 # %% [markdown]
 # **Exercise 4.** Gemma-2-9B runs with tensor parallelism over 16 devices. It has 8 KV heads.
@@ -631,6 +641,23 @@ assert PRESETS["Gemma-2-9B"].num_kv_heads == 8  # as the exercise says
 ex.check("Exercise 4", answer_4,
          expected=capacity.shard(PRESETS["Gemma-2-9B"], tensor_parallel_size=16).bytes_per_token(),
          hint="each device keeps one whole KV head of every layer")
+
+# %% [markdown]
+# SOLUTIONS ONLY
+# **Why this works.** A KV head cannot be cut in two: with 16 devices and 8 KV heads, each head is
+# copied onto 2 devices, so every device holds exactly 1 KV head of each of Gemma-2-9B's 42 layers,
+# with `head_dim` 256 in bf16. Past the KV-head count, more devices stop shrinking the per-device cache.
+
+# %% [markdown]
+# ## What you can now do
+#
+# - Compute a model's KV bytes per token from its `config.json`: layers, KV heads, head dimension
+#   and dtype, with `head_dim` derived when the file does not give it.
+# - Spot the GQA mistake (query heads in place of KV heads) and say by what factor it overstates.
+# - Count how many sequences of a given length fit in a device's pool after weights and reserve.
+# - Work out the per-device cache under tensor and pipeline parallelism, including when KV heads are
+#   replicated.
+# - Say what an 8-bit cache, a sliding window or a latent (MLA) cache changes in the formula.
 
 # %% [markdown]
 # ## References

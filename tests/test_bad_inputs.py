@@ -37,7 +37,7 @@ import torch
 
 import labkit  # noqa: F401  (first: Triton's interpreter without a GPU)
 from labkit import capacity, checks, costmodel, kernels, paging, pool, units, vllm, workloads
-from labkit import cache, engine, model, prefix, pretrained, scheduler, sim
+from labkit import cache, diagrams, engine, model, prefix, pretrained, scheduler, show, sim
 from labkit.capacity import GiB, PRESETS, TEACHING_MODEL, ModelShape
 from labkit.widgets import load_explorer, paging_stepper, prefix_stepper
 
@@ -522,6 +522,11 @@ CASES: list[tuple[str, Any, tuple, dict, type, str]] = [
     ("paging stepper block_size", paging_stepper.simulate, (), {"block_size": 0}, ValueError, "block_size"),
     ("load explorer rate", load_explorer.explore, (0.0, 0.5, 16, 1.0), {}, ValueError, "arrival_rate"),
     ("prefix stepper blocks", prefix_stepper.story, (0,), {}, ValueError, "num_blocks"),
+    # issue 22: the book's figure and excerpt helpers
+    ("diagram empty prompt", diagrams.prefill_decode_diagram, ([], [1], 2), {}, ValueError, "prompt_tokens"),
+    ("diagram num_layers", diagrams.prefill_decode_diagram, ([1], [1], 0), {}, ValueError, "num_layers"),
+    ("excerpt first marker gone", show.excerpt, (paging.blocks_needed, "no such line"), {}, ValueError, "first"),
+    ("excerpt last marker gone", show.excerpt, (paging.blocks_needed, "def", "no such line"), {}, ValueError, "last"),
 ]
 
 
@@ -590,7 +595,7 @@ def test_the_table_is_large_and_covers_every_public_module():
     covered = {m for m in modules if m.startswith("labkit.")}
     for name in ("checks", "units", "capacity", "vllm", "kernels", "paging", "pool", "workloads", "costmodel",
                  "model", "cache", "prefix", "scheduler", "sim", "engine", "widgets.paging_stepper",
-                 "widgets.load_explorer", "widgets.prefix_stepper"):
+                 "widgets.load_explorer", "widgets.prefix_stepper", "diagrams", "show"):
         assert f"labkit.{name}" in covered, name
 
 
