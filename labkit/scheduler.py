@@ -573,8 +573,9 @@ class Scheduler:
                 request.all_token_ids[:start + tokens], self.cache_key, lookup=self.enable_prefix_caching)
             request.num_cached_tokens, request.status = num_cached, RequestStatus.RUNNING
             if self._reserves:  # the rest of the reservation: the table never grows again
-                more = blocks_needed(self.reserved_tokens(request), self.block_size) - len(request.block_table.block_ids)
-                request.block_table.block_ids.extend(self.allocator.allocate_many(more))
+                table = request.block_table
+                more = blocks_needed(self.reserved_tokens(request), self.block_size) - len(table.block_ids)
+                table.block_ids.extend(self.allocator.allocate_many(more))
             self.waiting.remove(request)
             self.running.append(request)
             request.num_computed_tokens = start + tokens
@@ -651,9 +652,8 @@ def advance_decodes(sched: Scheduler, max_steps: int, next_tokens: Callable[[Req
     new_block: list[list[int]] = [[] for _ in range(bs)]  # request j starts a block in step s
     for j, c in enumerate(computed):                      # when (c + s) % bs == 0
         new_block[c % bs].append(j)
-    # Of them, those still running that take a fresh block: not one whose reservation holds its whole stretch.
-    grows = [len(r.block_table.block_ids) * bs <= c + end for r, c, end in zip(running, computed, last)]
-    num_new_block = [sum(grows[j] for j in group) for group in new_block]
+    grows = not sched._reserves  # a request holding its reservation never takes a fresh block
+    num_new_block = [len(group) * grows for group in new_block]  # of them, those still running that take one
     finishing: dict[int, list[int]] = {}
     for j, end in enumerate(last):
         finishing.setdefault(end, []).append(j)
@@ -678,7 +678,7 @@ def advance_decodes(sched: Scheduler, max_steps: int, next_tokens: Callable[[Req
             sched.finish(running[j])
             stretch.finished.setdefault(s, []).append(running[j])
             active, context = active - 1, context - computed[j] - s - 1
-            num_new_block[computed[j] % bs] -= grows[j]
+            num_new_block[computed[j] % bs] -= grows
         s += 1
     for j, end in enumerate(last):
         if end >= s:

@@ -192,8 +192,9 @@ class Simulator:
     many requests run at once; 256 is what vLLM's ``EngineArgs`` picks on GPUs below 70 GiB),
     ``enable_prefix_caching`` and ``full_sequence_must_fit`` (vLLM's admission gate, on by
     default), ``allocation`` and ``max_model_len`` (``"max_len"`` reserves ``max_model_len`` tokens per
-    request at admission, as the systems before paging did) go to the ``Scheduler``. ``skip_ahead=False`` steps through every iteration (slow,
-    the reference); ``record_schedule`` keeps, for every step, what each request was
+    request at admission, as the systems before paging did) go to the ``Scheduler``.
+    ``skip_ahead=False`` steps through every iteration (slow, the reference); ``record_schedule``
+    keeps, for every step, what each request was
     given: ``(request_id, start, num_tokens, block_table)``.
     """
 
@@ -238,7 +239,8 @@ class Simulator:
                 f"{'on' if self.enable_prefix_caching else 'off'}"
                 f"{'' if self.full_sequence_must_fit else ', chunk-only admission'}"
                 f"{'' if self.allocation == 'paged' else f', {self.allocation!r} allocation'}"
-                f"{'' if self.max_model_len is None else f', max_model_len {self.max_model_len:,}'}, {self.cost_model!r})")
+                f"{'' if self.max_model_len is None else f', max_model_len {self.max_model_len:,}'}"
+                f", {self.cost_model!r})")
 
     def new_scheduler(self) -> Scheduler:
         """A fresh chapter-05 scheduler over a fresh allocator and prefix cache."""
@@ -452,6 +454,8 @@ class _Run:
                 return clock
         # Request j computes position computed[j] + s in step s, and finishes in step last[j].
         computed = [r.num_computed_tokens for r in running]
+        if self.sim.record_schedule:  # blocks held before the stretch: a whole reservation, or those filled
+            held = [len(r.block_table.block_ids) for r in running]
         last = [r.max_new_tokens - len(r.output_token_ids) - 1 for r in running]
         k_max = min(last) if waiting else max(last) + 1
         if k_max < 1:
@@ -492,10 +496,13 @@ class _Run:
             self._finished(finished, ends[s])
         if self.sim.record_schedule:
             bs = self.sim.block_size
-            for s in range(k):
-                self.schedule.append([(r.request_id, computed[j] + s, 1,
-                                       tuple(stretch.block_tables[j][:blocks_needed(computed[j] + s + 1, bs)]))
-                                      for j, r in enumerate(running) if s <= last[j]])
+            for s in range(k):  # each table at step s: the blocks filled so far, or the whole reservation
+                planned = []
+                for j, r in enumerate(running):
+                    if s <= last[j]:
+                        n = max(held[j], blocks_needed(computed[j] + s + 1, bs))
+                        planned.append((r.request_id, computed[j] + s, 1, tuple(stretch.block_tables[j][:n])))
+                self.schedule.append(planned)
         self.skipped_steps += k
         return ends[-1]
 
