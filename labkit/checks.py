@@ -38,6 +38,13 @@ def check_flag(name: str, value: object) -> bool:
     raise ValueError(f"{name} must be True or False, got {value!r}")
 
 
+def check_choice(name: str, value: object, choices: tuple[str, ...]) -> str:
+    """``value`` if it is one of the strings ``choices``, else ValueError listing them."""
+    if isinstance(value, str) and value in choices:
+        return value
+    raise ValueError(f"{name} must be one of {', '.join(map(repr, choices))}, got {value!r}")
+
+
 def check_bytes(name: str, value: object, *, positive: bool = False) -> float:
     """A memory size in bytes: a finite real number >= 0 (> 0 with ``positive``); need not be whole (1.5 GiB).
 

@@ -15,6 +15,10 @@ blocks for its whole known sequence are free (``full_sequence_must_fit``), and n
 behind one that was not; full blocks are named when allocated, so a request admitted later in the
 same step shares them; when a running request cannot grow, the newest running request is
 **preempted by recompute** (its blocks go back, it returns to the front of the queue).
+
+``allocation="max_len"`` or ``"exact"`` turns the paged scheduler into the systems the PagedAttention
+paper compares against (Orca (Max) and Orca (Oracle)): each admitted request takes blocks for its whole
+reservation at once and never grows, so chapter 03's reserved-but-empty slots cost concurrency.
 """
 
 from __future__ import annotations
@@ -25,12 +29,12 @@ from collections import deque
 from dataclasses import dataclass, field
 from typing import Any, Callable, Iterable, Iterator, Sequence
 
-from .checks import check_flag, check_int, check_token_ids, parse_stop_token_ids
+from .checks import check_choice, check_flag, check_int, check_token_ids, parse_stop_token_ids
 from .paging import BlockAllocator, blocks_needed
 from .prefix import CachedBlockTable, CacheKey, PrefixCache, PrefixMatch, extra_blocks
 
 __all__ = ["RequestStatus", "Request", "extra_blocks", "plan_iteration", "Decision", "ScheduledChunk",
-           "StepStats", "Step", "Scheduler", "DecodeStretch", "advance_decodes"]
+           "StepStats", "Step", "Scheduler", "ALLOCATIONS", "check_allocation", "DecodeStretch", "advance_decodes"]
 
 
 class RequestStatus(enum.Enum):
@@ -42,7 +46,20 @@ class RequestStatus(enum.Enum):
 _request_ids = itertools.count()
 _NO_HIT = PrefixMatch((), 0, ())
 
+# How a request takes KV memory: block by block as its tokens need them (vLLM), or all at admission, for
+# max_model_len tokens (Orca (Max)) or for exactly its longest sequence (Orca (Oracle)).
+ALLOCATIONS = ("paged", "max_len", "exact")
 
+
+def check_allocation(allocation: object, max_model_len: object) -> tuple[str, int | None]:
+    """``(allocation, max_model_len)`` checked: one of ``ALLOCATIONS``, and ``None`` or an integer >= 1
+    (required with ``"max_len"``, the length every request reserves)."""
+    check_choice("allocation", allocation, ALLOCATIONS)
+    if max_model_len is not None or allocation == "max_len":
+        if max_model_len is None:
+            raise ValueError("max_model_len must be an integer >= 1 with allocation='max_len', got None")
+        max_model_len = check_int("max_model_len", max_model_len, 1)
+    return allocation, max_model_len
 
 
 @dataclass(eq=False)
@@ -304,7 +321,12 @@ class Scheduler:
     default, ``SchedulerConfig.scheduler_reserve_full_isl``) admits a waiting request only when
     blocks for its whole known sequence (prompt and outputs so far, after its prefix hit) are free,
     not just for the chunk it computes now; ``False`` asks only for the chunk, and a long prompt
-    admitted piece by piece may have to be preempted before it is done.
+    admitted piece by piece may have to be preempted before it is done. ``allocation``: ``"paged"``
+    (vLLM) takes a block when a token needs one; ``"max_len"`` (Orca (Max)) takes blocks for
+    ``max_model_len`` tokens at admission, ``"exact"`` (Orca (Oracle), which knows the length) for
+    prompt + max_new_tokens - 1: such a request never grows, so it is never preempted, and waits
+    until its whole reservation is free. ``max_model_len``: the longest sequence a request may
+    reach (``None``: the pool's size), and the reservation of ``"max_len"``.
 
     Each step: ``step = schedule()``, run the model on ``step.chunks``, then
     ``postprocess(step, sampled_token_ids)``, once. In between, ``finish`` (an abort) and ``fork``
@@ -315,8 +337,10 @@ class Scheduler:
     def __init__(self, num_blocks: int | None = None, block_size: int = 16, max_num_batched_tokens: int = 256,
                  *, max_num_seqs: int = 256, enable_prefix_caching: bool = True,
                  prefix_cache: PrefixCache | None = None, priority: Callable[[Request], Any] | None = None,
-                 cache_key: CacheKey = CacheKey(), head_of_line: bool = True, full_sequence_must_fit: bool = True):
+                 cache_key: CacheKey = CacheKey(), head_of_line: bool = True, full_sequence_must_fit: bool = True,
+                 allocation: str = "paged", max_model_len: int | None = None):
         check_int("block_size", block_size, 1)
+        allocation, max_model_len = check_allocation(allocation, max_model_len)
         check_int("max_num_batched_tokens", max_num_batched_tokens, 1)
         check_int("max_num_seqs", max_num_seqs, 1)
         flags = [check_flag(name, value) for name, value in (
@@ -330,6 +354,9 @@ class Scheduler:
             raise ValueError(f"prefix_cache must be a PrefixCache with block_size {block_size}")
         elif num_blocks is not None:
             raise ValueError("num_blocks must be None when prefix_cache is given (its allocator sets the pool)")
+        if max_model_len is not None and blocks_needed(max_model_len, block_size) > prefix_cache.allocator.num_blocks:
+            raise ValueError(f"max_model_len must fit the pool ({prefix_cache.allocator.num_blocks} blocks of "
+                             f"{block_size} tokens), got {max_model_len}")
         if priority is not None and not callable(priority):
             raise ValueError("priority must be None (first come, first served) or a key function of a Request")
         self.prefix_cache, self.allocator = prefix_cache, prefix_cache.allocator
@@ -337,6 +364,8 @@ class Scheduler:
         self.max_num_batched_tokens = max_num_batched_tokens
         self.enable_prefix_caching, self.head_of_line, self.full_sequence_must_fit = flags
         self.priority, self.cache_key = priority, cache_key
+        self.allocation, self.max_model_len = allocation, max_model_len
+        self._reserves = allocation != "paged"  # tested on the hot path
         self.waiting: deque[Request] = deque()
         self.running: list[Request] = []
         self.finished: list[Request] = []
@@ -382,11 +411,22 @@ class Scheduler:
             raise ValueError("request must be new: waiting, not queued yet, nothing computed, no blocks")
         if request.request_id in self.requests:
             raise ValueError(f"request_id must be unique among unfinished requests, got {request.request_id!r} twice")
-        need = blocks_needed(len(request.prompt_token_ids) + request.max_new_tokens - 1, self.block_size)
+        longest = len(request.prompt_token_ids) + request.max_new_tokens - 1
+        if self.max_model_len is not None and longest > self.max_model_len:
+            raise ValueError(f"max_new_tokens: prompt ({len(request.prompt_token_ids)}) + max_new_tokens "
+                             f"({request.max_new_tokens}) - 1 slots exceed max_model_len ({self.max_model_len})")
+        need = blocks_needed(longest, self.block_size)
         if need > self.num_blocks:
             raise ValueError(f"max_new_tokens: prompt ({len(request.prompt_token_ids)}) + max_new_tokens "
                              f"({request.max_new_tokens}) - 1 slots need {need} blocks of {self.block_size}, "
                              f"more than the pool's {self.num_blocks}")
+
+    def reserved_tokens(self, request: Request) -> int:
+        """Slots ``request`` takes at admission: ``max_model_len`` (``"max_len"``), its longest sequence
+        prompt + max_new_tokens - 1 (``"exact"``: the last token is never fed back), 0 (``"paged"``)."""
+        if self.allocation == "max_len":
+            return self.max_model_len
+        return len(request.prompt_token_ids) + request.max_new_tokens - 1 if self._reserves else 0
 
     def fork(self, request: Request) -> Request:
         """A twin of a running request sharing all its blocks (parallel sampling; copy-on-write later).
@@ -397,6 +437,8 @@ class Scheduler:
         if not isinstance(request, Request) or request.status is not RequestStatus.RUNNING \
                 or self.requests.get(request.request_id) is not request:
             raise ValueError("request must be a running request of this scheduler")
+        if self._reserves:  # the twin would share the reserved blocks it is about to write
+            raise ValueError(f"fork needs allocation='paged', got {self.allocation!r}")
         if len(self.running) >= self.max_num_seqs:
             raise ValueError(f"max_num_seqs: {self.max_num_seqs} requests run already")
         child_id = (request.request_id, "fork", next(self._fork_ids))
@@ -498,6 +540,8 @@ class Scheduler:
         blocks reports that need instead (vLLM's ``KVCacheManager.allocate_slots`` returns None)."""
         if request.status is RequestStatus.WAITING:
             hit = self._hits.get(id(request), _NO_HIT)
+            if self._reserves:  # the whole reservation, at admission
+                return self.prefix_cache.hit_extra_blocks(hit, self.reserved_tokens(request) - hit.num_cached_tokens)
             if self.full_sequence_must_fit:
                 whole = self.prefix_cache.hit_extra_blocks(hit, request.num_tokens - hit.num_cached_tokens)
                 if whole > self.allocator.num_free:
@@ -528,6 +572,10 @@ class Scheduler:
             request.block_table, num_cached = self.prefix_cache.allocate(
                 request.all_token_ids[:start + tokens], self.cache_key, lookup=self.enable_prefix_caching)
             request.num_cached_tokens, request.status = num_cached, RequestStatus.RUNNING
+            if self._reserves:  # the rest of the reservation: the table never grows again
+                table = request.block_table
+                more = blocks_needed(self.reserved_tokens(request), self.block_size) - len(table.block_ids)
+                table.block_ids.extend(self.allocator.allocate_many(more))
             self.waiting.remove(request)
             self.running.append(request)
             request.num_computed_tokens = start + tokens
@@ -604,7 +652,8 @@ def advance_decodes(sched: Scheduler, max_steps: int, next_tokens: Callable[[Req
     new_block: list[list[int]] = [[] for _ in range(bs)]  # request j starts a block in step s
     for j, c in enumerate(computed):                      # when (c + s) % bs == 0
         new_block[c % bs].append(j)
-    num_new_block = [len(group) for group in new_block]  # of them, those still running
+    grows = not sched._reserves  # a request holding its reservation never takes a fresh block
+    num_new_block = [len(group) * grows for group in new_block]  # of them, those still running that take one
     finishing: dict[int, list[int]] = {}
     for j, end in enumerate(last):
         finishing.setdefault(end, []).append(j)
@@ -629,7 +678,7 @@ def advance_decodes(sched: Scheduler, max_steps: int, next_tokens: Callable[[Req
             sched.finish(running[j])
             stretch.finished.setdefault(s, []).append(running[j])
             active, context = active - 1, context - computed[j] - s - 1
-            num_new_block[computed[j] % bs] -= 1
+            num_new_block[computed[j] % bs] -= grows
         s += 1
     for j, end in enumerate(last):
         if end >= s:

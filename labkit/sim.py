@@ -25,7 +25,7 @@ from .checks import check_flag, check_int, check_number
 from .costmodel import CostModel
 from .paging import BlockAllocator, blocks_needed
 from .prefix import PrefixCache, tail_is_shared
-from .scheduler import Request, Scheduler, Step, advance_decodes
+from .scheduler import Request, Scheduler, Step, advance_decodes, check_allocation
 from .units import format_bytes
 from .workloads import RequestSpec
 
@@ -191,21 +191,25 @@ class Simulator:
     one block). ``block_size``, ``max_num_batched_tokens``, ``max_num_seqs`` (at most this
     many requests run at once; 256 is what vLLM's ``EngineArgs`` picks on GPUs below 70 GiB),
     ``enable_prefix_caching`` and ``full_sequence_must_fit`` (vLLM's admission gate, on by
-    default) go to the ``Scheduler``. ``skip_ahead=False`` steps through every iteration (slow,
-    the reference); ``record_schedule`` keeps, for every step, what each request was
+    default), ``allocation`` and ``max_model_len`` (``"max_len"`` reserves ``max_model_len`` tokens per
+    request at admission, as the systems before paging did) go to the ``Scheduler``.
+    ``skip_ahead=False`` steps through every iteration (slow, the reference); ``record_schedule``
+    keeps, for every step, what each request was
     given: ``(request_id, start, num_tokens, block_table)``.
     """
 
     def __init__(self, cost_model: CostModel | None = None, *, num_blocks: int | None = None,
                  pool_bytes: float | None = None, block_size: int = 16, max_num_batched_tokens: int = 2048,
                  max_num_seqs: int = 256, enable_prefix_caching: bool = True, skip_ahead: bool = True,
-                 record_schedule: bool = False, full_sequence_must_fit: bool = True):
+                 record_schedule: bool = False, full_sequence_must_fit: bool = True, allocation: str = "paged",
+                 max_model_len: int | None = None):
         self.cost_model = cost_model if cost_model is not None else CostModel()
         if not isinstance(self.cost_model, CostModel):
             raise ValueError(f"cost_model must be a labkit.costmodel.CostModel, got {type(cost_model).__name__}")
         check_int("block_size", block_size, 1)
         check_int("max_num_batched_tokens", max_num_batched_tokens, 1)
         check_int("max_num_seqs", max_num_seqs, 1)
+        allocation, max_model_len = check_allocation(allocation, max_model_len)
         if (num_blocks is None) == (pool_bytes is None):
             raise ValueError("give exactly one of num_blocks (an integer >= 1) or pool_bytes (bytes >= one block)")
         block_bytes = self.cost_model.model.shape.block_bytes(block_size)
@@ -216,7 +220,11 @@ class Simulator:
                                  f"({format_bytes(block_bytes)}), got {format_bytes(pool_bytes)}")
             num_blocks = int(pool_bytes // block_bytes)
         check_int("num_blocks", num_blocks, 1)
+        if max_model_len is not None and blocks_needed(max_model_len, block_size) > num_blocks:
+            raise ValueError(f"max_model_len must fit the pool ({num_blocks} blocks of {block_size} tokens), "
+                             f"got {max_model_len}")
         self.num_blocks = num_blocks
+        self.allocation, self.max_model_len = allocation, max_model_len
         self.block_size = block_size
         self.max_num_batched_tokens = max_num_batched_tokens
         self.max_num_seqs = max_num_seqs
@@ -229,7 +237,10 @@ class Simulator:
         return (f"Simulator({self.num_blocks:,} blocks of {self.block_size} tokens, budget "
                 f"{self.max_num_batched_tokens} tokens/step, at most {self.max_num_seqs} running, prefix caching "
                 f"{'on' if self.enable_prefix_caching else 'off'}"
-                f"{'' if self.full_sequence_must_fit else ', chunk-only admission'}, {self.cost_model!r})")
+                f"{'' if self.full_sequence_must_fit else ', chunk-only admission'}"
+                f"{'' if self.allocation == 'paged' else f', {self.allocation!r} allocation'}"
+                f"{'' if self.max_model_len is None else f', max_model_len {self.max_model_len:,}'}"
+                f", {self.cost_model!r})")
 
     def new_scheduler(self) -> Scheduler:
         """A fresh chapter-05 scheduler over a fresh allocator and prefix cache."""
@@ -237,7 +248,8 @@ class Simulator:
         return Scheduler(block_size=self.block_size, max_num_batched_tokens=self.max_num_batched_tokens,
                          max_num_seqs=self.max_num_seqs,
                          enable_prefix_caching=self.enable_prefix_caching, prefix_cache=cache,
-                         full_sequence_must_fit=self.full_sequence_must_fit)
+                         full_sequence_must_fit=self.full_sequence_must_fit, allocation=self.allocation,
+                         max_model_len=self.max_model_len)
 
     def run(self, requests: Sequence[RequestSpec], progress: bool = False) -> SimResult:
         """Serve ``requests`` (arriving at their ``arrival_time``) to completion."""
@@ -442,6 +454,8 @@ class _Run:
                 return clock
         # Request j computes position computed[j] + s in step s, and finishes in step last[j].
         computed = [r.num_computed_tokens for r in running]
+        if self.sim.record_schedule:  # blocks held before the stretch: a whole reservation, or those filled
+            held = [len(r.block_table.block_ids) for r in running]
         last = [r.max_new_tokens - len(r.output_token_ids) - 1 for r in running]
         k_max = min(last) if waiting else max(last) + 1
         if k_max < 1:
@@ -482,10 +496,13 @@ class _Run:
             self._finished(finished, ends[s])
         if self.sim.record_schedule:
             bs = self.sim.block_size
-            for s in range(k):
-                self.schedule.append([(r.request_id, computed[j] + s, 1,
-                                       tuple(stretch.block_tables[j][:blocks_needed(computed[j] + s + 1, bs)]))
-                                      for j, r in enumerate(running) if s <= last[j]])
+            for s in range(k):  # each table at step s: the blocks filled so far, or the whole reservation
+                planned = []
+                for j, r in enumerate(running):
+                    if s <= last[j]:
+                        n = max(held[j], blocks_needed(computed[j] + s + 1, bs))
+                        planned.append((r.request_id, computed[j] + s, 1, tuple(stretch.block_tables[j][:n])))
+                self.schedule.append(planned)
         self.skipped_steps += k
         return ends[-1]
 

@@ -18,7 +18,8 @@ from hypothesis import strategies as st
 
 from labkit.paging import BlockAllocator, blocks_needed
 from labkit.prefix import PrefixCache
-from labkit.scheduler import Request, RequestStatus, Scheduler, advance_decodes, extra_blocks, plan_iteration
+from labkit.scheduler import (ALLOCATIONS, Request, RequestStatus, Scheduler, advance_decodes, extra_blocks,
+                              plan_iteration)
 
 VOCAB = 50
 
@@ -71,12 +72,22 @@ class SymbolicPool:
         return [next_token(c.request.all_token_ids[:c.seq_len]) for c in step.sampling_chunks]
 
 
+def slots_held(sched: Scheduler, r: Request) -> int:
+    """The slots a running request's blocks must cover, counted here (not asked of the scheduler):
+    paged, its computed tokens; reserving, its whole reservation from admission on."""
+    if sched.allocation == "max_len":
+        return sched.max_model_len
+    if sched.allocation == "exact":
+        return len(r.prompt_token_ids) + r.max_new_tokens - 1
+    return r.num_computed_tokens
+
+
 def check_ref_counts(sched: Scheduler) -> None:
     """Every block's reference count equals the number of running block tables holding it."""
     held = [0] * sched.num_blocks
     for r in sched.running:
         assert r.block_table is not None
-        assert len(r.block_table.block_ids) == blocks_needed(r.num_computed_tokens, sched.block_size)
+        assert len(r.block_table.block_ids) == -(-slots_held(sched, r) // sched.block_size)
         for b in r.block_table.block_ids:
             held[b] += 1
     for r in sched.waiting:
@@ -864,3 +875,93 @@ def _fuzz_once(seed: int) -> None:
 def test_mid_step_fuzzer_no_stall_no_error():
     for seed in range(400):
         _fuzz_once(seed)
+
+
+# ------------------------------------------------------------------ reservations (the paper's baselines)
+
+
+@settings(max_examples=80, deadline=None)
+@given(workloads(), st.sampled_from(["max_len", "exact"]), st.integers(0, 9))
+def test_reservations_hold_their_whole_length_and_never_preempt(workload, allocation, spare):
+    """Orca (Max) and Orca (Oracle): every running request holds blocks for its whole reservation at
+    every step (``run`` counts them in ``check_ref_counts``), nobody is preempted, and every request
+    still gets its own tokens, also with prefix hits inside the reservation."""
+    drawn, arrivals = workload
+    reqs = [r for rs in arrivals.values() for r in rs]
+    longest = max(len(r.prompt_token_ids) + r.max_new_tokens - 1 for r in reqs)
+    max_model_len = min(longest + spare, drawn.num_blocks * drawn.block_size)
+    sched = Scheduler(drawn.num_blocks, drawn.block_size, drawn.max_num_batched_tokens,
+                      enable_prefix_caching=drawn.enable_prefix_caching, priority=drawn.priority,
+                      head_of_line=drawn.head_of_line, full_sequence_must_fit=drawn.full_sequence_must_fit,
+                      allocation=allocation, max_model_len=max_model_len)
+    total = sum(len(r.prompt_token_ids) + r.max_new_tokens for r in reqs)
+    steps = run(sched, arrivals, max_steps=10 * total + 10)
+    assert not any(step.preempted for step in steps)
+    for r in reqs:
+        assert r.output_token_ids == reference_output(r.prompt_token_ids, r.max_new_tokens, r.eos_token_id)
+        assert r.num_preemptions == 0
+    assert sched.allocator.num_free == sched.num_blocks and sched.allocator.ref_counts == [0] * sched.num_blocks
+
+
+def _serve_all_at_once(allocation: str) -> tuple[list[int], list[list[int]], int]:
+    """Twelve requests at once in a 40-block pool: the most running in a step, every output, preemptions."""
+    rng = random.Random(5)
+    reqs = [Request([rng.randrange(VOCAB) for _ in range(rng.randrange(4, 20))], rng.randrange(4, 20))
+            for _ in range(12)]
+    sched = Scheduler(40, 4, 64, enable_prefix_caching=False, allocation=allocation, max_model_len=48)
+    running = []
+    for step in run(sched, {0: reqs}):
+        running.append(step.stats.num_running)
+        if allocation == "max_len":  # a plain count: 12 blocks of 4 slots for each of them, no sharing
+            assert sched.allocator.num_used == 12 * len(sched.running)
+    return running, [r.output_token_ids for r in reqs], sum(r.num_preemptions for r in reqs)
+
+
+def test_reserving_admits_fewer_requests_at_once_than_paging_with_the_same_tokens():
+    """The same twelve requests: reserving 48 slots each runs at most 3 at once (40 // 12 blocks),
+    the exact length more, paging most; each request's tokens are the same whatever the allocation."""
+    runs = {a: _serve_all_at_once(a) for a in ALLOCATIONS}
+    peak = {a: max(running) for a, (running, _, _) in runs.items()}
+    assert peak["max_len"] == 3 < peak["exact"] < peak["paged"]
+    assert runs["max_len"][1] == runs["exact"][1] == runs["paged"][1]
+    assert runs["max_len"][2] == runs["exact"][2] == 0
+    mean = {a: sum(running) / len(running) for a, (running, _, _) in runs.items()}
+    assert mean["max_len"] < mean["exact"] < mean["paged"]
+
+
+def test_a_reserving_request_waits_for_its_whole_reservation():
+    """Admission asks for the reservation, not for the prompt: 10 free blocks of 4 slots hold a
+    5-token prompt, but not a 48-slot reservation (12 blocks)."""
+    sched = Scheduler(14, 4, 64, enable_prefix_caching=False, allocation="max_len", max_model_len=48)
+    sched.add_request([1] * 5, 3)
+    first = sched.schedule()
+    sched.postprocess(first, [2])
+    sched.add_request([3] * 5, 3)
+    step = sched.schedule()
+    turn = next(d for d in step.decisions if d.waiting)
+    assert (turn.needed, turn.free_blocks, turn.outcome) == (12, 2, "skipped")
+    assert len(sched.running) == 1 and sched.allocator.num_used == 12
+
+
+def test_allocation_bad_values_are_refused_and_nothing_changes():
+    for bad in ("max", "Paged", None, 1):
+        with pytest.raises(ValueError, match="allocation must be one of 'paged', 'max_len', 'exact'"):
+            Scheduler(8, allocation=bad)
+    with pytest.raises(ValueError, match="max_model_len must be an integer >= 1 with allocation='max_len'"):
+        Scheduler(8, allocation="max_len")
+    for bad in (0, 2.5, True):
+        with pytest.raises(ValueError, match="max_model_len"):
+            Scheduler(8, allocation="max_len", max_model_len=bad)
+    with pytest.raises(ValueError, match="max_model_len must fit the pool"):
+        Scheduler(8, block_size=4, allocation="max_len", max_model_len=33)
+    sched = Scheduler(16, 4, allocation="exact", max_model_len=20)
+    kept = sched.add_request([1, 2, 3], 4)
+    with pytest.raises(ValueError, match="max_model_len"):  # 15 + 6 - 1 = 20 slots fit, 21 do not
+        sched.add_request([1] * 15, 7)
+    assert list(sched.waiting) == [kept] and list(sched.requests) == [kept.request_id]
+    step = sched.schedule()
+    sched.postprocess(step, [5])
+    before = (list(sched.running), list(sched.allocator.ref_counts), sched.allocator.num_free)
+    with pytest.raises(ValueError, match="fork needs allocation='paged'"):
+        sched.fork(kept)
+    assert (list(sched.running), list(sched.allocator.ref_counts), sched.allocator.num_free) == before

@@ -431,6 +431,80 @@ def test_skip_ahead_on_random_small_systems(seed):
     assert skipped.scheduler.allocator.num_free == settings["num_blocks"]
 
 
+RESERVING = {
+    "chat, reserve max length": (lambda: sharegpt_like(60, 30.0, seed=2),
+                                 dict(num_blocks=400, allocation="max_len", max_model_len=2048)),
+    "mixed, reserve exact, shared prefixes, eviction": (
+        lambda: make_workload(50, 15.0, ALPACA, shared_prefix_len=64, prefix_share=0.6, seed=5),
+        dict(num_blocks=60, block_size=8, max_num_batched_tokens=128, allocation="exact")),
+}
+
+
+@pytest.mark.parametrize("name", sorted(RESERVING))
+def test_skip_ahead_gives_exactly_what_stepping_gives_with_reservations(name):
+    make, settings = RESERVING[name]
+    specs = make()
+    cost = CostModel("teaching model", "L4", overhead_s=2e-4)
+    stepped = Simulator(cost, skip_ahead=False, record_schedule=True, **settings).run(specs)
+    skipped = Simulator(cost, skip_ahead=True, record_schedule=True, **settings).run(specs)
+    assert stepped.skipped_steps == 0 and skipped.skipped_steps > 0
+    assert_same_run(stepped, skipped)
+    assert skipped.preemptions.sum() == 0 and skipped.num_waiting.max() > 0
+    assert skipped.scheduler.allocator.num_free == settings["num_blocks"]
+
+
+@pytest.mark.parametrize("seed", range(RANDOM_SEEDS // 3))
+def test_skip_ahead_on_random_small_systems_with_reservations(seed):
+    rng = random.Random(1000 + seed)
+    bs = rng.choice([2, 3, 4, 8])
+    specs = tiny_workload(seed, rng.randrange(3, 14), shared=rng.choice([0, 5, 12]), max_prompt=rng.randrange(2, 30),
+                          max_output=rng.randrange(2, 40), spread=rng.choice([0.0, 0.002, 0.02, 0.2]))
+    longest = max(s.prompt_len + s.output_len - 1 for s in specs)
+    max_model_len = longest + rng.randrange(0, 2 * bs)
+    settings = dict(num_blocks=-(-max_model_len // bs) * rng.randrange(1, 4), block_size=bs,
+                    max_num_batched_tokens=rng.choice([1, 3, 8, 32, 256]),
+                    enable_prefix_caching=rng.random() < 0.8, max_num_seqs=rng.choice([1, 2, 5, 256]),
+                    allocation=rng.choice(["max_len", "exact"]), max_model_len=max_model_len)
+    cost = CostModel("teaching model", rng.choice(sorted(DEVICES)), overhead_s=rng.choice([0.0, 1e-3]))
+    stepped = Simulator(cost, skip_ahead=False, record_schedule=True, **settings).run(specs)
+    skipped = Simulator(cost, skip_ahead=True, record_schedule=True, **settings).run(specs)
+    assert_same_run(stepped, skipped)
+    assert skipped.preemptions.sum() == 0
+    assert skipped.scheduler.allocator.num_free == settings["num_blocks"]
+
+
+def test_paging_batches_more_requests_than_reserving_on_one_workload():
+    """The PagedAttention paper's comparison in small: one chat workload, one pool; reserving the
+    maximum length per request runs the fewest at once, paging the most, and serves it fastest.
+    Every request gets the same tokens in the three runs, and a reserving run holds its
+    reservations all the time: blocks held = running requests x blocks per reservation."""
+    specs = sharegpt_like(80, 40.0, seed=3)
+    runs = {a: Simulator(num_blocks=1024, enable_prefix_caching=False, allocation=a, max_model_len=2048).run(specs)
+            for a in ("max_len", "exact", "paged")}
+    mean = {a: r.num_running.mean() for a, r in runs.items()}
+    assert runs["max_len"].num_running.max() == 1024 // 128
+    assert mean["max_len"] < mean["exact"] < mean["paged"]
+    assert runs["max_len"].requests_per_s < runs["exact"].requests_per_s < runs["paged"].requests_per_s
+    assert np.array_equal(runs["max_len"].used_blocks, 128 * runs["max_len"].num_running)
+    tokens = {a: sorted((r.request_id, tuple(r.output_token_ids)) for r in run.scheduler.finished)
+              for a, run in runs.items()}
+    assert tokens["max_len"] == tokens["exact"] == tokens["paged"]
+    assert runs["max_len"].preemptions.sum() == runs["exact"].preemptions.sum() == 0
+
+
+def test_simulator_refuses_a_bad_allocation():
+    with pytest.raises(ValueError, match="allocation must be one of 'paged', 'max_len', 'exact'"):
+        Simulator(num_blocks=10, allocation="orca")
+    with pytest.raises(ValueError, match="max_model_len must be an integer >= 1 with allocation='max_len'"):
+        Simulator(num_blocks=10, allocation="max_len")
+    with pytest.raises(ValueError, match="max_model_len must fit the pool"):
+        Simulator(num_blocks=10, block_size=16, allocation="max_len", max_model_len=161)
+    sim = Simulator(num_blocks=10, block_size=16, allocation="exact", max_model_len=100)
+    with pytest.raises(ValueError, match="max_model_len"):  # 90 + 12 - 1 slots > 100
+        sim.run([RequestSpec(0, 0.0, [1] * 90, 12)])
+    assert "'exact' allocation, max_model_len 100" in repr(sim)
+
+
 def test_load_explorer_updates_with_its_controls():
     import matplotlib
     matplotlib.use("Agg")
