@@ -66,12 +66,11 @@ print(labkit.describe())
 #   must belong to a block that the request holds *before* the pass writes it. So the step must
 #   also fit in the free blocks.
 #
-# The article's §05 puts both budgets into one pass over the candidates. Its pseudocode, quoted as
-# it stands in the source article (`next_chunk` is what the request would compute next,
+# The article's §05 puts both budgets into one pass over the candidates. Here is its pseudocode,
+# quoted unchanged from the source article (`next_chunk` is what the request would compute next,
 # `reserve_blocks` takes the blocks from the pool):
 #
 # ```python
-# # plan_iteration, from the source article's §05 (its pseudocode, unchanged)
 # def plan_iteration(candidates, free_blocks, token_budget, block_size):
 #     plan = []
 #     for request in candidates:
@@ -103,10 +102,11 @@ excerpt(plan_iteration, "for request in candidates", "continue  # nothing to com
 # prefills, one token while it decodes, and after a preemption its prompt *and* the outputs it had.
 # The one change is the `continue`: a request with nothing to compute *now* (its last token is
 # still being sampled) is passed over, where the article's `break` would end the pass for everyone
-# behind it with budget left. Next, the blocks:
+# behind it with budget left. Next, the blocks (and a note of whether the request is still
+# waiting, which matters further down):
 
 # %%
-excerpt(plan_iteration, "if tokens == 0:", "blocks = extra_blocks(")
+excerpt(plan_iteration, "waiting = request.status", "blocks = extra_blocks(")
 
 # %% [markdown]
 # The article calls `extra_blocks(request, ...)` directly. labkit takes a `needed` hook instead,

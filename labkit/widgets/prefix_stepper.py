@@ -141,8 +141,8 @@ def story(num_blocks: int = 8, block_size: int = 4) -> list[Snapshot]:
     record("C evicts LRU cached blocks", "C arrives with unrelated text; the pool is short, so least recently "
            "used cached blocks are evicted", arrive("C", list(range(200, 228))))
     record("C finishes", "C finishes", finish("C"))
-    record("D reuses what survived", "D asks about the report again; C's run evicted the report's second "
-           "block, so D computes it again", arrive("D", report + [9, 9]))
+    record("D reuses what survived", "D asks about the report again (C evicted its second block)",
+           arrive("D", report + [9, 9]))
     return snaps
 
 
@@ -170,11 +170,11 @@ def draw_snapshot(ax: plt.Axes, snap: Snapshot, *, title: str | None = None) -> 
             ax.text(x + 0.45, y + 0.35, str(b), ha="center", va="center", fontsize=8, zorder=3)
             ax.plot([x + 0.45, b + 0.45], [y + 0.7, pool_y], color="0.6", linewidth=0.7, zorder=1)
     if snap.evicted:  # say what the red outlines mean where they appear
-        ax.text(n / 2, -0.45, "red outline, evicted now (name dropped, block reused): "
-                + "; ".join(f"block {b} held {what}" for b, what in zip(snap.evicted, snap.evicted_held)),
-                ha="center", va="center", fontsize=8, color="red")
+        lines = ["red outline: evicted now (name dropped, block reused)"]
+        lines += [f"block {b} held {what}" for b, what in zip(snap.evicted, snap.evicted_held)]
+        ax.text(n / 2, -0.25, "\n".join(lines), ha="center", va="top", fontsize=8, color="red", linespacing=1.3)
     ax.set_xlim(-1.6, n + 0.2)
-    ax.set_ylim(-0.8 if snap.evicted else -0.2, pool_y + 1.3)
+    ax.set_ylim(-0.3 - 0.42 * (1 + len(snap.evicted)) if snap.evicted else -0.2, pool_y + 1.3)
     ax.axis("off")
     ax.set_title(title if title is not None else snap.caption, fontsize=9, wrap=True)
 
