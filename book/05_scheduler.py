@@ -122,18 +122,18 @@ excerpt(plan_iteration, "preempted = False", "# a preempted twin")
 # A running request cannot simply be skipped: it holds blocks and must grow to finish. The
 # `make_room` hook lets the scheduler preempt the newest running request (a section below) and
 # returns the free blocks after it; a waiting request is never given that power. The end of the
-# pass is the article's, line for line:
+# pass follows the article's lines, with two additions:
 
 # %%
 excerpt(plan_iteration, 'outcome = ("stop"', "token_budget -= tokens")
 
 # %% [markdown]
 # `break` when the budget is spent, `continue` when the blocks do not fit, then reserve, plan and
-# subtract both budgets. Two things differ. Every turn is written to `decisions` when asked (the
-# step tables below print them; they record, they decide nothing). And `reserve` is a hook that may
-# be absent: the `Scheduler` passes one that allocates the blocks, while this chapter also calls
-# `plan_iteration` without it, to ask "what *would* be planned?" without touching a pool. The
-# function also checks its arguments (`check_int`) before the loop. What is *not* in it is as
+# subtract both budgets, as in the article. The additions: every turn is written to `decisions` when
+# asked (the step tables below print them; they record, they decide nothing), and `reserve` is a
+# hook that may be absent: the `Scheduler` passes one that allocates the blocks, while this chapter
+# also calls `plan_iteration` without it, to ask "what *would* be planned?" without touching a pool.
+# The function also checks its arguments (`check_int`) before the loop. What is *not* in it is as
 # telling: vLLM's two admission rules for waiting requests (both in sections below) live in the
 # `Scheduler`, which decides which candidates to offer; the pass itself stays the article's.
 #
