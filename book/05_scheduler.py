@@ -1077,8 +1077,8 @@ ex.check("Exercise 2", answer_2, expected=planned(plan_iteration(ex2, 3, 10, 4, 
 # %% [markdown]
 # SOLUTIONS ONLY
 # **Why this works.** The pass keeps two running totals and visits the candidates once, in order.
-# R is the only turn that loses to the blocks while budget remains (8 tokens need 2 blocks, 1 is
-# free), so it is skipped, not a stop, and S behind it still fits; T then finds no block left.
+# R loses to the blocks while budget remains (its 8 tokens need 2 blocks, 1 is free), so it is
+# skipped, not a stop, and S behind it still fits; T, with budget left too, then finds no block.
 
 # %% [markdown]
 # **Exercise 3.** In the preemption example above, suppose C had produced 3 tokens (not 2) before it
