@@ -439,7 +439,22 @@ for i in (2, 4, 6, 7, 9):
     s = snaps[i]
     print(f"step {i}: copies {list(s.copies)}, evicted {list(s.evicted)}, blocks in use "
           f"{sum(r > 0 for r in s.ref_counts)}, cached {sum(s.cached)}; {s.caption}")
+    for b, what in zip(s.evicted, s.evicted_held):
+        print(f"         block {b} had held {what}")
 assert snaps[4].copies and snaps[7].evicted and sum(snaps[6].ref_counts) == 0 and sum(snaps[6].cached) >= 2
+assert snaps[7].evicted == snaps[9].evicted and snaps[7].evicted_held != snaps[9].evicted_held
+
+# %% [markdown]
+# Blocks 1 and 4 are evicted twice, at step 7 and again at step 9, and that is no double count. An
+# eviction drops a *name*, the content a block held, and the physical block goes straight back to
+# work. At step 7, C needs 7 of the 8 blocks: it takes the 5 free blocks that carry no name, then
+# the two cached blocks at the front of the queue, 4 and 1, which held A''s private tail (full once
+# it wrote its token) and the report's second block. Only the report's first block, 0, survives. When C finishes, it frees its blocks
+# tail first, as vLLM does, so its *last* two blocks, in 1 and 4 again, are the least recently used.
+# At step 9, D finds block 0 (a 4-token hit) and needs two more blocks: the queue hands out 1 and 4
+# once more, this time dropping C's names, and D writes the report's second block back into
+# block 1. The ids repeat because the free queue recycles ids; the evicted content is different
+# each time.
 
 # %% [markdown]
 # ## With a real model: one system prompt, four conversations
@@ -505,12 +520,14 @@ assert edit_at < common_prefix_len(first, prompts["question 2"])
 # %%
 # NBVAL_SKIP_IN_SOLUTIONS
 use_triton = labkit.RUNTIME.triton_mode == "compiled"  # on a GPU the Triton kernels, on a CPU their references
+ran_on = {}
 
 
 def serve(enable_prefix_caching: bool, max_new_tokens: int) -> dict[str, tuple]:
     """Each prompt served alone, in order, in one engine: (request, seconds to its first token)."""
     engine = Engine(chat_model, num_blocks=64, block_size=16, max_num_batched_tokens=256,
                     enable_prefix_caching=enable_prefix_caching, use_triton=use_triton)
+    ran_on["attention"] = engine.backend.kernel_backend()
     out = {}
     for name, ids in prompts.items():
         start, first_token = time.perf_counter(), None
@@ -529,6 +546,9 @@ for _ in range(2):  # prefill only, twice more: keep each request's fastest
     for caching in (True, False):
         for name, (_, t) in serve(caching, 1).items():
             ttft[caching][name] = min(ttft[caching][name], t)
+where = torch.cuda.get_device_name() if labkit.DEVICE.type == "cuda" else "the CPU"
+print(f"times measured in this run on {where} ({torch.get_num_threads()} PyTorch threads); "
+      f"attention ran {ran_on['attention']}")
 print(f"{'request':<27} {'cached':>9}  {'first token, cache on / off':>28}  same reply")
 for name in prompts:
     request, plain = cached_run[name][0], plain_run[name][0]
@@ -561,8 +581,8 @@ for name in prompts:
 # %% [markdown]
 # Questions 2 to 4 reuse the blocks of the system prompt that question 1 computed, so their prefill
 # computes only the rest of the prompt, and their first token comes sooner (the times above were
-# measured on the CPU where this notebook last ran, and change from machine to machine; the token
-# counts do not). The replies are the same token for token. The fifth prompt reads the same to a person, yet its hit stops at
+# measured where this notebook last ran, as the line above the table says, and change from machine
+# to machine; the token counts do not). The replies are the same token for token. The fifth prompt reads the same to a person, yet its hit stops at
 # the last full block before the extra space, because the tokenizer turned "You  are" into different
 # tokens and every block name after them differs (the hash chain). An engine can only reuse what is
 # identical in token ids, from the first token on: templates and system prompts that vary by a
@@ -639,7 +659,14 @@ for n, bs in [(0, 4), (3, 4), (8, 4), (13, 4), (17, 16), (33, 16), (7, 1)]:
     tokens = torch.randint(0, 100, (n,), generator=gen).tolist()
     ex_cases.append(((tokens, bs, CacheKey(adapter="a" if n % 2 else None)),
                      hash_chain(tokens, bs, CacheKey(adapter="a" if n % 2 else None))))
-ex.check_function("Exercise 1", my_hash_chain, ex_cases)
+ex.check_function("Exercise 1", my_hash_chain, ex_cases, forbid=[hash_chain],
+                  hint="walk the full blocks from the first; each name's parent is the name just made.")
+
+# %% [markdown]
+# SOLUTIONS ONLY
+# **Why this works.** Each name is `block_hash` of the previous name, so block `i`'s name depends on
+# every token before it as well as its own, which is what makes a hit safe. The loop stops at the
+# last *full* block (`len // block_size` of them): a partly filled block has no name yet.
 
 # %% [markdown]
 # **Exercise 2 (decide who may share).** A service hosts several tenants; some requests use an
@@ -703,6 +730,13 @@ ex.check_behaviour("Exercise 2", cache_key_for, check_isolation,
                    hint="CacheKey has a field for the adapter and one (salt) that keeps tenants apart.")
 
 # %% [markdown]
+# SOLUTIONS ONLY
+# **Why this works.** The extra keys enter every block's name, so two requests share a block only
+# when their keys are equal. The tenant as `salt` separates acme from globex even though their
+# system prompts are the same tokens, and the adapter keeps a LoRA's K/V apart from the base
+# model's; the rest of the key is left at the default, so one tenant with one adapter still shares.
+
+# %% [markdown]
 # **Exercise 3.** Three requests of 8,192 tokens each share their first 4,096 tokens (the teaching
 # model, 16-token blocks). How many bytes does the pool hold once all three are prefilled?
 
@@ -719,6 +753,24 @@ for r in range(3):
     three.cache_full_blocks(tbl)
 ex.check("Exercise 3", answer_3, expected=three.allocator.num_used * block_bytes,
          hint="one copy of the shared prefix, one private suffix per request")
+
+# %% [markdown]
+# SOLUTIONS ONLY
+# **Why this works.** The 4,096 shared tokens fill 256 whole blocks, stored once with a reference
+# count of 3; each request adds its own 4,096 tokens. That is 16,384 tokens at 128 KiB each, 2 GiB,
+# against 3 GiB without sharing.
+
+# %% [markdown]
+# ## What you can now do
+#
+# - Name a prompt's blocks with a hash chain, and say which blocks a changed token renames.
+# - Predict a prefix hit in tokens: full blocks only, identical tokens from the first one on, the
+#   same extra keys, and at least one prompt token left to compute.
+# - Count the memory that sharing saves for requests with a common prefix, and the blocks a new
+#   request takes from the free pool.
+# - Trace reference counts, copy-on-write and least-recently-used eviction through a pool, and
+#   choose the cache keys that keep tenants and adapters apart.
+# - Prove on a model that prefilling only the uncached suffix gives the same tokens and logits.
 
 # %% [markdown]
 # ## References

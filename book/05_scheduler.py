@@ -35,8 +35,6 @@
 #   kernels), and a proof that batching, chunking, reuse and preemption change no token.
 
 # %%
-import inspect
-
 import matplotlib.pyplot as plt
 import numpy as np
 import torch
@@ -68,24 +66,77 @@ print(labkit.describe())
 #   must belong to a block that the request holds *before* the pass writes it. So the step must
 #   also fit in the free blocks.
 #
-# The article's §05 puts both budgets into one pass over the candidates. Here it is, as
-# `labkit.scheduler` has it (the `reserve` hook is where the article reserves the blocks; without
-# it the function only plans; `needed` lets the scheduler count a request's blocks with what it
-# knows about sharing, `make_room` lets it preempt (a section below), and `decisions` records every
-# turn for the tables below):
+# The article's §05 puts both budgets into one pass over the candidates. Here is its pseudocode,
+# quoted unchanged from the source article (`next_chunk` is what the request would compute next,
+# `reserve_blocks` takes the blocks from the pool):
+#
+# ```python
+# def plan_iteration(candidates, free_blocks, token_budget, block_size):
+#     plan = []
+#     for request in candidates:
+#         tokens = min(request.next_chunk, token_budget)
+#         if tokens == 0:
+#             break
+#         needed = extra_blocks(request, tokens, block_size)
+#         if needed > free_blocks:
+#             continue
+#         reserve_blocks(request, needed)
+#         plan.append((request, tokens))
+#         free_blocks -= needed
+#         token_budget -= tokens
+#     return plan
+# ```
+#
+# Fourteen lines, and both budgets are there: `token_budget` shrinks by the tokens each candidate
+# gets, `free_blocks` by the blocks it needs. `labkit.scheduler.plan_iteration` keeps that skeleton
+# and adds what a working scheduler needs around it. Its lines, a few at a time, read from the
+# installed labkit each time this cell runs. First the token budget:
 
 # %%
-def show_source(obj) -> None:
-    """Print a function's code without its docstring and its argument checks (they guard, not decide)."""
-    head, _, rest = inspect.getsource(obj).partition('"""')
-    body = rest.partition('"""')[2] if rest else head
-    lines = [ln for ln in body.splitlines() if "check_int(" not in ln and "self._check" not in ln]
-    print((head.rstrip() + "\n" if rest else "") + "\n".join(lines).lstrip("\n"))
+from labkit.show import excerpt
 
-
-show_source(plan_iteration)
+excerpt(plan_iteration, "for request in candidates", "continue  # nothing to compute now")
 
 # %% [markdown]
+# The article's `next_chunk` is `num_new_tokens` here: the rest of the prompt while a request
+# prefills, one token while it decodes, and after a preemption its prompt *and* the outputs it had.
+# The one change is the `continue`: a request with nothing to compute *now* (its last token is
+# still being sampled) is passed over, where the article's `break` would end the pass for everyone
+# behind it with budget left. Next, the blocks (and a note of whether the request is still
+# waiting, which matters further down):
+
+# %%
+excerpt(plan_iteration, "waiting = request.status", "blocks = extra_blocks(")
+
+# %% [markdown]
+# The article calls `extra_blocks(request, ...)` directly. labkit takes a `needed` hook instead,
+# because only the `Scheduler` knows what the count depends on: a prefix hit that revives cached
+# blocks, a tail block shared with a forked twin (chapter 04). Without the hook the request is
+# judged on its own, from the blocks it holds. Then the case the article leaves out, a *running*
+# request that does not fit:
+
+# %%
+excerpt(plan_iteration, "preempted = False", "# a preempted twin")
+
+# %% [markdown]
+# A running request cannot simply be skipped: it holds blocks and must grow to finish. The
+# `make_room` hook lets the scheduler preempt the newest running request (a section below) and
+# returns the free blocks after it; a waiting request is never given that power. The end of the
+# pass follows the article's lines, with two additions:
+
+# %%
+excerpt(plan_iteration, 'outcome = ("stop"', "token_budget -= tokens")
+
+# %% [markdown]
+# `break` when the budget is spent, `continue` when the blocks do not fit, then reserve, plan and
+# subtract both budgets, as in the article. The additions: every turn is written to `decisions` when
+# asked (the step tables below print them; they record, they decide nothing), and `reserve` is a
+# hook that may be absent: the `Scheduler` passes one that allocates the blocks, while this chapter
+# also calls `plan_iteration` without it, to ask "what *would* be planned?" without touching a pool.
+# The function also checks its arguments (`check_int`) before the loop. What is *not* in it is as
+# telling: vLLM's two admission rules for waiting requests (both in sections below) live in the
+# `Scheduler`, which decides which candidates to offer; the pass itself stays the article's.
+#
 # Three rules follow from the code:
 #
 # 1. each candidate asks for `min(num_new_tokens, token_budget)` tokens, where `num_new_tokens` counts
@@ -302,7 +353,7 @@ ax.bar(x + 0.2, [waits_short[n] for n in names], 0.4, label="shortest prompt fir
 ax.set_xticks(x, [f"{n}\n({prompt_len[n]})" for n in names])
 ax.set_xlabel("request (prompt length in tokens)")
 ax.set_ylabel("steps until first token")
-ax.set_title("The candidate order, not paging, decides who waits")
+ax.set_title("The candidate order, not paging, decides who waits (scheduler only, no model)")
 ax.legend()
 fig.tight_layout()
 plt.show()
@@ -414,7 +465,7 @@ ax1.imshow(codes, aspect="auto", interpolation="nearest",
            extent=(0.5, len(steps_f) + 0.5, len(reqs_f) - 0.5, -0.5))
 ax1.set_yticks(range(len(reqs_f)), [r.request_id for r in reqs_f])
 ax1.set_ylabel("request")
-ax1.set_title("Which requests got tokens in each step (FCFS, 16 blocks, 16-token budget)")
+ax1.set_title("Which requests got tokens in each step (FCFS, 16 blocks, 16-token budget; no model)")
 ax1.legend(handles=[Patch(color=c, label=l) for c, l in zip(colors[1:], labels[1:])], loc="upper left",
            bbox_to_anchor=(1.01, 1), fontsize=8)
 used = [s.stats.used_blocks for s in steps_f]
@@ -505,7 +556,6 @@ assert all(r.is_finished for r in pre_reqs) and pre.allocator.num_free == 6
 #
 # **Swapping** is the other way out: copy the victim's blocks to CPU memory and copy them back
 # later, instead of recomputing. It trades compute for transfers. For the article's teaching model
-
 # the bytes are easy to count, and chapter 06's roofline cost model prices both ways out. A swap
 # moves the bytes out and back over PCIe 4.0 x16 (16 GT/s on 16 lanes with 128b/130b encoding:
 # 31.5 GB/s each way, the link of an RTX 4090; a datasheet peak, as the cost model's are); a
@@ -621,10 +671,10 @@ for (gate, budget), g in gate_runs.items():
     ax2.plot(np.sort(g["ttft"]), np.arange(1, len(g["ttft"]) + 1) / len(g["ttft"]), drawstyle="steps-post", label=label)
 ax1.set_xlabel("time (s, roofline model)")
 ax1.set_ylabel("preemptions so far")
-ax1.set_title("Preemptions, budget 256")
-ax2.set_xlabel("time to first token (s)")
+ax1.set_title("Preemptions, budget 256 (roofline)")
+ax2.set_xlabel("time to first token (s, roofline model)")
 ax2.set_ylabel("share of requests")
-ax2.set_title("TTFT, budget 256")
+ax2.set_title("TTFT, budget 256 (roofline)")
 for ax in (ax1, ax2):
     ax.legend(fontsize=8)
 fig.tight_layout()
@@ -701,10 +751,20 @@ else:
 # 5. takes the argmax at the last token of every chunk that reached the end of its prompt, and
 #    hands the new tokens back to `scheduler.postprocess`.
 #
-# The attention backend is a page of code:
+# The attention backend, `KVPool.attend`, is where the model meets the pool. It picks the Triton
+# kernels or their PyTorch references once, by a flag of the pool:
 
 # %%
-show_source(labkit.cache.KVPool.attend)
+excerpt(labkit.cache.KVPool.attend, "write_kv = ", "prefill = ")
+
+# %% [markdown]
+# and then does two things per layer: scatter the new keys and values into their slots (the slot
+# mapping the scheduler assigned), and attend over each request's blocks. A step that holds only
+# decode tokens takes the decode kernel (one query per request); any prompt chunk in the step takes
+# the prefill kernel, which handles queries of every length, a decode token included:
+
+# %%
+excerpt(labkit.cache.KVPool.attend, "write_kv(flat(k)", "out = prefill(")
 
 # %% [markdown]
 # A research assistant's load: four questions about the same 24-token report, in a pool of 24
@@ -731,6 +791,7 @@ while engine.has_unfinished():
     steps.append(engine.step())
 served = sorted(engine.scheduler.finished, key=lambda r: r.request_id)  # in arrival order
 outputs = [r.output_token_ids for r in served]
+print(f"{len(engine.stats)} steps; attention ran {engine.backend.kernel_backend()}")
 
 # %%
 # NBVAL_CHECK_OUTPUT
@@ -758,7 +819,6 @@ print(f"the report fills {report_blocks} blocks ({report_blocks * 4} tokens); pr
 assert [r.num_cached_tokens for r in served][1:] == [report_blocks * 4] * (len(served) - 1)
 
 # %% [markdown]
-#
 # Now the proof. Chapter 01's `generate` runs each prompt alone on a contiguous cache, with plain
 # PyTorch attention. The engine mixed the prompts in one batch, cut prompts into chunks, reused
 # the report's blocks, and ran Triton kernels. The tokens must be identical:
@@ -780,13 +840,16 @@ assert engine.scheduler.allocator.num_free == POOL
 # %%
 def run_engine(**kw):
     e = Engine(model, block_size=4, max_num_batched_tokens=16, use_triton=not cpu, **kw)
-    return e.generate(prompts, NEW), e.stats
+    return e.generate(prompts, NEW), e.stats, e.backend.kernel_backend()
 
 
-out_off, stats_off = run_engine(num_blocks=POOL, enable_prefix_caching=False)
-out_small, stats_small = run_engine(num_blocks=10, full_sequence_must_fit=False)
-out_small_off, stats_small_off = run_engine(num_blocks=10, enable_prefix_caching=False, full_sequence_must_fit=False)
-out_gated, stats_gated = run_engine(num_blocks=10, enable_prefix_caching=False)
+
+
+out_off, stats_off, backend = run_engine(num_blocks=POOL, enable_prefix_caching=False)
+out_small, stats_small, _ = run_engine(num_blocks=10, full_sequence_must_fit=False)
+out_small_off, stats_small_off, _ = run_engine(num_blocks=10, enable_prefix_caching=False, full_sequence_must_fit=False)
+out_gated, stats_gated, _ = run_engine(num_blocks=10, enable_prefix_caching=False)
+print(f"attention in the first run: {engine.backend.kernel_backend()}; in these four: {backend}")
 computed = {}
 for label, st in [("24 blocks, caching on", engine.stats), ("24 blocks, caching off", stats_off),
                   ("10 blocks, caching on", stats_small), ("10 blocks, caching off", stats_small_off),
@@ -851,6 +914,7 @@ tight = full_blocks - 2
 assert prompt_blocks <= tight < full_blocks
 real_engine = Engine(real, num_blocks=tight, block_size=BLOCK, max_num_batched_tokens=256, use_triton=not cpu)
 replies = real_engine.generate(chat_prompts, REPLY)  # stops at config.eos_token_id
+print(f"attention ran {real_engine.backend.kernel_backend()}")
 
 # %%
 # NBVAL_SKIP_IN_SOLUTIONS
@@ -950,13 +1014,23 @@ def blocks_to_take(num_computed, held, tokens, block_size, shared_tail):
     # END SOLUTION
 
 
+from labkit.prefix import _extra_blocks  # extra_blocks without its checks: refused in answers too
+
 ex1_cases = [(c, blocks_needed(c, bs), t, bs, sh)
              for bs in (4, 16) for c in (0, bs - 1, bs, bs + 1) for t in (0, 1, bs - 1, bs + 1)
              for sh in (False, True)]
 ex.check_function("Exercise 1", blocks_to_take,
                   [(args, extra_blocks(*args[:4], shared_tail=args[4])) for args in ex1_cases],
                   hint="new blocks = ceil((num_computed + tokens) / block_size) - held; a copy only for a partly "
-                       "filled shared tail.")
+                       "filled shared tail.",
+                  forbid=[extra_blocks, _extra_blocks, blocks_needed])
+
+# %% [markdown]
+# SOLUTIONS ONLY
+# **Why this works.** After the step the request holds `ceil((num_computed + tokens) / block_size)`
+# blocks, so the new ones are that less what it holds (never negative: a decode token that fits in
+# the tail needs none). A copy is owed only when the next token lands in a *partly* filled tail that
+# someone else holds (`num_computed % block_size != 0`); a full shared block is never written again.
 
 # %% [markdown]
 # **Exercise 2.** One iteration by hand. Blocks hold 4 tokens; 3 blocks are free; the token budget
@@ -1001,6 +1075,12 @@ ex.check("Exercise 2", answer_2, expected=planned(plan_iteration(ex2, 3, 10, 4, 
          hint="Work through the candidates in order, keeping the free blocks and the budget left.")
 
 # %% [markdown]
+# SOLUTIONS ONLY
+# **Why this works.** The pass keeps two running totals and visits the candidates once, in order.
+# R loses to the blocks while budget remains (its 8 tokens need 2 blocks, 1 is free), so it is
+# skipped, not a stop, and S behind it still fits; T, with budget left too, then finds no block.
+
+# %% [markdown]
 # **Exercise 3.** In the preemption example above, suppose C had produced 3 tokens (not 2) before it
 # was preempted. How many tokens must it compute in the chunk that brings it back (prefix caching
 # off)? Answer with a number.
@@ -1018,13 +1098,23 @@ ex.check("Exercise 3", answer_3, expected=ex3.num_new_tokens,
          hint="After a preemption nothing is computed: num_new_tokens = prompt + outputs.")
 
 # %% [markdown]
+# SOLUTIONS ONLY
+# **Why this works.** Recompute drops every block, so `num_computed_tokens` falls to 0 and the
+# request must compute all its known tokens again: the 3 prompt tokens and the 3 outputs. The last
+# output's K/V did not exist before the preemption either (a sampled token is fed to the model in
+# the step after), so it belongs in the chunk like the others, and the chunk that ends at it samples
+# the next token.
+
+# %% [markdown]
 # **Exercise 4 (a scheduling policy).** The `Scheduler` takes a `priority`: a key function of a
 # `Request`, used to sort the waiting queue before every step (smaller first). Write
 # `shortest_prompt_first(request)` so that requests with shorter prompts are admitted first. The
-# checker serves eight requests that all arrive at once (long prompts queued first) in a pool with
-# room for all of them and a token budget of 32, once with your policy and once first come, first
-# served, and checks what the policy does: the first tokens come out in order of prompt length, and
-# the mean time to first token, in steps, is shorter than first come, first served.
+# checker serves nine requests of 11 to 19 prompt tokens that all arrive at once, in a pool with
+# room for all of them but a token budget of only 20 tokens per step, so that the prompts start
+# about one per step and their order shows. It does so for two arrival orders (longest first, and
+# mixed), records the order in which the requests are admitted (their first chunk), and checks
+# that it is the order of prompt length, token for token; and that the mean step of the first
+# tokens comes sooner than first come, first served.
 
 # %%
 def shortest_prompt_first(request: Request):
@@ -1036,35 +1126,66 @@ def shortest_prompt_first(request: Request):
     # END STUB
 
 
-def first_token_steps(priority) -> dict[int, int]:
-    """Prompt length -> the step of that request's first token."""
-    sched = Scheduler(num_blocks=128, block_size=4, max_num_batched_tokens=32, enable_prefix_caching=False,
+EX4_ARRIVALS = {"longest first": [19, 18, 17, 16, 15, 14, 13, 12, 11],
+                "mixed": [15, 12, 19, 11, 17, 13, 18, 14, 16]}  # prompt lengths, in arrival order
+
+
+def admissions(priority, lengths: list[int]) -> tuple[list[int], float]:
+    """Serve prompts of these lengths, all arriving at step 0: the prompt lengths in the order the
+    scheduler admitted them (across steps, and within a step in its planning order), and the mean
+    step of the first tokens."""
+    sched = Scheduler(num_blocks=128, block_size=4, max_num_batched_tokens=20, enable_prefix_caching=False,
                       priority=priority)
-    queued = [sched.add_request(list(range(1, n + 1)), 2) for n in (60, 50, 40, 12, 8, 6, 4, 3)]
-    first = {}
+    for n in lengths:
+        sched.add_request(list(range(1, n + 1)), 2)
+    admitted, first = {}, {}
     while sched.has_unfinished():
         step = sched.schedule()
+        for c in step.chunks:  # dicts keep insertion order: the first chunk of each request, in order
+            admitted.setdefault(c.request.request_id, len(c.request.prompt_token_ids))
         for c in step.sampling_chunks:
-            first.setdefault(len(c.request.prompt_token_ids), sched.num_steps)
+            first.setdefault(c.request.request_id, sched.num_steps)
         sched.postprocess(step, [0] * len(step.sampling_chunks))
-    assert set(first) == {len(r.prompt_token_ids) for r in queued}
-    return first
+    return list(admitted.values()), float(np.mean(list(first.values())))
 
 
 def check_policy(fn) -> list[str]:
-    ours, fcfs = first_token_steps(fn), first_token_steps(None)
     problems = []
-    by_length = [ours[n] for n in sorted(ours)]
-    if by_length != sorted(by_length):
-        problems.append(f"first-token steps by prompt length {sorted(ours)}: {by_length}, not in order")
-    if np.mean(list(ours.values())) >= np.mean(list(fcfs.values())):
-        problems.append(f"mean TTFT {np.mean(list(ours.values())):.2f} steps, first come first served "
-                        f"{np.mean(list(fcfs.values())):.2f}")
+    for name, lengths in EX4_ARRIVALS.items():
+        (order, mean_first), (_, mean_fcfs) = admissions(fn, lengths), admissions(None, lengths)
+        if order != sorted(lengths):
+            problems.append(f"arrival order {name} {lengths}: admitted in the order {order}")
+        elif mean_first >= mean_fcfs:
+            problems.append(f"arrival order {name}: first tokens at step {mean_first:.2f} on average, "
+                            f"first come first served {mean_fcfs:.2f}")
     return problems
 
 
 ex.check_behaviour("Exercise 4", shortest_prompt_first, check_policy,
-                   hint="the key is compared with < : return something that grows with the prompt's length.")
+                   hint="the key is compared with < : return something that grows with the prompt's length, "
+                        "one token at a time.")
+
+# %% [markdown]
+# SOLUTIONS ONLY
+# **Why this works.** The scheduler sorts its waiting queue by the key before every step, and the
+# prompt length in tokens orders every pair of these requests, even two that differ by one token.
+# A coarser key (tens of tokens, say) ties them, the sort keeps their arrival order, and the
+# checker sees that order in the admissions.
+
+# %% [markdown]
+# ## What you can now do
+#
+# - Plan one scheduler step by hand: give each candidate its tokens and blocks within the token
+#   budget and the free blocks, and say which turns stop the pass and which are skipped.
+# - Count the free blocks a step takes from the pool, new slots, a copy-on-write of a shared tail
+#   and revived cached blocks included.
+# - Predict what a preemption by recompute costs, and compare it with swapping on a link's datasheet
+#   bandwidth.
+# - Choose an admission rule (skip, head of line, whole-sequence gate) and a priority order, and
+#   measure what each does to waiting times, starvation and recomputed tokens.
+# - Serve real prompts through an engine built from the book's parts, and prove that batching,
+#   chunking, reuse and preemption leave every token unchanged.
+
 
 # %% [markdown]
 # ## References

@@ -246,6 +246,28 @@ class KVPool:
             out = prefill(flat(q), kc, vc, meta.block_tables, meta.seq_lens, meta.cu_seqlens_q)
         return out.view(q.shape).to(q.dtype)
 
+    def kernel_backend(self) -> str:
+        """What ``attend`` runs on this machine, in words: the Triton kernels (compiled, or in
+        Triton's interpreter) or their PyTorch references, and why the references when they run.
+
+        A chapter prints this rather than assuming it: ``use_triton=True`` still runs the
+        references where Triton cannot run (``kernels.fallback_reason``), or for a kernel whose
+        compiled launch failed on this GPU.
+        """
+        from . import kernels
+        from .device import RUNTIME
+
+        if not self.use_triton:
+            return "the kernels' PyTorch references (use_triton=False)"
+        why = kernels.fallback_reason(self.dtype, self.device)
+        if why is not None:
+            return f"the kernels' PyTorch references ({why})"
+        where = "compiled for the GPU" if RUNTIME.triton_mode == "compiled" else "in Triton's interpreter on the CPU"
+        failed = sorted(k for k, dtype, head_dim in kernels._failed_launches
+                        if dtype == self.dtype and head_dim == self.config.head_dim)
+        return f"the Triton kernels, {where}" + (f" (the PyTorch reference for {', '.join(failed)}: "
+                                                 "its launch failed here)" if failed else "")
+
 
 class PagedKVCache(KVPool):
     """A paged KV cache for ``labkit.model.Decoder``: the block pools plus a block table per sequence.

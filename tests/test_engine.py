@@ -205,3 +205,23 @@ def test_the_engine_inherits_the_gate_and_parses_stop_ids_once(model):
     with pytest.raises(ValueError, match="eos_token_id"):
         DecoderConfig(vocab_size=97, hidden_size=32, intermediate_size=64, num_hidden_layers=2,
                       num_attention_heads=4, num_key_value_heads=2, eos_token_id=True)
+
+
+def test_kernel_backend_says_what_attend_runs(model, monkeypatch):
+    """Issue 22: a chapter prints what runs, not what it assumes. use_triton=False is always the
+    references; use_triton=True is Triton (compiled or interpreted) unless a fallback reason holds."""
+    from labkit import kernels
+
+    refs = Engine(model, num_blocks=8, block_size=4, use_triton=False).backend
+    assert refs.kernel_backend() == "the kernels' PyTorch references (use_triton=False)"
+    triton_pool = Engine(model, num_blocks=8, block_size=4).backend
+    said = triton_pool.kernel_backend()
+    mode = labkit.RUNTIME.triton_mode
+    if kernels.fallback_reason(triton_pool.dtype, triton_pool.device) is None:
+        assert said.startswith("the Triton kernels, ")
+        assert ("compiled for the GPU" in said) == (mode == "compiled")
+        assert ("interpreter" in said) == (mode == "interpreter")
+    else:
+        assert said.startswith("the kernels' PyTorch references (")
+    monkeypatch.setattr(kernels, "fallback_reason", lambda dtype, device: "no Triton on this machine")
+    assert triton_pool.kernel_backend() == "the kernels' PyTorch references (no Triton on this machine)"

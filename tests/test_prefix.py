@@ -571,3 +571,18 @@ def test_two_models_never_share_kv_through_one_prefix_pool():
     assert out.tokens == plain.tokens
     assert torch.allclose(out.logits, plain.logits, atol=1e-4)
     assert generate_with_prefix_cache(second, kv, prompt, 3).num_cached_tokens == 16  # its own blocks do hit
+
+
+def test_stepper_says_what_an_evicted_block_held():
+    """Issue 22: blocks 1 and 4 are evicted at step 7 and again at step 9. The ids are the same
+    because the free queue hands them out again; the contents differ, and the stepper says so."""
+    from labkit.widgets.prefix_stepper import caption_text, story
+
+    snaps = story()
+    c_arrives, d_arrives = snaps[7], snaps[9]
+    assert c_arrives.evicted == d_arrives.evicted == (1, 4)
+    assert c_arrives.evicted_held == ("tokens 5-8 of the report", "tokens 9-12 of A'")
+    assert d_arrives.evicted_held == ("tokens 25-28 of C", "tokens 21-24 of C")
+    assert d_arrives.stats.hit_tokens - snaps[8].stats.hit_tokens == 4  # only the report's first block survived
+    assert "block 1, which held tokens 5-8 of the report" in caption_text(c_arrives)
+    assert all(len(s.evicted_held) == len(s.evicted) for s in snaps)

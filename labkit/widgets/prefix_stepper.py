@@ -44,6 +44,7 @@ class Snapshot:
     tables: tuple[tuple[str, tuple[int, ...], int], ...]  # (name, block ids, num_tokens)
     copies: tuple[tuple[int, int], ...] = ()               # copy-on-write pairs of this event
     evicted: tuple[int, ...] = ()                          # blocks whose name was dropped by this event
+    evicted_held: tuple[str, ...] = ()                     # what each evicted block's name stood for
     stats: PrefixCacheStats = field(default_factory=PrefixCacheStats)
 
     def state(self, block_id: int) -> str:
@@ -59,17 +60,31 @@ def story(num_blocks: int = 8, block_size: int = 4) -> list[Snapshot]:
     A and B read the same 8-token report and ask different questions; A forks a second
     sample A' that copies the shared tail on its first write; everyone finishes; a long
     unrelated request C evicts the least recently used cached blocks; D asks about the report again.
+
+    An eviction is about a block's *content*, not its id: the free queue hands out block ids
+    again and again, so the same physical block can be evicted twice, holding different
+    tokens each time. ``Snapshot.evicted_held`` says what each evicted block held.
     """
     cache = PrefixCache(BlockAllocator(num_blocks), block_size)
     report = [101, 102, 103, 104, 105, 106, 107, 108]
     tables: dict[str, CachedBlockTable] = {}
+    sequences: dict[str, list[int]] = {"the report": report}  # every sequence's tokens, kept after it finishes
     snaps: list[Snapshot] = []
 
     def names() -> dict[int, str]:
         return {b: cache.cached_block(b).block_hash for b in cache.cached_block_ids()}
 
+    def held(token_ids: tuple[int, ...]) -> str:
+        """Where a named block's tokens come from, e.g. "tokens 5-8 of the report" (1-based positions)."""
+        for name, seq in sequences.items():
+            for i in range(0, len(seq) - len(token_ids) + 1, block_size):
+                if tuple(seq[i:i + len(token_ids)]) == token_ids:
+                    return f"tokens {i + 1}-{i + len(token_ids)} of {name}"
+        return f"tokens {list(token_ids)}"
+
     def record(short: str, caption: str, action: Callable[[], tuple[tuple, str]]) -> None:
         names_before, evictions_before = names(), cache.stats.evicted_blocks
+        contents_before = {b: cache.cached_block(b).token_ids for b in names_before}
         copies, note = action()
         after = names()
         # evicted: a block whose name was dropped (it may carry a new name already)
@@ -81,25 +96,26 @@ def story(num_blocks: int = 8, block_size: int = 4) -> list[Snapshot]:
         snaps.append(Snapshot(
             caption + note, short, tuple(a.ref_counts), tuple(cache.is_cached(b) for b in range(a.num_blocks)),
             tuple((name, tuple(t.block_ids), t.num_tokens) for name, t in tables.items()),
-            tuple(copies), evicted, replace(cache.stats)))
+            tuple(copies), evicted, tuple(held(contents_before[b]) for b in evicted), replace(cache.stats)))
 
     def arrive(name: str, prompt: list[int]) -> Callable[[], tuple[tuple, str]]:
         def go() -> tuple[tuple, str]:
             table, hit = cache.allocate(prompt)
             cache.cache_full_blocks(table)  # prefill done: its full blocks get names
-            tables[name] = table
+            tables[name], sequences[name] = table, list(prompt)
             return (), f": {hit} of {len(prompt)} prompt tokens found in the cache"
         return go
 
     def fork(parent: str, child: str) -> Callable[[], tuple[tuple, str]]:
         def go() -> tuple[tuple, str]:
-            tables[child] = cache.fork(tables[parent])
+            tables[child], sequences[child] = cache.fork(tables[parent]), list(sequences[parent])
             return (), ""
         return go
 
     def append(name: str, tokens: list[int]) -> Callable[[], tuple[tuple, str]]:
         def go() -> tuple[tuple, str]:
             result = cache.append(tables[name], tokens)
+            sequences[name] += tokens
             cache.cache_full_blocks(tables[name])
             return tuple(result.copies), ""
         return go
@@ -125,7 +141,8 @@ def story(num_blocks: int = 8, block_size: int = 4) -> list[Snapshot]:
     record("C evicts LRU cached blocks", "C arrives with unrelated text; the pool is short, so least recently "
            "used cached blocks are evicted", arrive("C", list(range(200, 228))))
     record("C finishes", "C finishes", finish("C"))
-    record("D reuses what survived", "D asks about the report again", arrive("D", report + [9, 9]))
+    record("D reuses what survived", "D asks about the report again (C evicted its second block)",
+           arrive("D", report + [9, 9]))
     return snaps
 
 
@@ -153,11 +170,11 @@ def draw_snapshot(ax: plt.Axes, snap: Snapshot, *, title: str | None = None) -> 
             ax.text(x + 0.45, y + 0.35, str(b), ha="center", va="center", fontsize=8, zorder=3)
             ax.plot([x + 0.45, b + 0.45], [y + 0.7, pool_y], color="0.6", linewidth=0.7, zorder=1)
     if snap.evicted:  # say what the red outlines mean where they appear
-        ax.text(n / 2, -0.45, f"red outline: block{'s' if len(snap.evicted) > 1 else ''} "
-                f"{', '.join(map(str, snap.evicted))} evicted now (cached name dropped, block reused)",
-                ha="center", va="center", fontsize=8, color="red")
+        lines = ["red outline: evicted now (name dropped, block reused)"]
+        lines += [f"block {b} held {what}" for b, what in zip(snap.evicted, snap.evicted_held)]
+        ax.text(n / 2, -0.25, "\n".join(lines), ha="center", va="top", fontsize=8, color="red", linespacing=1.3)
     ax.set_xlim(-1.6, n + 0.2)
-    ax.set_ylim(-0.8 if snap.evicted else -0.2, pool_y + 1.3)
+    ax.set_ylim(-0.3 - 0.42 * (1 + len(snap.evicted)) if snap.evicted else -0.2, pool_y + 1.3)
     ax.axis("off")
     ax.set_title(title if title is not None else snap.caption, fontsize=9, wrap=True)
 
@@ -187,9 +204,11 @@ def static_figure(snaps: list[Snapshot], steps: list[int]) -> Figure:
 def caption_text(snap: Snapshot) -> str:
     """The counters under the picture: hits and misses in tokens, evictions in blocks."""
     s = snap.stats
+    evicted = "".join(f"\nevicted now: block {b}, which held {what}"
+                      for b, what in zip(snap.evicted, snap.evicted_held))
     return (f"{snap.caption}\n"
             f"prompt tokens hit {s.hit_tokens}, computed {s.miss_tokens} (hit rate {s.hit_rate:.0%}); "
-            f"blocks evicted so far {s.evicted_blocks}; copies this step {list(snap.copies)}")
+            f"blocks evicted so far {s.evicted_blocks}; copies this step {list(snap.copies)}{evicted}")
 
 
 class PrefixStepper:
