@@ -175,7 +175,7 @@ ax.set_xlim(0, 115)
 ax.set_xlabel("share of reserved KV memory holding token states (%)")
 ax.set_title("Paging leaves almost nothing reserved but unused\n(counted on 10,000 synthetic requests)", fontsize=10)
 ax.invert_yaxis()
-ax.legend(loc="lower right", fontsize=8)
+ax.legend(loc="upper right", fontsize=8)
 fig.tight_layout()
 plt.show()
 
