@@ -791,7 +791,7 @@ ex.check("Exercise 2", answer_2,
 # %%
 def gather(cache: torch.Tensor, block_table: torch.Tensor, seq_len: int) -> torch.Tensor:
     # BEGIN SOLUTION
-    block_size = cache.shape[1]
+    block_size = int(cache.shape[1])  # token slots per block
     rows = [cache[int(block_table[p // block_size]), p % block_size] for p in range(seq_len)]
     return torch.stack(rows)
     # END SOLUTION
