@@ -708,9 +708,10 @@ for prompt, run in zip(prompts, paged_runs):
 #   returned when it finishes; an allocation that cannot be met changes nothing.
 # - On 10,000 ShareGPT-like requests, reserving the maximum length leaves most memory unused
 #   (21.5% holds tokens), and even an exact-length oracle holds only 61.3%; 16-token pages hold
-#   98.3%. The paper measured 20.4% to 38.2% in real systems, lower than our counts mainly
-#   because those also lose memory to the holes between reservations. Bigger blocks waste more
-#   tail but need fewer table entries.
+#   98.3%. The paper measured 20.4% to 38.2% in real systems, lower than our counts: real
+#   allocators also lose memory to the holes between reservations, which this count leaves out,
+#   and the lengths and the weighting differ. Bigger blocks waste more tail but need fewer table
+#   entries.
 # - Contiguous reservations fragment the free memory: first fit refuses requests while enough
 #   slots are free in total; a paged allocator refuses only when too few blocks are free.
 # - Paging neither compresses K/V elements nor makes attention sparse: every position is stored
