@@ -274,6 +274,49 @@ def test_stepper_simulation_is_consistent():
         simulate([Request("A", 0, 1, 1), Request("A", 1, 1, 1)])
 
 
+
+def test_stepper_block_ids_are_legible():
+    """Issue 22: every block id is drawn at 9 pt or more, in a dark colour, and in the pool view it
+    sits on the white strip above the slots, never on a coloured slot cell."""
+    pytest.importorskip("ipywidgets", reason="the widget module needs ipywidgets (absent on bare GPU images)")
+    import matplotlib
+    import matplotlib.colors as mcolors
+    import matplotlib.pyplot as plt
+    from matplotlib.patches import Rectangle
+
+    from labkit.widgets.paging_stepper import draw_block_tables, draw_pool, simulate
+
+    matplotlib.use("Agg")
+    snap = simulate(num_blocks=16, block_size=4)[7]
+
+    def luminance(colour) -> float:
+        r, g, b = mcolors.to_rgb(colour)
+        return 0.2126 * r + 0.7152 * g + 0.0722 * b
+
+    fig, ax = plt.subplots(figsize=(7, 2.4))
+    draw_pool(snap, ax, block_size=4)
+    ids = {t.get_text(): t for t in ax.texts if t.get_text().isdigit()}
+    assert sorted(ids, key=int) == [str(b) for b in range(16)]
+    cells = [p for p in ax.patches if isinstance(p, Rectangle) and p.get_fill() and p.get_height() < 0.7]
+    assert cells, "the pool view draws its slot cells"
+    for b, text in ids.items():
+        assert text.get_fontsize() >= 9, f"block {b}: {text.get_fontsize()} pt"
+        if snap.owner[int(b)] is not None:
+            assert luminance(text.get_color()) < 0.2, f"block {b}: colour {text.get_color()} is not dark"
+        x, y = text.get_position()
+        inside = [c for c in cells if c.get_x() <= x <= c.get_x() + c.get_width()
+                  and c.get_y() <= y <= c.get_y() + c.get_height()]
+        assert not inside, f"block {b}'s id is drawn on a slot cell"
+    plt.close(fig)
+
+    fig, ax = plt.subplots(figsize=(8, 3.5))
+    draw_block_tables(snap, ax)
+    numbers = [t for t in ax.texts if t.get_text().isdigit()]
+    assert numbers and all(t.get_fontsize() >= 9 and luminance(t.get_color()) < 0.2 for t in numbers)
+    filled = [p for p in ax.patches if isinstance(p, Rectangle) and p.get_facecolor()[:3] != (1.0, 1.0, 1.0)]
+    assert filled and all(p.get_alpha() is None or p.get_alpha() <= 0.35 for p in filled)  # light fills behind dark text
+    plt.close(fig)
+
 # -- issue 11: bugs at the edges ------------------------------------------------------------------
 
 def test_a_bool_is_not_a_block_id():

@@ -165,8 +165,11 @@ def draw_pool(snapshot: Snapshot, ax: plt.Axes, block_size: int, per_row: int = 
             for s in range(block_size):  # one thin cell per slot: filled or an empty tail slot
                 ax.add_patch(Rectangle((x + 0.05 + s * w, y + 0.1), w, 0.55, lw=0.3, ec="white",
                                        fc=COLOURS.get(owner, "C9") if s < snapshot.filled[b] else "0.92"))
-            ax.text(x + 0.5, y + 0.77, f"{owner}[{snapshot.logical[b]}]", ha="center", va="center", fontsize=9)
-        ax.text(x + 0.08, y + 0.13, str(b), fontsize=7, color="0.35", va="bottom")
+            ax.text(x + 0.9, y + 0.78, f"{owner}[{snapshot.logical[b]}]", ha="right", va="center", fontsize=9,
+                    color=COLOURS.get(owner, "C9"), fontweight="bold")
+        # The block id sits on the white strip above the slots, dark and bold: legible on any owner's colour.
+        ax.text(x + 0.1, y + 0.78, str(b), ha="left", va="center", fontsize=10, fontweight="bold",
+                color="black" if owner else "0.45")
     ax.set_xlim(0, per_row)
     ax.set_ylim(0, rows)
     ax.set_aspect("equal")
@@ -186,15 +189,15 @@ def draw_block_tables(snapshot: Snapshot, ax: plt.Axes) -> None:
         x0 = 1.5  # every table starts in the same column: logical block i sits above i
         ax.text(x0 - 0.2, y + 0.5, f"{name}", ha="right", va="center", fontsize=9, color=colour)
         for i, block_id in enumerate(snapshot.tables[name]):
-            ax.add_patch(Rectangle((x0 + i + 0.05, y + 0.15), 0.9, 0.7, fc=colour, alpha=0.35, ec="black", lw=0.8))
-            ax.text(x0 + i + 0.5, y + 0.5, str(i), ha="center", va="center", fontsize=7)
+            ax.add_patch(Rectangle((x0 + i + 0.05, y + 0.15), 0.9, 0.7, fc=colour, alpha=0.3, ec="black", lw=0.8))
+            ax.text(x0 + i + 0.5, y + 0.5, str(i), ha="center", va="center", fontsize=9, fontweight="bold")
             ax.add_patch(FancyArrowPatch((x0 + i + 0.5, y + 0.15), (block_id + 0.5, pool_y + 0.85),
                                          arrowstyle="-|>", mutation_scale=7, lw=0.7, color=colour))
     for b in range(num_blocks):
         owner = snapshot.owner[b]
         ax.add_patch(Rectangle((b + 0.05, pool_y + 0.15), 0.9, 0.7, ec="black", lw=0.8,
-                               fc=COLOURS.get(owner, "C9") if owner else "white", alpha=0.35 if owner else 1))
-        ax.text(b + 0.5, pool_y + 0.5, str(b), ha="center", va="center", fontsize=7)
+                               fc=COLOURS.get(owner, "C9") if owner else "white", alpha=0.3 if owner else 1))
+        ax.text(b + 0.5, pool_y + 0.5, str(b), ha="center", va="center", fontsize=9, fontweight="bold")
     ax.text(0, len(names) + 0.2, "block tables: logical block i of each request", fontsize=8)
     ax.text(0, pool_y - 0.35, "physical pool: block ids (white = free)", fontsize=8)
     ax.set_xlim(-0.2, max(num_blocks, 2 + max([len(t) for t in snapshot.tables.values()] + [0])))
@@ -208,7 +211,7 @@ def static_figure(snapshots: list[Snapshot], steps: list[int], block_size: int, 
     fig, axes = plt.subplots(len(steps), 1, figsize=(7, 2.1 * len(steps)))
     for ax, step in zip(list(axes) if len(steps) > 1 else [axes], steps):
         draw_pool(snapshots[step], ax, block_size, per_row)
-    fig.suptitle("Blocks are taken as requests grow and return when they finish", fontsize=11)
+    fig.suptitle("Blocks are taken as requests grow and return when they finish (simulated)", fontsize=11)
     fig.tight_layout()
     return fig
 
@@ -243,7 +246,7 @@ class PagingStepper:
         self.readout.value = self.readout_html(step)
         with self.plot:
             clear_output(wait=True)
-            fig, ax = plt.subplots(figsize=(5, 2.6))
+            fig, ax = plt.subplots(figsize=(7, 2.4))
             draw_pool(self.snapshots[step], ax, self.block_size)
             display(fig)
             plt.close(fig)
