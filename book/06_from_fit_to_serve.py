@@ -303,10 +303,9 @@ assert fits[8192] == 6 and fits[512] > 64
 # histograms, not parameters): an assumption, stated. We also clip prompt and output to
 # `max_prompt_len` / `max_output_len` tokens each (1,024 for both profiles), so a request fits a
 # 2,048-token context: again the book's choice, not something the paper reports about its traces.
-# vLLM's serving benchmark does not clip: it *drops* ShareGPT samples whose prompt or output is under
-# 4 tokens, whose prompt is over 1,024, or whose prompt and output together are over 2,048
-# (`vllm/benchmarks/datasets/datasets.py: is_valid_sequence`). Our lengths are therefore not the
-# lengths vLLM's benchmark would send.
+# vLLM's serving benchmark *drops* such ShareGPT samples instead of clipping them
+# (`vllm/benchmarks/datasets/datasets.py: is_valid_sequence`), so our lengths are not the ones it
+# would send.
 
 # %%
 # NBVAL_CHECK_OUTPUT
@@ -482,10 +481,10 @@ assert tight_run.mean_occupancy > 0.8
 # requests wait: TTFT leaves the prefill behind by orders of magnitude while the median ITL hardly
 # moves.
 #
-# One draw of 100 requests is one story of the traffic, and its tail percentiles move from draw to
-# draw. So each rate is served three times, with three seeds, and the figure shows the median and
-# the range across them. With 100 requests, TTFT p99 is the single slowest request, so the figure
-# shows TTFT p90; ITL pools tens of thousands of intervals per run, so its p99 is well defined.
+# Tail percentiles move from one draw of the traffic to the next, so each rate is served with
+# three seeds of 100 requests, and the figure shows the median and the range. With 100 requests a
+# TTFT p99 is the single slowest request, so the figure shows TTFT p90; ITL pools tens of thousands
+# of intervals per run, so its p99 is well defined.
 
 # %%
 rates, sweep_seeds = [2, 5, 8, 11, 14], (2, 3, 4)
@@ -543,22 +542,27 @@ assert np.all(np.diff(curves["TTFT p90"][:, 1]) > 0)  # the median over seeds ri
 assert curves["ITL p50"][:, 2].max() < 1.5 * curves["ITL p50"][:, 0].min()  # the median interval hardly moves
 print(f"ITL p50 from {curves['ITL p50'][:, 0].min():.1f} to {curves['ITL p50'][:, 2].max():.1f} ms across rates and seeds")
 assert np.all(np.diff(curves["ITL p99"][:, 1]) > 0) and running[-1, 1] - running[2, 1] < 0.2 * running[2, 1]
+ttft_p90 = {rate: sorted(sweep[rate, seed].ttft_percentiles()["p90"] for seed in sweep_seeds) for rate in rates}
+assert ttft_p90[5][1] < 0.1 < 1 < ttft_p90[5][2]                   # at 5 req/s one draw of three queues
+assert np.all(occupancy["peak"][2:, 0] == 1) and np.all(preempted[2:, 0] > 0)  # from 8 req/s: full, preempting
+assert all(ttft_p90[r][1] > 1 and ttft_p90[r][0] < 0.25 for r in rates[2:])    # two draws in seconds, one not
+p99_range = curves["ITL p99"][:, 2] - curves["ITL p99"][:, 0]
+assert curves["ITL p99"][-1, 1] - curves["ITL p99"][-2, 1] < min(p99_range[-2:])  # 11 -> 14 req/s: within the spread
 
 # %% [markdown]
-# The medians rise with the rate, and the ranges show how much one draw of 100 requests moves
-# them. Near the knee the draw decides: at 5 requests/s one of the three seeds already queues
-# (the top of its range), the other two do not, which is why one seed could not place the knee.
-# From 8 requests/s the pool is full at its peak in every draw, requests are preempted, and
-# TTFT p90 runs into seconds. The ITL p99 rises from one decode step (about 18 ms) to several
-# times that: at higher rates more steps carry a prompt chunk (of a new request, or of a
-# preempted one computed again) beside the decodes, and such a step lasts longer. It then levels
-# off with the mean occupancy and the running requests: once the pool is the limit, the batch
-# stops growing, and more traffic waits in the queue, where it shows in TTFT. In these draws the
-# ITL p99 never falls as the rate grows (the count printed above); with one draw per rate, a dip
-# of a few milliseconds would be within the spread between draws, not a property of the rate.
-# Mean occupancy stays below 100% because it averages over the whole run, including the ramp-up
-# and the drain at the end.
-
+# The ranges show how much one draw moves the result. Near the knee the draw decides: at 5
+# requests/s one seed already queues and the other two do not. From 8 requests/s the pool is full
+# at its peak in every draw and requests are preempted; in two draws of three TTFT p90 runs into
+# seconds, while the lightest draw stays under a quarter of a second even at 14 requests/s.
+#
+# The ITL p99 rises from one decode step (about 18 ms) to several times that, because more steps
+# carry a prompt chunk (a new request's, or a preempted one's computed again) beside the decodes.
+# Then it levels off with the occupancy and the running requests: once the pool is the limit the
+# batch stops growing, and more traffic only lengthens the queue. In these draws it never falls as
+# the rate grows (the count above), but from 11 to 14 requests/s its median moves by less than
+# the range across draws at either rate: past the knee, which draw you serve matters more to the
+# ITL tail than a little more traffic. Mean occupancy stays below 100% because it averages over
+# the ramp-up and the drain as well.
 
 # %% [markdown]
 # ## Long documents against many short requests

@@ -130,9 +130,9 @@ for label, f in fixes.items():
         r = vllm.kv_cache_report(TEACHING_MODEL, f["available"], max_model_len=f["max_model_len"],
                                  kv_cache_dtype=f["kv_cache_dtype"])
         started[label] = r.max_concurrency
-        print(f"{label:<38} starts: {r.log_lines()[1]}")
+        print(f"{label}: starts\n  {r.log_lines()[1]}")
     except vllm.KVCacheTooSmallError as e:
-        print(f"{label:<38} refused: needs {vllm.format_gib(e.needed_bytes)} GiB, has "
+        print(f"{label}: refused, needs {vllm.format_gib(e.needed_bytes)} GiB, has "
               f"{vllm.format_gib(e.available_bytes)} GiB")
 assert list(started) == ["max_model_len=41,584", "kv_cache_dtype='fp8'"]
 assert [f"{x:.2f}" for x in started.values()] == ["1.00", "1.27"]
@@ -182,21 +182,24 @@ except vllm.KVCacheTooSmallError as refusal:
 # One caveat on the device: we give each H100 its datasheet's 80 GiB, but vLLM multiplies the
 # total memory *CUDA reports*, which is below the datasheet figure (the driver and, where it is
 # on, ECC take their share). Every GiB less of total is 0.92 GiB less for the cache, so the
-# concurrency in the last column is an **upper bound** on what vLLM would print:
+# tokens and the concurrency in the last two columns are an **upper bound** on what vLLM would
+# print:
 
 # %%
 # NBVAL_CHECK_OUTPUT
 h100 = DEVICES["H100 SXM"]
 llama70 = MODEL_COSTS["Llama-3-70B"]
-print(f"{'GPUs':>4} {'KV heads/GPU':>12} {'page':>8} {'weights/GPU':>12} {'KV memory/GPU':>14}  "
-      f"vLLM would print at most (80 GiB per GPU)")
+print("last two columns: what vLLM would print at most, with 80 GiB per GPU")
+print(f"{'GPUs':>4} {'KV heads/GPU':>12} {'page':>8} {'weights/GPU':>12} {'KV memory/GPU':>14} {'tokens':>10} "
+      f"{'concurrency':>12}")
 tp_reports = {}
 for tp in (8, 16):
     kv_memory = vllm.available_kv_bytes(h100.memory_bytes, 0.92, llama70.weight_bytes / tp + 5 * GiB)
     r = vllm.kv_cache_report("Llama-3-70B", kv_memory, max_model_len=8192, tensor_parallel_size=tp)
     tp_reports[tp] = r
     print(f"{tp:>4} {kv_heads_per_device(8, tp):>12} {format_bytes(r.page_size_bytes):>8} "
-          f"{format_bytes(llama70.weight_bytes / tp):>12} {format_bytes(kv_memory):>14}  {r.log_lines()[1]}")
+          f"{format_bytes(llama70.weight_bytes / tp):>12} {format_bytes(kv_memory):>14} {r.gpu_kv_cache_tokens:>10,} "
+          f"{r.max_concurrency:>11.2f}x")
 assert tp_reports[8].page_size_bytes == tp_reports[16].page_size_bytes  # 16 GPUs, 8 KV heads: replicated
 assert tp_reports[16].max_concurrency < 2 * tp_reports[8].max_concurrency
 smaller = vllm.available_kv_bytes(h100.memory_bytes - GiB, 0.92, llama70.weight_bytes / 8 + 5 * GiB)
@@ -224,8 +227,8 @@ assert vllm.kv_cache_report("Llama-3-70B", smaller, max_model_len=8192, tensor_p
 for dtype, block in (("auto", 16), ("fp8", 64)):  # FLASH_ATTN_MLA, then FlashMLA
     r = vllm.kv_cache_report("DeepSeek-V3", 40 * GiB, block_size=block, max_model_len=163_840,
                              tensor_parallel_size=8, kv_cache_dtype=dtype)
-    print(f"kv_cache_dtype={dtype!r:<7} block {block:>2}: page {r.page_size_bytes:,} B x "
-          f"{PRESETS['DeepSeek-V3'].num_layers} layers: {r.log_lines()[1]}")
+    print(f"kv_cache_dtype={dtype!r}, block {block}: page {r.page_size_bytes:,} B x "
+          f"{PRESETS['DeepSeek-V3'].num_layers} layers\n  {r.log_lines()[1]}")
 assert r.page_size_bytes == 64 * 576  # fp8: one byte per latent element, the same on all 8 GPUs
 try:
     vllm.kv_cache_report("DeepSeek-V3", 40 * GiB, max_model_len=163_840, kv_cache_dtype="fp8_per_token_head")
