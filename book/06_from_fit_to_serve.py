@@ -1267,11 +1267,13 @@ ex.check_behaviour("Exercise 5", find_rate, check_search,
 #   sentences do not carry over.
 # - Woosuk Kwon, Zhuohan Li, et al., *Efficient Memory Management for Large Language Model Serving
 #   with PagedAttention*, SOSP 2023, [arXiv:2309.06180](https://arxiv.org/abs/2309.06180): the
-#   reservation shares of its Figure 2 and the ShareGPT length means of the workloads.
+#   ShareGPT and Alpaca length means of the workloads (chapter 03 redoes its Figure 2).
 # - vLLM, the serving engine the book compares itself with: documentation at
 #   [docs.vllm.ai](https://docs.vllm.ai/), code at
 #   [github.com/vllm-project/vllm](https://github.com/vllm-project/vllm). This chapter read vLLM
-#   0.33.0: `vllm/engine/arg_utils.py` (`EngineArgs.get_batch_defaults`) for the engine limits, and
+#   0.33.0: `vllm/engine/arg_utils.py` (`EngineArgs.get_batch_defaults`) for the engine limits,
+#   `vllm/v1/worker/block_table.py`, `vllm/v1/core/block_pool.py` and `vllm/v1/core/kv_cache_utils.py`
+#   (`get_max_concurrency_for_kv_cache_config`) for its count of seven, and
 #   `vllm/benchmarks/serve.py` (`calculate_metrics`) for TTFT, TPOT and ITL.
 # - SGLang's RadixAttention (Lianmin Zheng et al., *SGLang: Efficient Execution of Structured
 #   Language Model Programs*, NeurIPS 2024, [arXiv:2312.07104](https://arxiv.org/abs/2312.07104)):

@@ -346,3 +346,16 @@ ex.check("Exercise 1", answer_1, rel_tol=1e-12,
 # **Why this works.** vLLM hands the KV cache whatever its budget leaves after the profiled non-KV
 # memory, cuts it into whole blocks (one page per layer each), and its concurrency line divides all
 # of those blocks, the null block included, by the blocks one request of `max_model_len` tokens needs.
+
+# %% [markdown]
+# ## References
+#
+# - vLLM 0.33.0, the version every function named here follows: documentation at
+#   [docs.vllm.ai](https://docs.vllm.ai/), code at
+#   [github.com/vllm-project/vllm](https://github.com/vllm-project/vllm). The files read:
+#   `vllm/engine/arg_utils.py`, `vllm/v1/worker/utils.py`, `vllm/v1/worker/gpu_worker.py`,
+#   `vllm/v1/kv_cache_interface.py`, `vllm/v1/core/kv_cache_utils.py`,
+#   `vllm/v1/core/kv_cache_planning.py`, `vllm/v1/core/block_pool.py`, `vllm/config/model.py`,
+#   `vllm/model_executor/layers/linear.py` and `vllm/platforms/cuda.py`.
+# - The source article's §06 (24 GiB − 17 GiB = 7 GiB, seven 8,192-token sequences), whose
+#   device this appendix starts from; see chapter 06's references.
