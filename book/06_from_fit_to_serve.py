@@ -138,6 +138,9 @@ for label, blocks, meaning in counts:
 assert available == pool.pool_bytes and report.num_gpu_blocks == pool.num_blocks == 3584 and per_request == 512
 assert report.max_concurrency == report.num_gpu_blocks / per_request == 7.0
 assert pool.sequences_after_management == (report.num_gpu_blocks - null_block) // per_request == 6
+at_default = vllm.kv_cache_report(TEACHING_MODEL, vllm.available_kv_bytes(24 * GiB, 0.92, 17 * GiB), max_model_len=8192)
+print(f"\nat vLLM's default gpu_memory_utilization=0.92: {at_default.max_concurrency:.2f}x")
+assert f"{at_default.max_concurrency:.2f}" == "5.08"
 
 # %% [markdown]
 # Both accountings end at six full sequences at once, one block short of seven, for two different
@@ -148,9 +151,9 @@ assert pool.sequences_after_management == (report.num_gpu_blocks - null_block) /
 #   (`vllm/v1/worker/block_table.py`) are made with the model runner, *before* the profiling run
 #   measures the memory, so they sit in the 17 GiB of non-KV memory and the pool keeps all 3,584
 #   blocks.
-# - vLLM's block pool then holds block 0 back as the **null block** (a placeholder that block tables
-#   point at where a block was skipped, e.g. behind a sliding window), so 3,583 blocks can be handed out: six requests of 512 blocks
-#   and 511 blocks over.
+# - vLLM's block pool then holds block 0 back as the **null block** (a placeholder that block
+#   tables point at where a block was skipped, e.g. behind a sliding window), so 3,583 blocks can
+#   be handed out: six requests of 512 blocks and 511 blocks over.
 # - The log's "**Maximum concurrency**" divides *all* the blocks, the null block included, by the
 #   blocks one request needs (`max_concurrency = num_blocks / blocks per request`,
 #   `vllm/v1/core/kv_cache_utils.py: get_max_concurrency_for_kv_cache_config`): 3,584 / 512 = 7.00,
@@ -158,9 +161,9 @@ assert pool.sequences_after_management == (report.num_gpu_blocks - null_block) /
 #
 # A real GPU never starts at `gpu_memory_utilization=1.0` (vLLM first checks that the free memory
 # covers the budget, and free memory is below the total once the CUDA context exists). Its
-# default, 0.92, leaves 8% more outside the cache, and on this device the log says 5.08x. Appendix
-# A2 rebuilds the rest of the log: the refusal of a `max_model_len` that does not fit, tensor
-# parallelism, MLA, and sliding windows.
+# default, 0.92, leaves 8% more outside the cache, and on this device the log says 5.08x (the
+# cell's last line). [Appendix A2](A2_vllm_start_up.ipynb) rebuilds the rest of the log: the
+# refusal of a `max_model_len` that does not fit, tensor parallelism, MLA, and sliding windows.
 
 # %% [markdown]
 # ## Fitting is not serving
@@ -376,7 +379,7 @@ plt.show()
 # a weight when the simulator applies several identical steps at once), so both can be computed.
 
 # %%
-serve = Simulator(cost, num_blocks=report.num_gpu_blocks - 1, block_size=16, max_num_batched_tokens=2048)
+serve = Simulator(cost, num_blocks=report.num_gpu_blocks - null_block, block_size=16, max_num_batched_tokens=2048)
 print(serve)  # vLLM's num_gpu_blocks less its null block
 assert serve.num_blocks == 3583
 chat_run = serve.run(workloads.sharegpt_like(400, arrival_rate=4.0, seed=1))
