@@ -1095,7 +1095,9 @@ ex.check_function("Exercise 2", decode_ms,
                     CostModel("teaching model", d).memory_bound_step(b, b * c) * 1e3)
                    for b, c, d in [(1, 100, "L4"), (8, 4096, "H100 SXM"), (64, 2048, "A100 80GB SXM"),
                                    (6, 8191, "RTX 4090 (24 GiB)")]],
-                  rel_tol=1e-9, hint="bytes = weights + batch × (context + 1) × 131,072; divide by the bandwidth.")
+                  rel_tol=1e-9, hint="bytes = weights + batch × (context + 1) × 131,072; divide by the bandwidth.",
+                  forbid=[CostModel.memory_bound_step, CostModel.step, CostModel.decode_step_time,
+                          CostModel.time_from_sums])
 
 # %% [markdown]
 # SOLUTIONS ONLY
