@@ -23,18 +23,19 @@
 # **What you will learn**
 #
 # - how a device's memory becomes a KV pool (§06: 24 GiB − 17 GiB = 7 GiB = seven 8,192-token
-#   sequences of the teaching model), and what block tables and other bookkeeping take from it;
-# - how to predict the lines vLLM prints at start-up, why it refuses a `max_model_len`, and where
-#   it reserves more than the model needs;
+#   sequences of the teaching model), what the bookkeeping takes from it, and why vLLM's log says
+#   "7.00x" while six sequences run in full;
 # - why fitting is not serving: a roofline model of one step, where concurrency spreads the weight
 #   read over more sequences but multiplies the history read;
 # - the measurements that tell whether a setting serves well: cache occupancy, reusable-token
 #   ratio, time to first token (TTFT), time per output token (TPOT) and inter-token latency (ITL),
 #   with the length distributions beside them;
-# - the PagedAttention paper's Fig. 2 redone on a ShareGPT-like workload, and why our shares differ
-#   from the paper's;
 # - that a setting that serves many short requests well can fail long-document questions, and
-#   that a setting can help one workload while hurting the other, in numbers.
+#   that a setting can help one workload while hurting the other, in numbers;
+# - how far the simulator's latencies are from a real engine's, measured.
+#
+# The details of vLLM's start-up log (its memory budget, its refusals, tensor parallelism and
+# sliding windows) are in [appendix A2](A2_vllm_start_up.ipynb).
 
 # %%
 import matplotlib.pyplot as plt
@@ -46,7 +47,7 @@ from labkit import workloads
 from labkit.capacity import GiB, TEACHING_MODEL, format_bytes
 from labkit.costmodel import DEVICES, MODEL_COSTS, CostModel
 from labkit.paging import blocks_needed
-from labkit.pool import PAPER_FIG2, plan_pool, reservation_shares
+from labkit.pool import plan_pool, reservation_shares
 from labkit.sim import Simulator
 
 print(labkit.describe())
@@ -79,11 +80,11 @@ assert pool.pool_bytes == 7 * GiB and pool.num_blocks == 3584 and pool.sequences
 # - the **slot mapping** of one step: where each new token's K and V go (int64 per token).
 #
 # Take the limits vLLM picks for its offline `LLM` class on a GPU under 70 GiB: 256 sequence
-# slots and 8,192 tokens per step, with 8,192-token sequences. They are not universal: vLLM
-# 0.33.0 picks them per entry point and GPU (`vllm/engine/arg_utils.py:
-# EngineArgs.get_batch_defaults`). `vllm serve` takes 2,048 tokens per step; on GPUs of 70 GiB or
-# more that are not A100s, `LLM` takes 16,384 and `vllm serve` 8,192, both with 1,024 sequences;
-# from 160 GiB both take 16,384. With the first set the bookkeeping is:
+# slots and 8,192 tokens per step, with 8,192-token sequences. These are defaults *per GPU size*:
+# vLLM 0.33.0 gives GPUs of 70 GiB or more four times the slots and twice the step
+# (`vllm/engine/arg_utils.py: EngineArgs.get_batch_defaults`; [appendix A2](A2_vllm_start_up.ipynb)
+# has the table), so on a larger GPU both the bookkeeping and the workspace grow. With these limits
+# the bookkeeping is:
 
 # %%
 # NBVAL_CHECK_OUTPUT
@@ -105,239 +106,69 @@ assert pool.management_bytes < 600 * 1024 and round(pool.management_bytes / pool
 # fragile in the same way. Engines also keep per-block metadata on the host (a reference count, a
 # hash, free-queue links): it grows with the pool but lives in CPU memory.
 #
-# ## Reading vLLM's start-up log
+# ## What vLLM prints, and what its seven counts
 #
-# vLLM does the same subtraction when it starts. It loads the weights, runs one profiling step at
-# its largest batch, and hands everything left inside its budget to the KV cache. Then it logs what
-# it got. `labkit.vllm` redoes that arithmetic the way vLLM's code does it (vLLM 0.33.0; every
-# function names the file it follows). The budget is `ceil(device × gpu_memory_utilization)`, and
-# the non-KV memory is the article's 17 GiB. We start on the article's **idealised device**: all
-# 24 GiB usable and `gpu_memory_utilization=1.0`, so the budget is the whole device. A real GPU
-# never starts with 1.0 (below), but the arithmetic after the budget is the same:
+# vLLM does the same subtraction when it starts: it loads the weights, profiles its largest step,
+# and gives the KV cache what is left of its budget, `ceil(device × gpu_memory_utilization)`.
+# `labkit.vllm` redoes that arithmetic the way vLLM 0.33.0's code does. On the article's
+# idealised device (all 24 GiB usable, `gpu_memory_utilization=1.0`) it prints the two lines
+# below. That makes two answers to "how many 8,192-token sequences?": the six printed above, and
+# vLLM's "7.00x". The cell computes what each one counts:
 
 # %%
 # NBVAL_CHECK_OUTPUT
 from labkit import vllm
-from labkit.capacity import PRESETS, kv_heads_per_device
 
 available = vllm.available_kv_bytes(gpu_total_bytes=24 * GiB, gpu_memory_utilization=1.0, non_kv_bytes=17 * GiB)
 report = vllm.kv_cache_report(TEACHING_MODEL, available, block_size=16, max_model_len=8192)
 print(*report.log_lines(), sep="\n")
-print(f"page: {report.page_size_bytes:,} B per layer; block: {format_bytes(report.bytes_per_block[0])}; "
-      f"blocks: {report.num_gpu_blocks:,}")
-assert available == pool.pool_bytes and report.num_gpu_blocks == pool.num_blocks == 3584
-assert report.max_concurrency == pool.sequences_that_fit == 7
-
-# %% [markdown]
-# These are vLLM's own words. "7.0 GiB" is §06's pool; "57,344 tokens" is 3,584 blocks of 16
-# tokens; "7.00x" is §06's seven sequences. vLLM counts a *page* as one block of one layer
-# (65,536 bytes here, `vllm/v1/kv_cache_interface.py: AttentionSpec.page_size_bytes`), and one
-# block id covers that page in all 32 layers: 2 MiB. Older versions word it differently: vLLM 0.10.2
-# printed "7.00 GiB" and put the token count and the concurrency on two separate lines.
-#
-# **`gpu_memory_utilization`** is the share of the device vLLM may use. Its default is 0.92 in
-# vLLM 0.33.0 (0.9 in 0.10.2). On a real GPU 1.0 does not start at all: before it sizes anything,
-# vLLM checks that the device's *free* memory covers the budget and otherwise raises "Free memory
-# on device ... is less than desired GPU memory utilization" (`vllm/v1/worker/utils.py:
-# request_memory`). Once the CUDA context exists, free memory is always below the total, so
-# 1.0 is refused. The 8% the default leaves is a reserve *on top of* what the profiling run
-# found, so on §06's device the default shrinks the pool:
-
-# %%
-# NBVAL_CHECK_OUTPUT
-default = vllm.available_kv_bytes(24 * GiB, 0.92, 17 * GiB)
-print(*vllm.kv_cache_report(TEACHING_MODEL, default, max_model_len=8192).log_lines(), sep="\n")
+per_request = report.blocks_per_request  # 8,192 tokens / 16 = 512 blocks
+null_block = 1                           # vllm/v1/core/block_pool.py: BlockPool keeps block 0 back
+counts = [
+    ("blocks in the 7 GiB pool", pool.num_blocks, ""),
+    ("this book: bookkeeping paid from the pool", pool.num_blocks_after_management,
+     f"{pool.num_blocks_after_management // per_request} full sequences"),
+    ("vLLM: blocks it can hand out (less its null block)", report.num_gpu_blocks - null_block,
+     f"{(report.num_gpu_blocks - null_block) // per_request} full sequences"),
+    ("vLLM's 'Maximum concurrency': all blocks / 512", report.num_gpu_blocks, f"{report.max_concurrency:.2f}x"),
+]
 print()
-try:
-    vllm.kv_cache_report(TEACHING_MODEL, default, max_model_len=65_536)
-except vllm.KVCacheTooSmallError as refusal:
-    print("ValueError:", refusal)
-    too_long = refusal
-assert too_long.estimated_max_model_len == 41_584 and too_long.needed_bytes == 8 * GiB
+for label, blocks, meaning in counts:
+    print(f"{label:<52} {blocks:>6,} blocks  {meaning}".rstrip())
+assert available == pool.pool_bytes and report.num_gpu_blocks == pool.num_blocks == 3584 and per_request == 512
+assert report.max_concurrency == report.num_gpu_blocks / per_request == 7.0
+assert pool.sequences_after_management == (report.num_gpu_blocks - null_block) // per_request == 6
+at_default = vllm.kv_cache_report(TEACHING_MODEL, vllm.available_kv_bytes(24 * GiB, 0.92, 17 * GiB), max_model_len=8192)
+print(f"\nat vLLM's default gpu_memory_utilization=0.92: {at_default.max_concurrency:.2f}x")
+assert f"{at_default.max_concurrency:.2f}" == "5.08"
 
 # %% [markdown]
-# The second call asks for 65,536-token requests, and vLLM refuses to start: one such request
-# needs 4,096 blocks, 8 GiB, and only 5.08 GiB are there. (The teaching model states no context
-# limit, so only memory stands in the way. vLLM checks against the pool minus one block, the
-# *null block* its block pool keeps back, so a pool of exactly one request is refused too.) The message carries the fix: the longest `max_model_len` that fits, found by a binary
-# search, is 41,584 tokens. Three ways out, each computed. The second, raising the utilization to
-# 1.0, is arithmetic on the idealised device only: a real GPU refuses 1.0 before this check is
-# reached, as said above.
-
-# %%
-# NBVAL_CHECK_OUTPUT
-fixes = {
-    "max_model_len=41,584": dict(available=default, max_model_len=41_584, kv_cache_dtype="auto"),
-    "gpu_memory_utilization=1.0 (idealised)": dict(available=available, max_model_len=65_536,
-                                                   kv_cache_dtype="auto"),
-    "kv_cache_dtype='fp8'": dict(available=default, max_model_len=65_536, kv_cache_dtype="fp8"),
-}
-started = {}
-for label, f in fixes.items():
-    try:
-        r = vllm.kv_cache_report(TEACHING_MODEL, f["available"], max_model_len=f["max_model_len"],
-                                 kv_cache_dtype=f["kv_cache_dtype"])
-        started[label] = r.max_concurrency
-        print(f"{label:<38} starts: {r.log_lines()[1]}")
-    except vllm.KVCacheTooSmallError as e:
-        print(f"{label:<38} refused: needs {vllm.format_gib(e.needed_bytes)} GiB, has "
-              f"{vllm.format_gib(e.available_bytes)} GiB")
-assert list(started) == ["max_model_len=41,584", "kv_cache_dtype='fp8'"]
-assert [f"{x:.2f}" for x in started.values()] == ["1.00", "1.27"]
-
-# %% [markdown]
-# Shortening `max_model_len` to the estimate starts, with room for a single request. Raising the
-# utilization to 1.0 is not enough even on the idealised device, 7 GiB being still under 8 GiB;
-# on a real GPU vLLM would stop earlier, at `request_memory`. An 8-bit cache (per-tensor fp8)
-# halves every page and starts with room for about 1.27 requests. The other levers are fewer
-# bytes outside the cache: smaller or quantized weights, a smaller `max_num_batched_tokens` (a
-# smaller activation peak), or more GPUs.
+# Both accountings end at six full sequences at once, one block short of seven, for two different
+# reasons:
 #
-# A real model can be refused before memory is counted at all. Llama-3-8B has the teaching model's
-# cache shape, but its `config.json` states a limit, `max_position_embeddings` 8,192, and vLLM
-# checks `max_model_len` against it when it reads the config (`vllm/config/model.py:
-# _get_and_verify_max_len`). The escape hatch is an environment variable,
-# `VLLM_ALLOW_LONG_MAX_MODEL_LEN=1` (`allow_long_max_model_len=True` here); then the memory check
-# decides as before. vLLM's message, cut before its warning about positions past the limit:
-
-# %%
-# NBVAL_CHECK_OUTPUT
-try:
-    vllm.kv_cache_report("Llama-3-8B", default, max_model_len=65_536)
-except ValueError as refusal:
-    config_refusal = refusal
-    print("ValueError:", str(refusal).split(" VLLM_ALLOW_LONG_MAX_MODEL_LEN must be used")[0])
-assert not isinstance(config_refusal, vllm.KVCacheTooSmallError)  # the config check, not the memory check
-try:
-    vllm.kv_cache_report("Llama-3-8B", default, max_model_len=65_536, allow_long_max_model_len=True)
-except vllm.KVCacheTooSmallError as refusal:
-    print(f"with VLLM_ALLOW_LONG_MAX_MODEL_LEN=1: refused for memory, estimate {refusal.estimated_max_model_len:,}")
-    assert refusal.estimated_max_model_len == too_long.estimated_max_model_len  # the teaching model's shape
-
-# %% [markdown]
-# The override says only that positions past the trained limit are allowed; vLLM's own warning
-# adds that a RoPE model then produces NaN there. The memory arithmetic does not change.
+# - **This book** pays the block tables, lengths and slot mapping out of the pool (577 KiB, one
+#   block). **vLLM** keeps them outside the KV pool: its `BlockTable` tensors
+#   (`vllm/v1/worker/block_table.py`) are made with the model runner, *before* the profiling run
+#   measures the memory, so they sit in the 17 GiB of non-KV memory and the pool keeps all 3,584
+#   blocks.
+# - vLLM's block pool then holds block 0 back as the **null block** (a placeholder that block
+#   tables point at where a block was skipped, e.g. behind a sliding window), so 3,583 blocks can
+#   be handed out: six requests of 512 blocks and 511 blocks over.
+# - The log's "**Maximum concurrency**" divides *all* the blocks, the null block included, by the
+#   blocks one request needs (`max_concurrency = num_blocks / blocks per request`,
+#   `vllm/v1/core/kv_cache_utils.py: get_max_concurrency_for_kv_cache_config`): 3,584 / 512 = 7.00,
+#   the article's seven. It is a division of memory, not a promise that seven full requests run.
 #
-# ### More GPUs: tensor parallelism, replicated heads, and MLA
-#
-# Llama-3-70B's weights (with chapter 02's shape) do not fit one 80 GiB GPU. Spread over 8 or 16
-# H100s with tensor parallelism, each GPU holds a share of the weights. We assume 5 GiB per GPU for
-# activations and CUDA graphs (an assumption; vLLM measures it). vLLM splits the KV heads when the
-# GPUs divide them, and gives each GPU one whole head, replicated, when the KV heads divide the
-# GPUs; anything else it refuses (`vllm/model_executor/layers/linear.py: QKVParallelLinear`,
-# the rule `capacity.kv_heads_per_device` of chapter 02 follows).
-#
-# One caveat on the device: we give each H100 its datasheet's 80 GiB, but vLLM multiplies the
-# total memory *CUDA reports*, which is below the datasheet figure (the driver and, where it is
-# on, ECC take their share). Every GiB less of total is 0.92 GiB less for the cache, so the
-# concurrency in the last column is an **upper bound** on what vLLM would print:
-
-# %%
-# NBVAL_CHECK_OUTPUT
-h100 = DEVICES["H100 SXM"]
-llama70 = MODEL_COSTS["Llama-3-70B"]
-print(f"{'GPUs':>4} {'KV heads/GPU':>12} {'page':>8} {'weights/GPU':>12} {'KV memory/GPU':>14}  "
-      f"vLLM would print at most (80 GiB per GPU)")
-tp_reports = {}
-for tp in (8, 16):
-    kv_memory = vllm.available_kv_bytes(h100.memory_bytes, 0.92, llama70.weight_bytes / tp + 5 * GiB)
-    r = vllm.kv_cache_report("Llama-3-70B", kv_memory, max_model_len=8192, tensor_parallel_size=tp)
-    tp_reports[tp] = r
-    print(f"{tp:>4} {kv_heads_per_device(8, tp):>12} {format_bytes(r.page_size_bytes):>8} "
-          f"{format_bytes(llama70.weight_bytes / tp):>12} {format_bytes(kv_memory):>14}  {r.log_lines()[1]}")
-assert tp_reports[8].page_size_bytes == tp_reports[16].page_size_bytes  # 16 GPUs, 8 KV heads: replicated
-assert tp_reports[16].max_concurrency < 2 * tp_reports[8].max_concurrency
-smaller = vllm.available_kv_bytes(h100.memory_bytes - GiB, 0.92, llama70.weight_bytes / 8 + 5 * GiB)
-assert vllm.kv_cache_report("Llama-3-70B", smaller, max_model_len=8192, tensor_parallel_size=8).max_concurrency \
-    < tp_reports[8].max_concurrency  # less reported memory, less concurrency: the column is an upper bound
-
-# %% [markdown]
-# At 8 GPUs each holds one of the 8 KV heads. At 16, a head cannot be cut, so every head is stored
-# on two GPUs and the page stays the same size. Twice the GPUs do not give twice the tokens: the
-# second engine holds more only because each GPU carries half as much weight, not because its
-# cache got denser.
-#
-# DeepSeek-V3's latent cache (MLA) is one "head" of 512 + 64 elements per token and layer, with no
-# separate V (`MLAAttentionSpec`: head_size_v = 0). Tensor parallelism cannot split it at all:
-# every GPU keeps the whole latent cache of its layers. The block size depends on which attention
-# backend serves it. On Hopper vLLM 0.33.0 tries FLASH_ATTN_MLA first, which takes any multiple
-# of 16 tokens but only a 16-bit cache, so with the default dtype the block is 16; with an fp8
-# cache FLASH_ATTN_MLA declines and FlashMLA, which wants 64-token blocks, takes over
-# (`vllm/platforms/cuda.py: _get_backend_priorities`; the backends' `supported_kv_cache_dtypes`).
-# No MLA backend of 0.33.0 takes the per-token-head 8-bit dtypes. With 40 GiB of cache per GPU
-# (assumed), at its full context of 163,840 tokens:
-
-# %%
-# NBVAL_CHECK_OUTPUT
-for dtype, block in (("auto", 16), ("fp8", 64)):  # FLASH_ATTN_MLA, then FlashMLA
-    r = vllm.kv_cache_report("DeepSeek-V3", 40 * GiB, block_size=block, max_model_len=163_840,
-                             tensor_parallel_size=8, kv_cache_dtype=dtype)
-    print(f"kv_cache_dtype={dtype!r:<7} block {block:>2}: page {r.page_size_bytes:,} B x "
-          f"{PRESETS['DeepSeek-V3'].num_layers} layers: {r.log_lines()[1]}")
-assert r.page_size_bytes == 64 * 576  # fp8: one byte per latent element, the same on all 8 GPUs
-try:
-    vllm.kv_cache_report("DeepSeek-V3", 40 * GiB, max_model_len=163_840, kv_cache_dtype="fp8_per_token_head")
-except ValueError as refusal:
-    print(f"kv_cache_dtype='fp8_per_token_head': ValueError: {refusal}")
-
-# %% [markdown]
-# ### What the model needs, and what vLLM reserves
-#
-# `labkit.capacity` keeps the physics: a sliding-window layer needs only its window. vLLM
-# budgets a window layer for more (`SlidingWindowSpec.max_admission_blocks_per_request`): the last
-# window − 1 tokens plus every token scheduled but not yet processed, because a chunk of up to
-# `max_num_batched_tokens` is written into the cache *before* the window slides past the old
-# tokens, plus one block, since the window need not start on a block boundary. vLLM 0.33.0 counts
-# two batches in flight on a GPU (asynchronous scheduling). Gemma 2 mixes window and full layers:
-# vLLM puts its 21 window layers and its 21 full layers in two groups with their own block tables
-# (`vllm/v1/core/kv_cache_planning.py: _get_kv_cache_groups_uniform_page_size`). Side by side, with
-# 20 GiB for the cache and 2,048 batched tokens, `vllm serve`'s default on a GPU under 70 GiB
-# (the offline `LLM` class takes 8,192 there, as the bookkeeping section said; the window budget
-# grows with it, as the last lines show):
-
-# %%
-# NBVAL_CHECK_OUTPUT
-print(f"{'model':<16} {'max_model_len':>13} {'needs':>10} {'fit':>5} {'vLLM reserves':>14} {'vLLM':>7}")
-side = {}
-for name, model_len in [("Mistral-7B-v0.1", 32_768), ("Gemma-2-9B", 8192)]:
-    shape = PRESETS[name]
-    needs = shape.cache_bytes(model_len)  # the window applied: the physics
-    r = vllm.kv_cache_report(name, 20 * GiB, max_model_len=model_len, max_num_batched_tokens=2048)
-    reserves = r.blocks_per_request * r.bytes_per_block[0]  # each block id costs a page in every layer of a group
-    side[name] = needs, reserves, r
-    print(f"{name:<16} {model_len:>13,} {format_bytes(needs):>10} {20 * GiB // needs:>5} "
-          f"{format_bytes(reserves):>14} {r.max_concurrency:>6.2f}x")
-assert side["Mistral-7B-v0.1"][0] == PRESETS["Mistral-7B-v0.1"].cache_bytes(4096)  # only the window
-assert side["Mistral-7B-v0.1"][2].blocks_per_request == -(-(4095 + 2 * 2048) // 16) + 1 == 513
-assert side["Gemma-2-9B"][2].blocks_per_request == 512 + 513
-assert 20 * GiB // side["Mistral-7B-v0.1"][0] == 40 and 2 < side["Mistral-7B-v0.1"][1] / side["Mistral-7B-v0.1"][0] < 2.01
-print()
-by_budget = {budget: vllm.kv_cache_report("Mistral-7B-v0.1", 20 * GiB, max_model_len=32_768,
-                                          max_num_batched_tokens=budget) for budget in (2048, 8192)}
-for budget, r in by_budget.items():
-    print(f"Mistral-7B-v0.1, max_num_batched_tokens={budget:,}: {r.blocks_per_request:,} blocks per request, "
-          f"{r.max_concurrency:.2f}x")
-assert [f"{r.max_concurrency:.2f}" for r in by_budget.values()] == ["19.96", "7.99"]
-assert by_budget[8192].blocks_per_request == -(-(4095 + 2 * 8192) // 16) + 1 == 1281
-
-# %% [markdown]
-# Mistral needs its 4,096-token window in each layer, 512 MiB per request, so 40 requests would
-# fit in 20 GiB. vLLM reserves 513 blocks per request for the window layers (4,095 + 2 × 2,048
-# tokens, rounded up, plus one block), just over twice as much, and promises 19.96 requests. With
-# the `LLM` class's 8,192 batched tokens the window layers are budgeted for 4,095 + 2 × 8,192 =
-# 20,479 tokens, 1,281 blocks, and the promise falls to 7.99 requests: pass the batch size your
-# engine really runs with. For
-# Gemma 2 the full layers need their 8,192 tokens either way; the window layers get 513 blocks,
-# where the window would need 256. Neither is waste while a request runs: vLLM frees the blocks
-# behind the window as it goes. The difference is the *guarantee*: the "Maximum concurrency" line
-# counts worst-case requests that can all be admitted at once.
+# A real GPU never starts at `gpu_memory_utilization=1.0` (vLLM first checks that the free memory
+# covers the budget, and free memory is below the total once the CUDA context exists). Its
+# default, 0.92, leaves 8% more outside the cache, and on this device the log says 5.08x (the
+# cell's last line). [Appendix A2](A2_vllm_start_up.ipynb) rebuilds the rest of the log: the
+# refusal of a `max_model_len` that does not fit, tensor parallelism, MLA, and sliding windows.
 
 # %% [markdown]
 # ## Fitting is not serving
 #
-# Suppose the six sequences fit and run. (Six, although vLLM's log above says 7.00x: its block pool
-# holds block 0 back as the null block, so of its 3,584 blocks 3,583 can be handed out, one short of
-# seven full sequences; the "Maximum concurrency" line divides all 3,584 by 512.) Every decode step must read all of the weights once and
+# Suppose the six sequences fit and run. Every decode step must read all of the weights once and
 # the whole history of every sequence, and a new request must wait until one of them finishes. A
 # roofline model prices this. For one step on a device with memory bandwidth $W$ and peak
 # arithmetic rate $P$:
@@ -475,10 +306,9 @@ assert fits[8192] == 6 and fits[512] > 64
 # histograms, not parameters): an assumption, stated. We also clip prompt and output to
 # `max_prompt_len` / `max_output_len` tokens each (1,024 for both profiles), so a request fits a
 # 2,048-token context: again the book's choice, not something the paper reports about its traces.
-# vLLM's serving benchmark does not clip: it *drops* ShareGPT samples whose prompt or output is under
-# 4 tokens, whose prompt is over 1,024, or whose prompt and output together are over 2,048
-# (`vllm/benchmarks/datasets/datasets.py: is_valid_sequence`). Our lengths are therefore not the
-# lengths vLLM's benchmark would send.
+# vLLM's serving benchmark *drops* such ShareGPT samples instead of clipping them
+# (`vllm/benchmarks/datasets/datasets.py: is_valid_sequence`), so our lengths are not the ones it
+# would send.
 
 # %%
 # NBVAL_CHECK_OUTPUT
@@ -503,52 +333,12 @@ for ax, (name, w) in zip(axes, (("ShareGPT-like", chat), ("Alpaca-like", instruc
     ax.set_xscale("log")
     ax.set_xlabel("length (tokens, log scale)")
     ax.set_ylabel("requests")
-    ax.set_title(f"{name}: skewed, with a long tail")
+    ax.set_title(f"{name} (synthetic): skewed, with a long tail")
     ax.legend()
 fig.tight_layout()
 plt.show()
 
 # %% [markdown]
-# ## The paper's Fig. 2, redone
-#
-# The PagedAttention paper measured how much of the KV memory of existing systems held real token
-# states. Those systems reserved one contiguous region per request up front: for the model's
-# maximum length (2,048 tokens), for a length known within a factor of two (the next power of two),
-# or, as an oracle, for exactly the final length. vLLM takes 16-token blocks as the sequence grows.
-# `reservation_shares` looks at every request during each of its decode steps and divides the live
-# tokens by the slots its policy holds at that moment.
-
-# %%
-# NBVAL_CHECK_OUTPUT
-shares = reservation_shares(chat, max_len=2048, block_size=16)
-print(f"{'policy':<32} {'ours':>7} {'paper':>7}")
-for policy, ours in shares.items():
-    print(f"{policy:<32} {ours:7.1%} {PAPER_FIG2[policy]:7.1%}")
-assert list(shares.values()) == sorted(shares.values())  # each policy wastes less than the one before
-assert shares["paged, 16-token blocks"] > 0.95
-live = np.concatenate([np.arange(r.prompt_len + 1, r.prompt_len + r.output_len + 1) for r in chat])
-tail_waste = (-live) % 16  # empty slots in the last, partly filled block
-print(f"paged: {tail_waste.mean():.1f} empty slots per sequence on average, against {live.mean():.0f} live tokens")
-assert abs(tail_waste.mean() - 7.5) < 0.1
-assert abs((1 - shares["reserve max length"]) - 4 / 5) < 0.03  # "four fifths" wasted
-
-# %% [markdown]
-# The order and the big picture agree: reserving for the maximum wastes four fifths of memory, and
-# paging wastes almost nothing (at most one partly filled block per sequence: 7.5 empty slots on
-# average, (16 − 1) / 2, against sequences of a few hundred tokens). Three reasons our reservation
-# policies look *better* than the paper's:
-#
-# - **External fragmentation.** The paper measured real allocators, where contiguous reservations
-#   of different sizes leave holes between them that no new request fits into. We count each
-#   request's own reservation only, so ours are upper bounds.
-# - **Lengths.** Our lengths are synthetic log-normals with the paper's means, not the ShareGPT
-#   trace; the spread and the tail change how far the power of two and the oracle overshoot.
-# - **Weighting.** We weight every request by its decode steps; the paper sampled a running
-#   system, whose mix of old and new requests depends on its load.
-#
-# The paper's 96.3% for vLLM is close to ours (printed above): paging leaves only the tail block, whatever the
-# allocator. The simulator below measures the same share from the allocator's actual blocks.
-#
 # ## Serving a workload
 #
 # `labkit.sim.Simulator` serves a workload with chapter 05's `Scheduler`, on a real
@@ -559,8 +349,11 @@ assert abs((1 - shares["reserve max length"]) - 4 / 5) < 0.03  # "four fifths" w
 # gives, and that chapter 05's real engine plans the same steps with the same blocks.
 #
 # Here: 400 ShareGPT-like requests at 4 per second, on the teaching model with §06's 7 GiB pool, given
-# as the blocks vLLM's block pool could hand out: 3,583 of the 3,584, since vLLM keeps block 0 back as
-# its null block (`vllm/v1/core/block_pool.py`). Like vLLM, the scheduler runs at most `max_num_seqs`
+# as the 3,583 blocks vLLM's block pool can hand out (its null block held back, as computed above).
+# The share of the held blocks that carries live tokens comes from the allocator's own blocks; chapter
+# 03 set that share beside reserving memory up front
+# ([How much reserved memory holds tokens](03_paging.ipynb#how-much-reserved-memory-holds-tokens)).
+# Like vLLM, the scheduler runs at most `max_num_seqs`
 # requests at once (labkit's default, 256); the others wait. Also like vLLM, a waiting request is
 # admitted only when blocks for its whole prompt are free, not just for its first chunk (chapter 05).
 #
@@ -586,7 +379,7 @@ assert abs((1 - shares["reserve max length"]) - 4 / 5) < 0.03  # "four fifths" w
 # a weight when the simulator applies several identical steps at once), so both can be computed.
 
 # %%
-serve = Simulator(cost, num_blocks=report.num_gpu_blocks - 1, block_size=16, max_num_batched_tokens=2048)
+serve = Simulator(cost, num_blocks=report.num_gpu_blocks - null_block, block_size=16, max_num_batched_tokens=2048)
 print(serve)  # vLLM's num_gpu_blocks less its null block
 assert serve.num_blocks == 3583
 chat_run = serve.run(workloads.sharegpt_like(400, arrival_rate=4.0, seed=1))
@@ -618,7 +411,7 @@ def show(result):
 
 
 show(chat_run)
-assert chat_run.live_token_share > 0.95  # the allocator's own blocks agree with Fig. 2's paged share
+assert chat_run.live_token_share > 0.95  # the allocator's own blocks agree with chapter 03's paged share
 # TPOT and ITL are two averages of the same intervals: weighted by tokens, they sum to the same time.
 many = chat_run.output_len > 1
 assert np.isclose((tpot(chat_run) * (chat_run.output_len[many] - 1)).sum(), (chat_run.itl * chat_run.itl_weight).sum())
@@ -630,7 +423,14 @@ assert tpot_percentiles(chat_run)["p99"] < chat_run.itl_percentiles()["p99"]  # 
 # another request's prefill) are single samples in the ITL, but each is spread over a whole answer
 # in its request's TPOT. A reader of a benchmark must know which of the two it quotes.
 
-# %%
+# %% [markdown]
+# <!-- HEADLINE RESULT GOES HERE -->
+
+# %% [markdown]
+# ## Occupancy, and a pool under pressure
+#
+# The same run over time: the share of the pool its requests hold, and the latencies as
+# distributions.
 
 # %%
 fig, (left, right) = plt.subplots(1, 2, figsize=(10, 3.4))
@@ -682,45 +482,90 @@ assert tight_run.mean_occupancy > 0.8
 # its TTFT is its own prefill. As the rate grows, more sequences share each step, the pool fills,
 # running requests are preempted to make room and recomputed later (ITL p99 jumps), and new
 # requests wait: TTFT leaves the prefill behind by orders of magnitude while the median ITL hardly
-# moves. Mean occupancy stays below 100% because it averages over the whole run, including the
-# ramp-up and the drain at the end.
+# moves.
+#
+# Tail percentiles move from one draw of the traffic to the next, so each rate is served with
+# three seeds of 100 requests, and the figure shows the median and the range. With 100 requests a
+# TTFT p99 is the single slowest request, so the figure shows TTFT p90; ITL pools tens of thousands
+# of intervals per run, so its p99 is well defined.
 
 # %%
-rates = [2, 5, 8, 11, 14]
-sweep = {}
-for rate in rates:
-    sweep[rate] = Simulator(cost, pool_bytes=2 * GiB, max_num_batched_tokens=2048).run(
-        workloads.sharegpt_like(150, arrival_rate=rate, seed=2))
+rates, sweep_seeds = [2, 5, 8, 11, 14], (2, 3, 4)
+sweep = {(rate, seed): Simulator(cost, pool_bytes=2 * GiB, max_num_batched_tokens=2048).run(
+    workloads.sharegpt_like(100, arrival_rate=rate, seed=seed)) for rate in rates for seed in sweep_seeds}
+
+
+def across_seeds(measure) -> np.ndarray:
+    """One row per rate: the minimum, median and maximum of ``measure(run)`` over the seeds."""
+    values = np.array([[measure(sweep[rate, seed]) for seed in sweep_seeds] for rate in rates])
+    return np.stack([values.min(axis=1), np.median(values, axis=1), values.max(axis=1)], axis=1)
+
+
+curves = {
+    "TTFT p50": across_seeds(lambda r: r.ttft_percentiles()["p50"] * 1e3),
+    "TTFT p90": across_seeds(lambda r: r.ttft_percentiles()["p90"] * 1e3),
+    "ITL p50": across_seeds(lambda r: r.itl_percentiles()["p50"] * 1e3),
+    "ITL p99": across_seeds(lambda r: r.itl_percentiles()["p99"] * 1e3),
+}
+occupancy = {"mean": across_seeds(lambda r: r.mean_occupancy),
+             "peak": across_seeds(lambda r: r.used_blocks.max() / r.num_blocks)}
+running = across_seeds(lambda r: r.num_running.mean())
+preempted = across_seeds(lambda r: r.preemptions.sum())
 
 # %%
 fig, (left, right) = plt.subplots(1, 2, figsize=(10, 3.4))
-for q in ("p50", "p99"):
-    left.plot(rates, [sweep[r].ttft_percentiles()[q] * 1e3 for r in rates], marker="o", label=f"TTFT {q}")
-    left.plot(rates, [sweep[r].itl_percentiles()[q] * 1e3 for r in rates], marker="s", label=f"ITL {q}")
+for i, (label, c) in enumerate(curves.items()):
+    left.plot(rates, c[:, 1], marker="os"[i % 2], color=f"C{i}", label=label)
+    left.fill_between(rates, c[:, 0], c[:, 2], color=f"C{i}", alpha=0.2)
 left.set_yscale("log")
 left.set_xlabel("arrival rate (requests/s)")
 left.set_ylabel("latency (ms)")
 left.set_title("Queueing shows in TTFT first (simulated)")
-left.legend(fontsize=8)
-right.plot(rates, [sweep[r].mean_occupancy for r in rates], marker="o", color="C0")
+left.legend(fontsize=8, title="median, range of 3 seeds", title_fontsize=8, loc="upper left")
+for i, (label, c) in enumerate(occupancy.items()):
+    right.plot(rates, c[:, 1], marker="o", color=f"C{i}", label=f"{label} occupancy")
+    right.fill_between(rates, c[:, 0], c[:, 2], color=f"C{i}", alpha=0.2)
 right.set_xlabel("arrival rate (requests/s)")
-right.set_ylabel("mean pool occupancy", color="C0")
+right.set_ylabel("share of the 2 GiB pool")
 right.set_ylim(0, 1.05)
-right2 = right.twinx()
-right2.plot(rates, [sweep[r].num_running.mean() for r in rates], marker="s", color="C1")
-right2.set_ylabel("running requests (mean per step)", color="C1")
-right.set_title("A 2 GiB pool fills as the rate grows (simulated)")
+right.legend(fontsize=8, loc="lower right")
+right.set_title("The pool peaks full; its mean levels off (simulated)")
 fig.tight_layout()
 plt.show()
-for r in rates:
-    s = sweep[r]
-    print(f"{r:>3} req/s: TTFT p99 {s.ttft_percentiles()['p99'] * 1e3:9.0f} ms, ITL p99 "
-          f"{s.itl_percentiles()['p99'] * 1e3:5.1f} ms, occupancy {s.mean_occupancy:5.1%}, "
-          f"preemptions {int(s.preemptions.sum())}")
-assert sweep[rates[-1]].ttft_percentiles()["p99"] > 10 * sweep[rates[0]].ttft_percentiles()["p99"]
-itl_p50 = [sweep[r].itl_percentiles()["p50"] for r in rates]
-print(f"ITL p50 from {min(itl_p50) * 1e3:.1f} to {max(itl_p50) * 1e3:.1f} ms across the rates")
-assert max(itl_p50) < 1.5 * min(itl_p50)  # the median interval hardly moves
+print("median [min-max] over seeds 2, 3, 4; 100 requests each")
+print(f"{'rate':>4}{'TTFT p90 (ms)':>20}{'ITL p99 (ms)':>17}{'mean occupancy':>19}{'running':>9}{'preempted':>13}")
+for i, rate in enumerate(rates):
+    t, d, o, p = curves["TTFT p90"][i], curves["ITL p99"][i], occupancy["mean"][i], preempted[i]
+    print(f"{rate:>4}{f'{t[1]:,.0f} [{t[0]:,.0f}-{t[2]:,.0f}]':>20}{f'{d[1]:.0f} [{d[0]:.0f}-{d[2]:.0f}]':>17}"
+          f"{f'{o[1]:.0%} [{o[0]:.0%}-{o[2]:.0%}]':>19}{running[i, 1]:>9.0f}{f'{p[1]:.0f} [{p[0]:.0f}-{p[2]:.0f}]':>13}")
+itl_p99 = np.array([[sweep[rate, seed].itl_percentiles()["p99"] for rate in rates] for seed in sweep_seeds])
+print(f"seeds whose ITL p99 ever falls as the rate grows: {int((np.diff(itl_p99, axis=1) < 0).any(axis=1).sum())} of 3")
+assert curves["TTFT p90"][-1, 1] > 10 * curves["TTFT p90"][0, 1]
+assert np.all(np.diff(curves["TTFT p90"][:, 1]) > 0)  # the median over seeds rises with the rate
+assert curves["ITL p50"][:, 2].max() < 1.5 * curves["ITL p50"][:, 0].min()  # the median interval hardly moves
+print(f"ITL p50 from {curves['ITL p50'][:, 0].min():.1f} to {curves['ITL p50'][:, 2].max():.1f} ms across rates and seeds")
+assert np.all(np.diff(curves["ITL p99"][:, 1]) > 0) and running[-1, 1] - running[2, 1] < 0.2 * running[2, 1]
+ttft_p90 = {rate: sorted(sweep[rate, seed].ttft_percentiles()["p90"] for seed in sweep_seeds) for rate in rates}
+assert ttft_p90[5][1] < 0.1 < 1 < ttft_p90[5][2]                   # at 5 req/s one draw of three queues
+assert np.all(occupancy["peak"][2:, 0] == 1) and np.all(preempted[2:, 0] > 0)  # from 8 req/s: full, preempting
+assert all(ttft_p90[r][1] > 1 and ttft_p90[r][0] < 0.25 for r in rates[2:])    # two draws in seconds, one not
+p99_range = curves["ITL p99"][:, 2] - curves["ITL p99"][:, 0]
+assert curves["ITL p99"][-1, 1] - curves["ITL p99"][-2, 1] < min(p99_range[-2:])  # 11 -> 14 req/s: within the spread
+
+# %% [markdown]
+# The ranges show how much one draw moves the result. Near the knee the draw decides: at 5
+# requests/s one seed already queues and the other two do not. From 8 requests/s the pool is full
+# at its peak in every draw and requests are preempted; in two draws of three TTFT p90 runs into
+# seconds, while the lightest draw stays under a quarter of a second even at 14 requests/s.
+#
+# The ITL p99 rises from one decode step (about 18 ms) to several times that, because more steps
+# carry a prompt chunk (a new request's, or a preempted one's computed again) beside the decodes.
+# Then it levels off with the occupancy and the running requests: once the pool is the limit the
+# batch stops growing, and more traffic only lengthens the queue. In these draws it never falls as
+# the rate grows (the count above), but from 11 to 14 requests/s its median moves by less than
+# the range across draws at either rate: past the knee, which draw you serve matters more to the
+# ITL tail than a little more traffic. Mean occupancy stays below 100% because it averages over
+# the ramp-up and the drain as well.
 
 # %% [markdown]
 # ## Long documents against many short requests
@@ -734,7 +579,7 @@ assert max(itl_p50) < 1.5 * min(itl_p50)  # the median interval hardly moves
 #
 # First one setting, the memory the KV pool gets: each workload is served with a 2 GiB pool and
 # with §06's 7 GiB pool, everything else equal (a 1,024-token budget per step, and at most 256
-# requests running at once, the `max_num_seqs` vLLM picks on GPUs under 70 GiB: the `seqs` column).
+# requests running at once, the `max_num_seqs` vLLM picks on GPUs under 70 GiB).
 
 # %%
 docs = workloads.long_document_questions(100, arrival_rate=3.0, num_documents=4, seed=3)
@@ -748,17 +593,20 @@ for wname, pool_gib, budget in runs:
 
 
 def table(keys):
-    print(f"{'workload':<25} {'pool':>5} {'budget':>6} {'seqs':>4} {'TTFT p50':>9} {'p90':>9} {'p99':>9} "
-          f"{'ITL p50':>8} {'p99':>7} {'occup.':>6} {'reuse':>6} {'reusable':>8} {'preempt':>7}")
+    """One row per run; latencies in ms."""
+    print(f"{'workload':<10}{'pool':>7}{'budget':>7}{'TTFT p50':>9}{'p90':>7}{'p99':>7}{'ITL p50':>8}{'p99':>5}"
+          f"{'occup.':>7}{'reuse':>7}{'reusable':>9}{'preempt':>8}")
     for key in keys:
         (wname, pool_gib, budget), r = key, grid[key]
         t, i = r.ttft_percentiles(), r.itl_percentiles()
-        print(f"{wname:<25} {pool_gib:>3} GiB {budget:>6} {r.scheduler.max_num_seqs:>4} "
-              f"{t['p50'] * 1e3:6.0f} ms {t['p90'] * 1e3:6.0f} ms "
-              f"{t['p99'] * 1e3:6.0f} ms {i['p50'] * 1e3:5.1f} ms {i['p99'] * 1e3:4.0f} ms {r.mean_occupancy:6.1%} "
-              f"{r.reuse_ratio:6.1%} {r.reusable_ratio:8.1%} {int(r.preemptions.sum()):7d}")
+        name = "documents" if wname.startswith("long") else "short"
+        print(f"{name:<10}{pool_gib:>3} GiB{budget:>7}{t['p50'] * 1e3:>9.0f}{t['p90'] * 1e3:>7.0f}{t['p99'] * 1e3:>7.0f}"
+              f"{i['p50'] * 1e3:>8.1f}{i['p99'] * 1e3:>5.0f}{r.mean_occupancy:>7.1%}{r.reuse_ratio:>7.1%}"
+              f"{r.reusable_ratio:>9.1%}{int(r.preemptions.sum()):>8d}")
 
 
+assert all(r.scheduler.max_num_seqs == 256 for r in grid.values())
+print("latencies in ms; documents = long-document questions, short = distinct short requests")
 table([k for k in grid if k[2] == 1024])
 for wname, w in (("long-document questions", docs), ("distinct short requests", short)):
     s = workloads.length_stats(w)
@@ -838,8 +686,9 @@ def budget_run(kind: str, seed: int, budget: int):
 
 
 seeds = {"docs": range(3, 8), "short": range(4, 9)}
-budget_runs = {(kind, b): [budget_run(kind, sd, b) for sd in seeds[kind]] for kind in seeds for b in (1024, 128)}
-assert budget_runs["docs", 1024][0].ttft_percentiles() == docs_small.ttft_percentiles()  # seed 3 is the run above
+above = {"docs": "long-document questions", "short": "distinct short requests"}  # the first seed: the runs above
+budget_runs = {(kind, b): [grid[above[kind], 2, b]] + [budget_run(kind, sd, b) for sd in seeds[kind][1:]]
+               for kind in seeds for b in (1024, 128)}
 
 
 def spread(values, fmt):
@@ -848,19 +697,24 @@ def spread(values, fmt):
 
 
 ms = lambda v: f"{v * 1e3:,.0f}"  # noqa: E731
-print("median [min-max] over five seeds")
-print(f"{'':<16}{'TTFT p50 (ms)':>26}{'TTFT p99 (ms)':>28}{'preemptions':>20}{'recomputed tok.':>22}"
-      f"{'evicted blocks':>22}{'reuse':>20}{'budget full':>20}{'waiting':>16}")
-for (kind, b), rs in budget_runs.items():
-    print(f"{kind + ', budget ' + str(b):<16}"
-          f"{spread([r.ttft_percentiles()['p50'] for r in rs], ms):>26}"
-          f"{spread([r.ttft_percentiles()['p99'] for r in rs], ms):>28}"
-          f"{spread([r.preemptions.sum() for r in rs], lambda v: f'{v:.0f}'):>20}"
-          f"{spread([r.recomputed_tokens for r in rs], lambda v: f'{v:,.0f}'):>22}"
-          f"{spread([r.scheduler.prefix_cache.stats.evicted_blocks for r in rs], lambda v: f'{v:,.0f}'):>22}"
-          f"{spread([r.reuse_ratio for r in rs], lambda v: f'{v:.1%}'):>20}"
-          f"{spread([np.mean(r.step_tokens == b) for r in rs], lambda v: f'{v:.0%}'):>20}"
-          f"{spread([np.average(r.num_waiting, weights=r.step_time) for r in rs], lambda v: f'{v:.1f}'):>16}")
+count = lambda v: f"{v:,.0f}"  # noqa: E731
+measures = {  # what a run is judged by, and how to print it
+    "TTFT p50 (ms)": (lambda r, b: r.ttft_percentiles()["p50"], ms),
+    "TTFT p99 (ms)": (lambda r, b: r.ttft_percentiles()["p99"], ms),
+    "preemptions": (lambda r, b: r.preemptions.sum(), count),
+    "recomputed tokens": (lambda r, b: r.recomputed_tokens, count),
+    "evicted blocks": (lambda r, b: r.scheduler.prefix_cache.stats.evicted_blocks, count),
+    "reuse ratio": (lambda r, b: r.reuse_ratio, lambda v: f"{v:.1%}"),
+    "steps, budget full": (lambda r, b: np.mean(r.step_tokens == b), lambda v: f"{v:.0%}"),
+    "waiting (mean)": (lambda r, b: np.average(r.num_waiting, weights=r.step_time), lambda v: f"{v:.1f}"),
+}
+for kind, title in (("docs", "long-document questions"), ("short", "distinct short requests")):
+    print(f"{title}, 2 GiB pool: median [min-max] over five seeds")
+    print(f"{'':<20}{'budget 1,024':>24}{'budget 128':>24}")
+    for label, (get, fmt) in measures.items():
+        print(f"{label:<20}" + "".join(f"{spread([get(r, b) for r in budget_runs[kind, b]], fmt):>24}"
+                                       for b in (1024, 128)))
+    print()
 
 pairs = {kind: list(zip(budget_runs[kind, 1024], budget_runs[kind, 128])) for kind in seeds}
 docs_p99 = {b: np.array([r.ttft_percentiles()["p99"] for r in budget_runs["docs", b]]) for b in (1024, 128)}
@@ -886,6 +740,11 @@ in_flight = {b: float((r.step_time ** 2).sum() / r.step_time.sum()) for b, r in 
 print(f"documents, seed 3: the step in flight at a random moment lasts {in_flight[1024] * 1e3:.0f} ms on average "
       f"with a budget of 1,024 and {in_flight[128] * 1e3:.0f} ms with 128")
 assert in_flight[128] < in_flight[1024]
+short_runs = budget_runs["short", 1024]
+recycled = np.median([r.scheduler.prefix_cache.stats.evicted_blocks / r.num_blocks for r in short_runs])
+print(f"short requests: nothing reused, yet the evicted blocks are {recycled:.1f}x the pool's "
+      f"{short_runs[0].num_blocks:,} blocks (median over the seeds)")
+assert all(r.reuse_ratio == 0 < r.scheduler.prefix_cache.stats.evicted_blocks for r in short_runs)
 
 # %% [markdown]
 # The direction holds in all five draws of each workload, and the spread says how much one draw
@@ -901,10 +760,18 @@ assert in_flight[128] < in_flight[1024]
 # tokens of a document, so steps are shorter (the step in flight at a random moment, printed above
 # for the first seed). The gain in TTFT is larger than that difference, since a question also waits
 # behind the questions ahead of it; these measurements show the shorter steps, not how the gain
-# builds up in the queue. For the short
-# requests, the small budget is spent to the last token in a large share of the steps, and the
-# waiting queue that
-# is empty with 1,024 tokens holds requests on average: they wait for budget, not for memory.
+# builds up in the queue. For the short requests, the small budget is spent to the last token in
+# a large share of the steps, and the waiting queue that is empty with 1,024 tokens holds requests
+# on average: they wait for budget, not for memory.
+#
+# Why are blocks evicted from a cache that nobody reuses? With prefix caching on, every full block
+# gets a name (its hash) when it is computed, and a finished request's named blocks return to the
+# free queue *still named*, in case a later prompt matches them. When the allocator has no
+# unnamed free block left, it hands out the least recently freed named one and drops its name:
+# that is the one event `evicted_blocks` counts (`BlockAllocator.allocate` in `labkit/paging.py`;
+# the cache reads the allocator's counter). The short requests share nothing, so no later request
+# could have used those blocks: here an eviction is the pool recycling freed memory, and costs
+# nothing. Over a run the pool is recycled about once (the ratio printed above).
 #
 # ## Reusable against reused
 #
@@ -952,59 +819,60 @@ assert t_long > 1.3 * t_short
 #
 # ## Explore the load
 #
-# The explorer serves 100 ShareGPT-like requests, a share of which start with the same 512-token
-# document, for the arrival rate, prefix share, block size and pool size you choose. A change takes
-# under a second while the pool is roomy and several seconds when it is overloaded (preemption
-# makes the scheduler work every step).
+# The explorer serves 100 ShareGPT-like requests that all start with the same **system prompt**
+# (the instructions a chat service puts in front of every conversation), for the arrival rate,
+# system-prompt length, block size and pool size you choose, with prefix caching on or off. A
+# longer system prompt makes every prompt longer; with caching on it is computed once and shared.
+# A change takes under a second while the pool is roomy and several seconds when it is overloaded
+# (preemption makes the scheduler work every step).
 
 # %%
-from labkit.widgets.load_explorer import DOCUMENT_LEN, load_explorer
+from labkit.widgets.load_explorer import SYSTEM_PROMPT_LEN, explore, load_explorer
 
 load_explorer(cost)
 
 # %% [markdown]
-# For readers without a live kernel, one of its experiments: *one* workload, 80 ShareGPT-like
-# requests of which 80% start with the same 512-token document, served in a 2 GiB pool with prefix
-# caching on and with it off. (Comparing a workload with a shared document against one without
-# would compare different prompts: the document makes those prompts longer.)
+# For readers without a live kernel, one of its experiments: the explorer's workload, 80 requests
+# with a 512-token system prompt in a 2 GiB pool, served with prefix caching on and with it off.
+# The prompts are the same in both; only the sharing differs. (Comparing a workload with a system
+# prompt against one without would compare different prompts: the system prompt makes them longer.)
 
 # %%
-caching = {}
-for on in (True, False):
-    for rate in (1, 3, 6, 9):
-        shared_doc = workloads.make_workload(80, rate, workloads.SHAREGPT, shared_prefix_len=DOCUMENT_LEN,
-                                             prefix_share=0.8, seed=0)
-        caching[on, rate] = Simulator(cost, pool_bytes=2 * GiB, max_num_batched_tokens=2048,
-                                      enable_prefix_caching=on).run(shared_doc)
+caching_rates = (1, 3, 6, 9)
+caching = {(on, rate): explore(rate, SYSTEM_PROMPT_LEN, 16, 2.0, enable_prefix_caching=on, num_requests=80,
+                               cost_model=cost)
+           for on in (True, False) for rate in caching_rates}
 fig, (left, right) = plt.subplots(1, 2, figsize=(10, 3.4))
 for on, style in ((True, "o-"), (False, "s--")):
     label = f"prefix caching {'on' if on else 'off'}"
-    left.plot((1, 3, 6, 9), [caching[on, r].ttft_percentiles()["p99"] * 1e3 for r in (1, 3, 6, 9)], style, label=label)
-    right.plot((1, 3, 6, 9), [caching[on, r].mean_occupancy for r in (1, 3, 6, 9)], style, label=label)
+    left.plot(caching_rates, [caching[on, r].ttft_percentiles()["p99"] * 1e3 for r in caching_rates], style,
+              label=label)
+    right.plot(caching_rates, [caching[on, r].mean_occupancy for r in caching_rates], style, label=label)
 left.set_yscale("log")
 left.set_xlabel("arrival rate (requests/s)")
 left.set_ylabel("TTFT p99 (ms)")
-left.set_title("Same prompts: reuse keeps TTFT low (simulated)")
+left.set_title(f"{SYSTEM_PROMPT_LEN}-token system prompt: sharing keeps TTFT low (simulated)", fontsize=10)
 left.legend(fontsize=8)
 right.set_xlabel("arrival rate (requests/s)")
 right.set_ylabel("mean pool occupancy")
 right.set_ylim(0, 1.05)
-right.set_title("...and the 2 GiB pool emptier (simulated)")
+right.set_title("...and the 2 GiB pool emptier (simulated)", fontsize=10)
 fig.tight_layout()
 plt.show()
-for rate in (1, 3, 6, 9):
+for rate in caching_rates:
     on, off = caching[True, rate], caching[False, rate]
     print(f"{rate} req/s: TTFT p99 {on.ttft_percentiles()['p99'] * 1e3:7.0f} ms on, {off.ttft_percentiles()['p99'] * 1e3:7.0f} ms "
           f"off; occupancy {on.mean_occupancy:.0%} / {off.mean_occupancy:.0%}; reuse {on.reuse_ratio:.0%}; "
           f"preemptions {int(on.preemptions.sum())} / {int(off.preemptions.sum())}")
+    assert np.array_equal(on.prompt_len, off.prompt_len)  # the same prompts: only the sharing differs
     assert on.ttft_percentiles()["p99"] < off.ttft_percentiles()["p99"] and on.mean_occupancy < off.mean_occupancy
-assert all(caching[True, r].ttft_percentiles()["p99"] < 0.1 for r in (1, 3, 6, 9))
-assert all(caching[False, r].ttft_percentiles()["p99"] > 1 for r in (3, 6, 9))
+assert all(caching[True, r].ttft_percentiles()["p99"] < 0.1 for r in caching_rates)
+assert all(caching[False, r].ttft_percentiles()["p99"] > 1 for r in caching_rates[1:])
 
 # %% [markdown]
-# With caching on, the document is computed once and then read from the cache (the reuse ratio
+# With caching on, the system prompt is computed once and then read from the cache (the reuse ratio
 # printed above); each request prefills only its own tokens and holds one shared copy of the
-# document, so TTFT p99 stays under a tenth of a second at every rate. With caching off, every
+# system prompt, so TTFT p99 stays under a tenth of a second at every rate. With caching off, every
 # request computes and stores its own copy: the pool fills, requests are preempted, and from
 # 3 requests/s on TTFT p99 runs into seconds.
 
@@ -1013,8 +881,6 @@ assert all(caching[False, r].ttft_percentiles()["p99"] > 1 for r in (3, 6, 9))
 
 # %%
 assert format_bytes(pool.management_bytes) == "577 KiB"
-reserved = list(shares.values())[:3]  # the three up-front reservation policies
-assert f"{min(reserved):.1%} {max(reserved):.1%} {shares['paged, 16-token blocks']:.0%}" == "21.5% 61.3% 98%"
 assert docs_128.ttft_percentiles()["p50"] < docs_small.ttft_percentiles()["p50"]
 assert short_128.ttft_percentiles()["p50"] > short_small.ttft_percentiles()["p50"]
 
@@ -1095,8 +961,8 @@ ax.scatter(1000 * measured_s[~kinds], 1000 * predicted_s[~kinds], label="decode 
 ax.scatter(1000 * measured_s[kinds], 1000 * predicted_s[kinds], label="steps with a prompt chunk")
 top = 1000 * max(measured_s.max(), predicted_s.max()) * 1.05
 ax.plot([0, top], [0, top], color="grey", lw=0.8, ls="--", label="prediction = measurement")
-ax.set(xlabel="measured step time (ms)", ylabel="fitted roofline (ms)", xlim=(0, top), ylim=(0, top),
-       title="Engine steps measured on this CPU, and the fitted roofline")
+ax.set(xlabel="measured step time (ms)", ylabel="fitted roofline (ms)", xlim=(0, top), ylim=(0, top))
+ax.set_title("Engine steps measured on the CPU running this notebook, and the fitted roofline", fontsize=9)
 ax.legend(fontsize=8)
 fig.tight_layout()
 plt.show()
@@ -1144,33 +1010,30 @@ assert [len(o) for o in measured.outputs] == [s.output_len for s in test_specs]
 #
 # - A device's memory minus weights, workspace and reserve is the KV pool: 24 − 17 = 7 GiB, 3,584
 #   blocks, seven 8,192-token sequences of the teaching model. Block tables, lengths and slot
-#   mappings (577 KiB here) cost a whole sequence when the count was exact: six remain.
-# - vLLM prints the same arithmetic: "Available KV cache memory: 7.0 GiB" and "GPU KV cache size:
-#   57,344 tokens, Maximum concurrency for 8,192 tokens per request: 7.00x" on the article's
-#   idealised device at `gpu_memory_utilization=1.0` (a real GPU refuses 1.0), 5.08x at its
-#   default 0.92. It refuses a `max_model_len` past the model's own limit, and one whose one
-#   request does not fit, saying the longest that would; it budgets sliding-window layers for
-#   a window plus the tokens in flight, more than the window the model needs.
+#   mappings (577 KiB here, sized by batch limits that vLLM picks per GPU size) cost a whole
+#   sequence when the count was exact: six remain.
+# - vLLM's log says "7.00x" for the same pool: it keeps its block tables outside the pool, and
+#   divides all 3,584 blocks by 512, its null block included. It can hand out 3,583: six full
+#   sequences at once in either accounting ([appendix A2](A2_vllm_start_up.ipynb) reads the rest
+#   of its log).
 # - A roofline step time (bytes over bandwidth, operations over peak, whichever is slower) shows why
 #   fitting is not serving: weights are read once per step, history once per sequence per step.
 #   Concurrency is nearly free for short contexts and expensive for long ones.
 # - To judge a setting, measure cache occupancy, the reusable-token ratio, TTFT, TPOT and ITL (p50,
-#   p90, p99), and keep the input and output length distributions beside them. TPOT is a per-request
-#   mean of its intervals; ITL pools every interval, so stalls show in its tail.
-# - Reserving memory up front holds live tokens in 21.5% to 61.3% of it on a ShareGPT-like workload
-#   (the paper measured 20.4% to 38.2% with fragmentation); 16-token pages hold 98% (paper: 96.3%).
+#   p90, p99) over several seeds, and keep the input and output length distributions beside them.
+#   TPOT is a per-request mean of its intervals; ITL pools every interval, so stalls show in its tail.
+# - Under pool pressure (the same chat traffic in 1 GiB) requests are preempted hundreds of times
+#   and TTFT grows to seconds while the median ITL hardly moves.
 # - The same pool size can be plenty for distinct short requests and break long-document
 #   questions; in that tight pool a small token budget (128) helps the documents (shorter steps,
 #   lower TTFT) and hurts the short requests (higher TTFT). Capacity formulas say what fits;
 #   workload experiments say how fast it is served, and for whom.
 # - The reusable-token ratio bounds the reuse ratio from above; first reads and evictions make
-#   the gap.
-# - Under pool pressure (the same chat traffic in 1 GiB) requests are preempted hundreds of times
-#   and TTFT grows to seconds while the median ITL hardly moves; on one workload with a shared
-#   document, prefix caching keeps TTFT p99 under 0.1 s where caching off reaches seconds.
+#   the gap. With a shared system prompt, prefix caching keeps TTFT p99 lower and the pool emptier
+#   than the same prompts served without it.
 # - All of those latencies are simulated. Fitted to steps of the real engine serving
-#   SmolLM2-135M-Instruct on this CPU, the same simulator predicts the TTFT and ITL of other
-#   requests, measured on the wall clock; the book aims for medians within 25%.
+#   SmolLM2-135M-Instruct on the CPU that runs this notebook, the same simulator predicts the TTFT
+#   and ITL of other requests, measured on the wall clock; the book aims for medians within 25%.
 
 # %% [markdown]
 # ## Exercises
@@ -1206,6 +1069,12 @@ ex.check("Exercise 1", answer_1, expected=plan_pool(block_size=32).sequences_aft
          hint="Whole blocks: floor((pool - bookkeeping) / block bytes); a sequence needs 8,192 / 32 blocks.")
 
 # %% [markdown]
+# SOLUTIONS ONLY
+# **Why this works.** The pool holds whole blocks only, so any bookkeeping at all costs at least one
+# of them: 7 GiB is exactly 1,792 blocks of 4 MiB, the 321 KiB of tables take one, and 1,791 blocks
+# hold six sequences of 256 blocks, not seven. Halving the block tables did not change the answer.
+
+# %% [markdown]
 # **Exercise 2.** Write `decode_ms(batch, context, bandwidth)`: the memory-side time, in
 # milliseconds, of one decode step of the teaching model (with its Llama-3-8B weights, 2 bytes
 # each) for `batch` sequences that each hold `context` tokens, on a device with `bandwidth` bytes
@@ -1226,7 +1095,15 @@ ex.check_function("Exercise 2", decode_ms,
                     CostModel("teaching model", d).memory_bound_step(b, b * c) * 1e3)
                    for b, c, d in [(1, 100, "L4"), (8, 4096, "H100 SXM"), (64, 2048, "A100 80GB SXM"),
                                    (6, 8191, "RTX 4090 (24 GiB)")]],
-                  rel_tol=1e-9, hint="bytes = weights + batch × (context + 1) × 131,072; divide by the bandwidth.")
+                  rel_tol=1e-9, hint="bytes = weights + batch × (context + 1) × 131,072; divide by the bandwidth.",
+                  forbid=[CostModel.memory_bound_step, CostModel.step, CostModel.decode_step_time,
+                          CostModel.time_from_sums])
+
+# %% [markdown]
+# SOLUTIONS ONLY
+# **Why this works.** A decode step reads every weight once, however many sequences share it, and each
+# sequence's whole history plus the K/V of its one new token; at these sizes the bytes, not the
+# arithmetic, set the time, so bytes over bandwidth is the step (the cost model's memory side).
 
 # %% [markdown]
 # **Exercise 3.** One request with a 100-token prompt and a 60-token answer. Under the *oracle*
@@ -1251,6 +1128,12 @@ ex.check("Exercise 3 (paged)", None if answer_3 is None else answer_3[1],
          expected=one["paged, 16-token blocks"], rel_tol=1e-9)
 
 # %% [markdown]
+# SOLUTIONS ONLY
+# **Why this works.** The oracle holds all 160 slots from the start while only 100 + t are live after
+# step t; paging holds only the blocks the current length needs, so at most 15 slots of the last
+# block are empty. Averaging live over held slots step by step is what `reservation_shares` does.
+
+# %% [markdown]
 # **Exercise 4.** Every sequence in a decode step reads its own history; the weights are read once.
 # For the teaching model with 4,096-token contexts, how many sequences make the history read as
 # large as the weight read? (A float: the crossover point of the concurrency figure.)
@@ -1266,14 +1149,21 @@ ex.check("Exercise 4", answer_4, expected=cost.breakeven_batch(4096), rel_tol=1e
          hint="weights in bytes / (4,096 tokens × 131,072 bytes per token)")
 
 # %% [markdown]
+# SOLUTIONS ONLY
+# **Why this works.** The weight read is the same for every batch size, while the history read grows
+# by 4,096 × 131,072 bytes with each sequence: setting the two equal and solving for the batch gives
+# the crossover, about 30 sequences.
+
+# %% [markdown]
 # **Exercise 5 (a search through the simulator).** An operator promises a TTFT p99 under 1 s and
 # asks how much traffic one card takes. `ttft_p99(rate)` below serves 100 ShareGPT-like requests at
 # `rate` per second in a 2 GiB pool and returns the TTFT p99 in seconds; each call is one
-# simulation, so calls are what the search costs. Write `find_rate(ttft_p99, target_s, lo, hi,
-# tol)`: given `ttft_p99(lo) <= target_s < ttft_p99(hi)`, return a pair `(a, b)` with
-# `lo <= a < b <= hi`, `b - a <= tol`, `ttft_p99(a) <= target_s` and `ttft_p99(b) > target_s`,
-# using at most 10 calls. The checker runs your search for two targets (1 s and 3 s), counts the
-# simulations, and verifies both ends of your interval with its own.
+# simulation, so calls are what the search costs. Write `find_rate(curve, target_s, lo, hi, tol)`:
+# given a function `curve` that rises with the rate and `curve(lo) <= target_s < curve(hi)`,
+# return a pair `(a, b)` with `lo <= a < b <= hi`, `b - a <= tol`, `curve(a) <= target_s` and
+# `curve(b) > target_s`, using at most 10 calls of `curve`. The checker hands your search two
+# made-up curves whose threshold it knows, then `ttft_p99` with a target of 1 s; it counts the
+# calls and checks both ends of each interval itself.
 
 # %%
 def ttft_p99(rate: float) -> float:
@@ -1283,11 +1173,11 @@ def ttft_p99(rate: float) -> float:
     return run.ttft_percentiles()["p99"]
 
 
-def find_rate(ttft_p99, target_s: float, lo: float, hi: float, tol: float) -> tuple[float, float]:
+def find_rate(curve, target_s: float, lo: float, hi: float, tol: float) -> tuple[float, float]:
     # BEGIN SOLUTION
-    while hi - lo > tol:  # invariant: ttft_p99(lo) <= target_s < ttft_p99(hi)
+    while hi - lo > tol:  # invariant: curve(lo) <= target_s < curve(hi)
         mid = (lo + hi) / 2
-        if ttft_p99(mid) <= target_s:
+        if curve(mid) <= target_s:
             lo = mid
         else:
             hi = mid
@@ -1298,41 +1188,79 @@ def find_rate(ttft_p99, target_s: float, lo: float, hi: float, tol: float) -> tu
     # END STUB
 
 
-def check_search(fn) -> list[str]:
+class TooManyCalls(Exception):
+    """Raised by the checker's counting curve at the call past the limit."""
+
+
+def check_search(fn, limit: int = 10) -> list[str]:
+    """Run the search on curves whose threshold the checker knows, then on the simulator."""
+    lo, hi, tol = 1.0, 16.0, 0.25
     memo: dict[float, float] = {}
 
-    def measured(rate: float) -> float:
+    def simulated(rate: float) -> float:
         if rate not in memo:
             memo[rate] = ttft_p99(rate)
         return memo[rate]
 
+    def step_at(threshold: float):
+        """A made-up curve: 0.5 s up to ``threshold`` requests/s, 5 s past it."""
+        return lambda rate: 0.5 if rate <= threshold else 5.0
+
+    cases = [("a made-up curve with its step at 3.3 req/s", step_at(3.3), 1.0),
+             ("a made-up curve with its step at 12.7 req/s", step_at(12.7), 1.0),
+             ("ttft_p99", simulated, 1.0)]
     problems = []
-    lo, hi, tol = 1.0, 16.0, 0.25
-    for target in (1.0, 3.0):
+    for label, curve, target in cases:
         calls = []
 
         def counted(rate: float) -> float:
             calls.append(rate)
-            return measured(float(rate))
+            if len(calls) > limit:
+                raise TooManyCalls
+            return curve(float(rate))
 
-        assert measured(lo) <= target < measured(hi)  # the promise made to the search
-        answer = fn(counted, target, lo, hi, tol)
+        assert curve(lo) <= target < curve(hi)  # the promise made to the search
+        try:
+            answer = fn(counted, target, lo, hi, tol)
+        except TooManyCalls:
+            problems.append(f"{label}: more than {limit} calls")
+            continue
         if not (isinstance(answer, tuple) and len(answer) == 2):
-            problems.append(f"target {target} s: return a pair (a, b), got {answer!r}")
+            problems.append(f"{label}: return a pair (a, b), got {answer!r}")
             continue
         a, b = (float(x) for x in answer)
-        if len(calls) > 10:
-            problems.append(f"target {target} s: {len(calls)} simulations, more than 10")
         if not lo <= a < b <= hi or b - a > tol:
-            problems.append(f"target {target} s: ({a:g}, {b:g}) is not an interval of width <= {tol} in [{lo}, {hi}]")
-        elif not measured(a) <= target < measured(b):
-            problems.append(f"target {target} s: TTFT p99 is {measured(a):.2f} s at {a:g} req/s and "
-                            f"{measured(b):.2f} s at {b:g} req/s, which does not bracket the target")
+            problems.append(f"{label}: ({a:g}, {b:g}) is not an interval of width <= {tol} in [{lo}, {hi}]")
+        elif not curve(a) <= target < curve(b):
+            problems.append(f"{label}: the curve is {curve(a):.2f} s at {a:g} req/s and {curve(b):.2f} s at "
+                            f"{b:g} req/s, which does not bracket the target {target} s (search the curve you "
+                            f"are given)")
     return problems
 
 
 ex.check_behaviour("Exercise 5", find_rate, check_search,
-                   hint="bisect: keep lo below the target and hi above it, halve the interval each call.")
+                   hint="bisect the curve you are given: keep lo at or under the target and hi above it, "
+                        "halve the interval with each call.")
+
+# %% [markdown]
+# SOLUTIONS ONLY
+# **Why this works.** Each call halves the interval while keeping `curve(lo) <= target_s <
+# curve(hi)`, so after n calls it is 15 / 2ⁿ requests/s wide: six calls bring it under 0.25. The
+# search uses nothing but the curve it is given, and needs nothing of it but that it rises with the
+# rate.
+
+# %% [markdown]
+# ## What you can now do
+#
+# - Turn a device's memory, the weights, the workspace and a reserve into a KV pool in blocks, and
+#   say what the bookkeeping and vLLM's null block take from it.
+# - Price one engine step with a roofline and say when adding a sequence to the batch is nearly free
+#   and when it slows everyone's next token.
+# - Judge a serving setting by TTFT, TPOT and ITL percentiles, occupancy and reuse, over several
+#   seeds, with the length distributions beside them.
+# - Show with a simulation that one setting (the pool size, the token budget) can help one workload
+#   and hurt another.
+# - Search a simulator for the highest load that keeps a latency promise, in a handful of runs.
 
 # %% [markdown]
 # ## References
@@ -1344,11 +1272,13 @@ ex.check_behaviour("Exercise 5", find_rate, check_search,
 #   sentences do not carry over.
 # - Woosuk Kwon, Zhuohan Li, et al., *Efficient Memory Management for Large Language Model Serving
 #   with PagedAttention*, SOSP 2023, [arXiv:2309.06180](https://arxiv.org/abs/2309.06180): the
-#   reservation shares of its Figure 2 and the ShareGPT length means of the workloads.
+#   ShareGPT and Alpaca length means of the workloads (chapter 03 redoes its Figure 2).
 # - vLLM, the serving engine the book compares itself with: documentation at
 #   [docs.vllm.ai](https://docs.vllm.ai/), code at
 #   [github.com/vllm-project/vllm](https://github.com/vllm-project/vllm). This chapter read vLLM
-#   0.33.0: `vllm/engine/arg_utils.py` (`EngineArgs.get_batch_defaults`) for the engine limits, and
+#   0.33.0: `vllm/engine/arg_utils.py` (`EngineArgs.get_batch_defaults`) for the engine limits,
+#   `vllm/v1/worker/block_table.py`, `vllm/v1/core/block_pool.py` and `vllm/v1/core/kv_cache_utils.py`
+#   (`get_max_concurrency_for_kv_cache_config`) for its count of seven, and
 #   `vllm/benchmarks/serve.py` (`calculate_metrics`) for TTFT, TPOT and ITL.
 # - SGLang's RadixAttention (Lianmin Zheng et al., *SGLang: Efficient Execution of Structured
 #   Language Model Programs*, NeurIPS 2024, [arXiv:2312.07104](https://arxiv.org/abs/2312.07104)):

@@ -520,7 +520,8 @@ CASES: list[tuple[str, Any, tuple, dict, type, str]] = [
     ("paging stepper empty workload", paging_stepper.simulate, ([],), {}, ValueError, "workload"),
     ("paging stepper num_blocks", paging_stepper.simulate, (), {"num_blocks": 0}, ValueError, "num_blocks"),
     ("paging stepper block_size", paging_stepper.simulate, (), {"block_size": 0}, ValueError, "block_size"),
-    ("load explorer rate", load_explorer.explore, (0.0, 0.5, 16, 1.0), {}, ValueError, "arrival_rate"),
+    ("load explorer rate", load_explorer.explore, (0.0, 512, 16, 1.0), {}, ValueError, "arrival_rate"),
+    ("load explorer system prompt", load_explorer.explore, (1.0, -1, 16, 1.0), {}, ValueError, "system_prompt_len"),
     ("prefix stepper blocks", prefix_stepper.story, (0,), {}, ValueError, "num_blocks"),
     # issue 22: the book's figure and excerpt helpers
     ("diagram empty prompt", diagrams.prefill_decode_diagram, ([], [1], 2), {}, ValueError, "prompt_tokens"),

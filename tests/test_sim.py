@@ -511,15 +511,28 @@ def test_load_explorer_updates_with_its_controls():
     from labkit.widgets.load_explorer import explore, load_explorer, readout
 
     box = load_explorer()
-    rate, share, block, pool, table = box.children[:5]
-    assert table.value == readout(explore(rate.value, share.value, block.value, pool.value))
-    share.value = 0.5
+    rate, system, block, pool, caching, table = box.children[:6]
+    assert table.value == readout(explore(rate.value, system.value, block.value, pool.value))
+    system.value = 256
     rate.value = 6.0
-    expected = readout(explore(6.0, 0.5, block.value, pool.value))
+    expected = readout(explore(6.0, 256, block.value, pool.value))
     assert table.value == expected and "load-readout" in expected
     pool.value = 3.0
     block.value = 128
-    assert table.value == readout(explore(6.0, 0.5, 128, 3.0))
+    caching.value = False
+    assert table.value == readout(explore(6.0, 256, 128, 3.0, enable_prefix_caching=False))
+
+
+def test_load_explorer_system_prompt_is_shared_and_only_sharing_changes_with_caching():
+    """The slider means a shared system prompt: every request starts with the same tokens, and turning
+    prefix caching off keeps the prompts and changes only what is reused."""
+    from labkit.widgets.load_explorer import explore
+
+    on = explore(2.0, 256, 16, 2.0, num_requests=30)
+    off = explore(2.0, 256, 16, 2.0, num_requests=30, enable_prefix_caching=False)
+    none = explore(2.0, 0, 16, 2.0, num_requests=30)
+    assert np.array_equal(on.prompt_len, none.prompt_len + 256) and np.array_equal(on.prompt_len, off.prompt_len)
+    assert on.reuse_ratio > 0.3 and off.reuse_ratio == 0 and none.reuse_ratio == 0
 
 
 # --------------------------------------------------------------------------- issue 11: bad inputs
