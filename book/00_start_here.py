@@ -23,6 +23,8 @@
 # | 04 · prefix reuse | when may two requests share cached state? | a prefix cache with block hashes, reference counts, copy-on-write |
 # | 05 · capacity in the scheduler | who gets memory this iteration? | `plan_iteration` with a token and block budget; a small engine |
 # | 06 · from fit to serve | does fitting in memory mean serving fast? | a serving simulator: occupancy, reuse, latency |
+# | A1 · under the compiler (appendix to 03) | what does a GPU make of the paged kernels? | compiler reports, occupancy, a roofline of decode |
+# | A2 · vLLM's start-up log (appendix to 06) | what will vLLM print, and why may it refuse to start? | vLLM 0.33.0's KV-cache arithmetic |
 #
 # The chapters follow one article's six sections and build on each other; read them in order.
 
