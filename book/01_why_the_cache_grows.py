@@ -353,7 +353,9 @@ if llc_mib:
     ax3.axvline(llc_mib, color="0.5", linestyle=":", label=f"last-level CPU cache: {llc_mib:.0f} MiB")
     ax3.legend(loc="lower right", fontsize="small")
 ax3.set_xscale("log", base=2)
-ax3.set_xticks(read_mib, [f"{m:g}" for m in read_mib], fontsize="small")
+doubling = [m for m in read_mib if m in (4, 8, 16, 32, 64, 128, 256)]  # one tick per doubling: legible
+ax3.set_xticks(doubling, [f"{m:g}" for m in doubling], fontsize="small")
+ax3.minorticks_off()
 ax3.set(xlabel="KV cache read per decode step (MiB)", ylabel="ms per MiB read", ylim=(0, None),
         title="Time per MiB: two levels, the CPU's cache\nand main memory (measured, same CPU)")
 fig.tight_layout()
@@ -365,8 +367,9 @@ plt.show()
 # 256 MiB. From 64 MiB on, the points follow the fitted line (the cell prints how far the farthest
 # strays; a busy machine adds scatter): every extra MiB of history costs about the same time, the
 # main-memory rate printed above. Right: the same data as time per MiB. Small caches
-# are read at the processor cache's rate, large ones at main memory's; between the two levels the
-# history outgrows the last-level cache. A decode step does not grow faster than linearly in its
+# are read at the processor cache's rate, large ones at main memory's. The step between the two
+# levels comes at or somewhat below the size the processor reports for its last-level cache: that
+# cache also holds everything else the program touches. A decode step does not grow faster than linearly in its
 # history: it grows linearly, at a rate set by where the bytes live.
 #
 # A GPU has the same structure with different sizes. An H100's L2 cache holds 50 MB (NVIDIA's H100 whitepaper), while a
