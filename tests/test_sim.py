@@ -349,6 +349,12 @@ WORKLOADS = {
                                  dict(num_blocks=60, block_size=8, max_num_batched_tokens=128)),
     "chat, 4 seats (max_num_seqs, queue)": (lambda: sharegpt_like(40, 20.0, seed=6),
                                             dict(num_blocks=2000, max_num_seqs=4)),
+    # reservations (the PagedAttention paper's baselines): a request never grows after admission
+    "chat, reserve max length": (lambda: sharegpt_like(60, 30.0, seed=2),
+                                 dict(num_blocks=400, allocation="max_len", max_model_len=2048)),
+    "mixed, reserve exact, shared prefixes, eviction": (
+        lambda: make_workload(50, 15.0, ALPACA, shared_prefix_len=64, prefix_share=0.6, seed=5),
+        dict(num_blocks=60, block_size=8, max_num_batched_tokens=128, allocation="exact")),
 }
 
 
@@ -362,6 +368,8 @@ def test_skip_ahead_gives_exactly_what_stepping_gives(name):
     assert stepped.skipped_steps == 0 and skipped.skipped_steps > 0
     assert_same_run(stepped, skipped)
     assert skipped.scheduler.allocator.num_free == settings["num_blocks"]  # every block came back
+    if settings.get("allocation", "paged") != "paged":  # a reservation never grows: a queue, no preemption
+        assert skipped.preemptions.sum() == 0 and skipped.num_waiting.max() > 0
 
 
 def test_skip_ahead_covers_preemption_waiting_and_eviction():
@@ -431,26 +439,6 @@ def test_skip_ahead_on_random_small_systems(seed):
     assert skipped.scheduler.allocator.num_free == settings["num_blocks"]
 
 
-RESERVING = {
-    "chat, reserve max length": (lambda: sharegpt_like(60, 30.0, seed=2),
-                                 dict(num_blocks=400, allocation="max_len", max_model_len=2048)),
-    "mixed, reserve exact, shared prefixes, eviction": (
-        lambda: make_workload(50, 15.0, ALPACA, shared_prefix_len=64, prefix_share=0.6, seed=5),
-        dict(num_blocks=60, block_size=8, max_num_batched_tokens=128, allocation="exact")),
-}
-
-
-@pytest.mark.parametrize("name", sorted(RESERVING))
-def test_skip_ahead_gives_exactly_what_stepping_gives_with_reservations(name):
-    make, settings = RESERVING[name]
-    specs = make()
-    cost = CostModel("teaching model", "L4", overhead_s=2e-4)
-    stepped = Simulator(cost, skip_ahead=False, record_schedule=True, **settings).run(specs)
-    skipped = Simulator(cost, skip_ahead=True, record_schedule=True, **settings).run(specs)
-    assert stepped.skipped_steps == 0 and skipped.skipped_steps > 0
-    assert_same_run(stepped, skipped)
-    assert skipped.preemptions.sum() == 0 and skipped.num_waiting.max() > 0
-    assert skipped.scheduler.allocator.num_free == settings["num_blocks"]
 
 
 @pytest.mark.parametrize("seed", range(RANDOM_SEEDS // 3))
