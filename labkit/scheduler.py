@@ -51,14 +51,18 @@ _NO_HIT = PrefixMatch((), 0, ())
 ALLOCATIONS = ("paged", "max_len", "exact")
 
 
-def check_allocation(allocation: object, max_model_len: object) -> tuple[str, int | None]:
+def check_allocation(allocation: object, max_model_len: object, num_blocks: int,
+                     block_size: int) -> tuple[str, int | None]:
     """``(allocation, max_model_len)`` checked: one of ``ALLOCATIONS``, and ``None`` or an integer >= 1
-    (required with ``"max_len"``, the length every request reserves)."""
+    that fits the pool of ``num_blocks`` blocks (required with ``"max_len"``: what every request reserves)."""
     check_choice("allocation", allocation, ALLOCATIONS)
     if max_model_len is not None or allocation == "max_len":
         if max_model_len is None:
             raise ValueError("max_model_len must be an integer >= 1 with allocation='max_len', got None")
         max_model_len = check_int("max_model_len", max_model_len, 1)
+        if blocks_needed(max_model_len, block_size) > num_blocks:
+            raise ValueError(f"max_model_len must fit the pool ({num_blocks} blocks of {block_size} tokens), "
+                             f"got {max_model_len}")
     return allocation, max_model_len
 
 
@@ -340,7 +344,6 @@ class Scheduler:
                  cache_key: CacheKey = CacheKey(), head_of_line: bool = True, full_sequence_must_fit: bool = True,
                  allocation: str = "paged", max_model_len: int | None = None):
         check_int("block_size", block_size, 1)
-        allocation, max_model_len = check_allocation(allocation, max_model_len)
         check_int("max_num_batched_tokens", max_num_batched_tokens, 1)
         check_int("max_num_seqs", max_num_seqs, 1)
         flags = [check_flag(name, value) for name, value in (
@@ -354,9 +357,8 @@ class Scheduler:
             raise ValueError(f"prefix_cache must be a PrefixCache with block_size {block_size}")
         elif num_blocks is not None:
             raise ValueError("num_blocks must be None when prefix_cache is given (its allocator sets the pool)")
-        if max_model_len is not None and blocks_needed(max_model_len, block_size) > prefix_cache.allocator.num_blocks:
-            raise ValueError(f"max_model_len must fit the pool ({prefix_cache.allocator.num_blocks} blocks of "
-                             f"{block_size} tokens), got {max_model_len}")
+        allocation, max_model_len = check_allocation(allocation, max_model_len, prefix_cache.allocator.num_blocks,
+                                                     block_size)
         if priority is not None and not callable(priority):
             raise ValueError("priority must be None (first come, first served) or a key function of a Request")
         self.prefix_cache, self.allocator = prefix_cache, prefix_cache.allocator

@@ -209,7 +209,6 @@ class Simulator:
         check_int("block_size", block_size, 1)
         check_int("max_num_batched_tokens", max_num_batched_tokens, 1)
         check_int("max_num_seqs", max_num_seqs, 1)
-        allocation, max_model_len = check_allocation(allocation, max_model_len)
         if (num_blocks is None) == (pool_bytes is None):
             raise ValueError("give exactly one of num_blocks (an integer >= 1) or pool_bytes (bytes >= one block)")
         block_bytes = self.cost_model.model.shape.block_bytes(block_size)
@@ -220,9 +219,7 @@ class Simulator:
                                  f"({format_bytes(block_bytes)}), got {format_bytes(pool_bytes)}")
             num_blocks = int(pool_bytes // block_bytes)
         check_int("num_blocks", num_blocks, 1)
-        if max_model_len is not None and blocks_needed(max_model_len, block_size) > num_blocks:
-            raise ValueError(f"max_model_len must fit the pool ({num_blocks} blocks of {block_size} tokens), "
-                             f"got {max_model_len}")
+        allocation, max_model_len = check_allocation(allocation, max_model_len, num_blocks, block_size)
         self.num_blocks = num_blocks
         self.allocation, self.max_model_len = allocation, max_model_len
         self.block_size = block_size
