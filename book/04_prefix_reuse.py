@@ -143,14 +143,17 @@ assert shared * block_bytes == 0.5 * GiB and private * block_bytes == GiB and hi
 # 2 GiB become 1.5 GiB: one copy of the report, two private suffixes. The saving holds only because
 # the report's K/V are the *same computation* in both requests; the cases below show when they are not.
 #
-# A scheduler (chapter 05) must know this *before* it admits a request: `free_blocks_needed` says
-# how many blocks a prompt would take from the free pool, given what the cache already holds.
+# A scheduler (chapter 05) must know this *before* it admits a request: `match` finds the prompt's
+# hit, and `hit_extra_blocks` counts the blocks the rest would take from the free pool (with any
+# cached block it revives from there).
 
 # %%
 # NBVAL_CHECK_OUTPUT
 request_c = report_tokens + [300_000 + i for i in range(4096)]
-needed_c = cache_ab.free_blocks_needed(request_c)
-alone = PrefixCache(BlockAllocator(1024), block_size=16).free_blocks_needed(request_c)
+hit_c = cache_ab.match(request_c)
+needed_c = cache_ab.hit_extra_blocks(hit_c, len(request_c) - hit_c.num_cached_tokens)
+empty = PrefixCache(BlockAllocator(1024), block_size=16)
+alone = empty.hit_extra_blocks(empty.match(request_c), len(request_c))
 print(f"a third request on the same report needs {needed_c} free blocks ({format_bytes(needed_c * block_bytes)}); "
       f"on an empty cache {alone} ({format_bytes(alone * block_bytes)})")
 assert needed_c == 256 and alone == 512

@@ -46,6 +46,7 @@ from labkit.cache import generate
 from labkit.engine import Engine
 from labkit.model import Decoder, DecoderConfig
 from labkit.paging import blocks_needed
+from labkit.priority import PriorityScheduler
 from labkit.scheduler import Request, Scheduler, extra_blocks, plan_iteration
 from labkit.units import format_bytes
 
@@ -299,8 +300,9 @@ assert planned(short_plan) == [("S2", 3), ("S1", 4)]
 # %% [markdown]
 # Under first-come-first-served the long request L takes 3 of the 4 blocks and S2 waits; shortest
 # first admits both short ones and L waits. Same pool, same blocks, same `plan_iteration`: only
-# the order changed. Over a whole run the choice moves waiting time between requests. The
-# `Scheduler` takes a `priority` key for its waiting queue; here is a run of ten requests with
+# the order changed. Over a whole run the choice moves waiting time between requests.
+# `PriorityScheduler` (`labkit.priority`, a variant beside the core) re-sorts its waiting queue by a
+# `priority` key before each step; here is a run of ten requests with
 # mixed lengths under both orders, measured in steps until each one's first token (1 means it got
 # its first token in the step it arrived):
 
@@ -317,8 +319,8 @@ def workload():
 
 def first_token_waits(priority):
     reqs, arrivals = workload()
-    sched = Scheduler(num_blocks=16, block_size=4, max_num_batched_tokens=16, enable_prefix_caching=False,
-                      priority=priority)
+    cls, key = (Scheduler, {}) if priority is None else (PriorityScheduler, {"priority": priority})
+    sched = cls(num_blocks=16, block_size=4, max_num_batched_tokens=16, enable_prefix_caching=False, **key)
     steps = serve(sched, arrivals)
     arrived = {r.request_id: t for t, rs in arrivals.items() for r in rs}
     first = {}
@@ -381,10 +383,11 @@ def small_stream(head_of_line, steps=200):
     mean wait for their first token, and the output tokens produced in `steps` steps."""
     sched = Scheduler(num_blocks=8, block_size=4, max_num_batched_tokens=64, enable_prefix_caching=False,
                       head_of_line=head_of_line)
-    big, admitted, arrived, first = None, None, {}, {}
+    big, admitted, arrived, first, small = None, None, {}, {}, []
     for t in range(steps):
         if t % 2 == 0:
-            arrived[sched.add_request([1 + t % 30] * 3, 7).request_id] = t
+            small.append(sched.add_request([1 + t % 30] * 3, 7))
+            arrived[small[-1].request_id] = t
         if t == 6:
             big = sched.add_request(list(range(1, 21)), 4)
         step = sched.schedule()
@@ -394,7 +397,7 @@ def small_stream(head_of_line, steps=200):
             admitted = t
         sched.postprocess(step, [0] * len(step.sampling_chunks))
     waits = [first[i] - t0 for i, t0 in arrived.items() if i in first]
-    small_outputs = sum(len(r.output_token_ids) for r in [*sched.finished, *sched.running] if r is not big)
+    small_outputs = sum(len(r.output_token_ids) for r in small)
     return admitted, float(np.mean(waits)), small_outputs, len(big.output_token_ids)
 
 
@@ -523,8 +526,13 @@ assert reasons_f["token budget spent"] > 0 and reasons_f["blocks did not fit"] >
 # (the `make_room` hook of `plan_iteration`; its turn is then recorded as `preempted`). The victim's
 # K/V are simply dropped: when it comes back, its prompt and the tokens it had already generated
 # are computed again (**recompute**, what vLLM does). In the same step no waiting request is
-# admitted, so the freed blocks go to the requests that needed them.
-#
+# admitted, so the freed blocks go to the requests that needed them. The whole rule is one loop of
+# `Scheduler._make_room`:
+
+# %%
+excerpt(Scheduler._make_room, "while self._extra_blocks", "return self.allocator.num_free")
+
+# %% [markdown]
 # Three requests, 6 blocks of 4 tokens: A and B (6-token prompts, 6 new tokens each) need 3 blocks
 # apiece at full length, so C (3 + 4 tokens) cannot stay.
 
@@ -784,12 +792,10 @@ NEW = 5
 
 POOL = 24
 engine = Engine(model, num_blocks=POOL, block_size=4, max_num_batched_tokens=16)
-for p in prompts:
-    engine.add_request(p, NEW)
+served = [engine.add_request(p, NEW) for p in prompts]  # in arrival order
 steps = []
 while engine.has_unfinished():
     steps.append(engine.step())
-served = sorted(engine.scheduler.finished, key=lambda r: r.request_id)  # in arrival order
 outputs = [r.output_token_ids for r in served]
 print(f"{len(engine.stats)} steps; attention ran {engine.backend.kernel_backend()}")
 
@@ -924,7 +930,8 @@ print(f"pool: {tight} blocks of {BLOCK} tokens; the prompts need {prompt_blocks}
       f"{full_blocks} (the shared system-prompt block{'s' if common != 1 else ''} counted once)")
 st = real_engine.stats
 print(f"{len(st)} steps, {sum(s.preemptions for s in st)} preemption(s), {sum(s.prefix_hit_tokens for s in st)} "
-      f"prompt tokens from the prefix cache, {sum(s.scheduled_tokens for s in st)} tokens computed for "
+      f"prompt tokens from the prefix cache at first admission, {sum(s.preempted_hit_tokens for s in st)} re-found "
+      f"after a preemption (vLLM counts those apart), {sum(s.scheduled_tokens for s in st)} tokens computed for "
       f"{sum(map(len, chat_prompts))} prompt and {sum(map(len, replies))} reply tokens")
 print(f"replies: {[len(r) for r in replies]} tokens; {sum(r[-1] == stop for r in replies)} ended at <|im_end|>, "
       f"the others at the limit of {REPLY}")

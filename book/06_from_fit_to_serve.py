@@ -817,7 +817,7 @@ measures = {  # what a run is judged by, and how to print it
     "TTFT p99 (ms)": (lambda r, b: r.ttft_percentiles()["p99"], ms),
     "preemptions": (lambda r, b: r.preemptions.sum(), count),
     "recomputed tokens": (lambda r, b: r.recomputed_tokens, count),
-    "evicted blocks": (lambda r, b: r.scheduler.prefix_cache.stats.evicted_blocks, count),
+    "evicted blocks": (lambda r, b: r.scheduler.allocator.num_evictions, count),
     "reuse ratio": (lambda r, b: r.reuse_ratio, lambda v: f"{v:.1%}"),
     "steps, budget full": (lambda r, b: np.mean(r.step_tokens == b), lambda v: f"{v:.0%}"),
     "waiting (mean)": (lambda r, b: np.average(r.num_waiting, weights=r.step_time), lambda v: f"{v:.1f}"),
@@ -840,7 +840,7 @@ for big, small in pairs["docs"]:
     assert small.ttft_percentiles()["p99"] < big.ttft_percentiles()["p99"]
     assert small.preemptions.sum() == big.preemptions.sum() == 0 == small.recomputed_tokens
     assert abs(small.reuse_ratio - big.reuse_ratio) < 0.01
-    assert abs(np.log(small.scheduler.prefix_cache.stats.evicted_blocks / big.scheduler.prefix_cache.stats.evicted_blocks)) < 0.05
+    assert abs(np.log(small.scheduler.allocator.num_evictions / big.scheduler.allocator.num_evictions)) < 0.05
 assert any(s.reuse_ratio > b.reuse_ratio for b, s in pairs["docs"]) and any(s.reuse_ratio < b.reuse_ratio for b, s in pairs["docs"])
 # Short requests: in every draw the small budget is spent to the last token in many steps, requests
 # queue, and TTFT grows; the large budget never fills and nobody waits.
@@ -855,10 +855,10 @@ print(f"documents, seed 3: the step in flight at a random moment lasts {in_fligh
       f"with a budget of 1,024 and {in_flight[128] * 1e3:.0f} ms with 128")
 assert in_flight[128] < in_flight[1024]
 short_runs = budget_runs["short", 1024]
-recycled = np.median([r.scheduler.prefix_cache.stats.evicted_blocks / r.num_blocks for r in short_runs])
+recycled = np.median([r.scheduler.allocator.num_evictions / r.num_blocks for r in short_runs])
 print(f"short requests: nothing reused, yet the evicted blocks are {recycled:.1f}x the pool's "
       f"{short_runs[0].num_blocks:,} blocks (median over the seeds)")
-assert all(r.reuse_ratio == 0 < r.scheduler.prefix_cache.stats.evicted_blocks for r in short_runs)
+assert all(r.reuse_ratio == 0 < r.scheduler.allocator.num_evictions for r in short_runs)
 
 # %% [markdown]
 # The direction holds in all five draws of each workload, and the spread says how much one draw
