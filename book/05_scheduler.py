@@ -995,7 +995,7 @@ print("engine == transformers' generate, token for token, for all four requests"
 # ## Exercises
 
 # %%
-from labkit.exercises import Exercises
+from labkit.exercises import Exercises, hidden_rng
 
 ex = Exercises("05_scheduler")
 
@@ -1007,8 +1007,10 @@ ex.strict = True  # in solutions/ a failing checker fails the notebook tests
 # **Exercise 1.** Write `blocks_to_take(num_computed, held, tokens, block_size, shared_tail)`: the
 # free blocks a request that has computed `num_computed` tokens and holds `held` blocks uses to
 # compute `tokens` more, when `shared_tail` says whether another request shares its tail block.
+# A request may hold more blocks than its computed tokens fill (a reservation gave it some ahead).
 # Mind the block boundaries, and remember when a shared tail really must be copied. (No prefix hits
-# here; do not call `labkit`.)
+# here; do not call `labkit`: the checker refuses its block counts, and draws its cases afresh on
+# every run.)
 
 # %%
 def blocks_to_take(num_computed, held, tokens, block_size, shared_tail):
@@ -1021,16 +1023,37 @@ def blocks_to_take(num_computed, held, tokens, block_size, shared_tail):
     # END SOLUTION
 
 
-from labkit.prefix import _extra_blocks  # extra_blocks without its checks: refused in answers too
+from labkit import vllm
+from labkit.paging import BlockTable
+from labkit.pool import PoolPlan
+from labkit.prefix import PrefixCache, _extra_blocks  # extra_blocks without its checks: refused in answers too
 
-ex1_cases = [(c, blocks_needed(c, bs), t, bs, sh)
-             for bs in (4, 16) for c in (0, bs - 1, bs, bs + 1) for t in (0, 1, bs - 1, bs + 1)
-             for sh in (False, True)]
-ex.check_function("Exercise 1", blocks_to_take,
-                  [(args, extra_blocks(*args[:4], shared_tail=args[4])) for args in ex1_cases],
+
+def ex1_cases() -> list:
+    """Two block sizes drawn afresh; a request with nothing computed, a full tail and a partly filled one;
+    no token, one, exactly the rest of the tail, and many; shared tail or not. It holds the blocks its
+    computed tokens fill, sometimes one or two more (a reservation); and once, for each block size,
+    one more with many tokens to come."""
+    rng = hidden_rng()
+    cases = []
+    for bs in (rng.randint(2, 8), rng.randint(9, 32)):
+        k = rng.randint(1, 6)
+        for computed in (0, k * bs, k * bs + rng.randint(1, bs - 1)):
+            tail = -computed % bs  # free slots in the last block
+            for tokens in (0, 1, tail or bs, rng.randint(bs + 1, 4 * bs)):
+                for shared in (False, True):
+                    held = blocks_needed(computed, bs) + rng.choice((0, 0, 1, 2))
+                    cases.append((computed, held, tokens, bs, shared))
+        computed = k * bs + rng.randint(1, bs - 1)
+        cases.append((computed, blocks_needed(computed, bs) + 1, 2 * bs, bs, False))  # a reserved block to use
+    return [(args, extra_blocks(*args[:4], shared_tail=args[4])) for args in cases]
+
+
+ex.check_function("Exercise 1", blocks_to_take, ex1_cases(),
                   hint="new blocks = ceil((num_computed + tokens) / block_size) - held; a copy only for a partly "
                        "filled shared tail.",
-                  forbid=[extra_blocks, _extra_blocks, blocks_needed])
+                  forbid=[extra_blocks, _extra_blocks, blocks_needed, vllm._blocks_per_request, BlockTable,
+                          PrefixCache, PoolPlan])
 
 # %% [markdown]
 # SOLUTIONS ONLY
@@ -1116,11 +1139,12 @@ ex.check("Exercise 3", answer_3, expected=ex3.num_new_tokens,
 # **Exercise 4 (a scheduling policy).** The `Scheduler` takes a `priority`: a key function of a
 # `Request`, used to sort the waiting queue before every step (smaller first). Write
 # `shortest_prompt_first(request)` so that requests with shorter prompts are admitted first. The
-# checker serves nine requests of 11 to 19 prompt tokens that all arrive at once, in a pool with
-# room for all of them but a token budget of only 20 tokens per step, so that the prompts start
-# about one per step and their order shows. It does so for two arrival orders (longest first, and
-# mixed), records the order in which the requests are admitted (their first chunk), and checks
-# that it is the order of prompt length, token for token; and that the mean step of the first
+# checker serves nine requests of consecutive prompt lengths (between 8 and 22 tokens, random
+# token ids, drawn afresh on every run) that all arrive at once, in a pool with room for all of
+# them but a token budget of only 20 tokens per step, so that the prompts start about one per step
+# and their order shows. It does so for two arrival orders (longest first, and shuffled), records
+# the order in which the requests are admitted (their first chunk), and checks that it is the
+# order of prompt length, token for token; and, for longest first, that the mean step of the first
 # tokens comes sooner than first come, first served.
 
 # %%
@@ -1133,18 +1157,27 @@ def shortest_prompt_first(request: Request):
     # END STUB
 
 
-EX4_ARRIVALS = {"longest first": [19, 18, 17, 16, 15, 14, 13, 12, 11],
-                "mixed": [15, 12, 19, 11, 17, 13, 18, 14, 16]}  # prompt lengths, in arrival order
+def ex4_arrivals() -> dict[str, list[list[int]]]:
+    """Nine prompts of consecutive lengths from a random start, of random token ids, in two arrival
+    orders: longest first, and shuffled."""
+    rng = hidden_rng()
+    start = rng.randint(8, 14)
+    lengths = list(range(start, start + 9))
+    shuffled = lengths.copy()
+    while shuffled == lengths:
+        rng.shuffle(shuffled)
+    prompts = {n: [rng.randrange(1, 50_000) for _ in range(n)] for n in lengths}
+    return {"longest first": [prompts[n] for n in reversed(lengths)], "shuffled": [prompts[n] for n in shuffled]}
 
 
-def admissions(priority, lengths: list[int]) -> tuple[list[int], float]:
-    """Serve prompts of these lengths, all arriving at step 0: the prompt lengths in the order the
-    scheduler admitted them (across steps, and within a step in its planning order), and the mean
-    step of the first tokens."""
+def admissions(priority, prompts: list[list[int]]) -> tuple[list[int], float]:
+    """Serve these prompts, all arriving at step 0: the prompt lengths in the order the scheduler
+    admitted them (across steps, and within a step in its planning order), and the mean step of
+    the first tokens."""
     sched = Scheduler(num_blocks=128, block_size=4, max_num_batched_tokens=20, enable_prefix_caching=False,
                       priority=priority)
-    for n in lengths:
-        sched.add_request(list(range(1, n + 1)), 2)
+    for prompt in prompts:
+        sched.add_request(list(prompt), 2)
     admitted, first = {}, {}
     while sched.has_unfinished():
         step = sched.schedule()
@@ -1158,11 +1191,12 @@ def admissions(priority, lengths: list[int]) -> tuple[list[int], float]:
 
 def check_policy(fn) -> list[str]:
     problems = []
-    for name, lengths in EX4_ARRIVALS.items():
-        (order, mean_first), (_, mean_fcfs) = admissions(fn, lengths), admissions(None, lengths)
+    for name, prompts in ex4_arrivals().items():
+        lengths = [len(p) for p in prompts]
+        (order, mean_first), (_, mean_fcfs) = admissions(fn, prompts), admissions(None, prompts)
         if order != sorted(lengths):
             problems.append(f"arrival order {name} {lengths}: admitted in the order {order}")
-        elif mean_first >= mean_fcfs:
+        elif name == "longest first" and mean_first >= mean_fcfs:
             problems.append(f"arrival order {name}: first tokens at step {mean_first:.2f} on average, "
                             f"first come first served {mean_fcfs:.2f}")
     return problems
