@@ -1136,7 +1136,7 @@ ex.check("Exercise 3", answer_3, expected=ex3.num_new_tokens,
 # the next token.
 
 # %% [markdown]
-# **Exercise 4 (a scheduling policy).** The `Scheduler` takes a `priority`: a key function of a
+# **Exercise 4 (a scheduling policy).** The `PriorityScheduler` takes a `priority`: a key function of a
 # `Request`, used to sort the waiting queue before every step (smaller first). Write
 # `shortest_prompt_first(request)` so that requests with shorter prompts are admitted first. The
 # checker serves nine requests of consecutive prompt lengths (between 8 and 22 tokens, random
@@ -1174,8 +1174,8 @@ def admissions(priority, prompts: list[list[int]]) -> tuple[list[int], float]:
     """Serve these prompts, all arriving at step 0: the prompt lengths in the order the scheduler
     admitted them (across steps, and within a step in its planning order), and the mean step of
     the first tokens."""
-    sched = Scheduler(num_blocks=128, block_size=4, max_num_batched_tokens=20, enable_prefix_caching=False,
-                      priority=priority)
+    cls, key = (Scheduler, {}) if priority is None else (PriorityScheduler, {"priority": priority})
+    sched = cls(num_blocks=128, block_size=4, max_num_batched_tokens=20, enable_prefix_caching=False, **key)
     for prompt in prompts:
         sched.add_request(list(prompt), 2)
     admitted, first = {}, {}

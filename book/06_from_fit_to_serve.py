@@ -882,8 +882,7 @@ assert all(r.reuse_ratio == 0 < r.scheduler.allocator.num_evictions for r in sho
 # gets a name (its hash) when it is computed, and a finished request's named blocks return to the
 # free queue *still named*, in case a later prompt matches them. When the allocator has no
 # unnamed free block left, it hands out the least recently freed named one and drops its name:
-# that is the one event `evicted_blocks` counts (`BlockAllocator.allocate` in `labkit/paging.py`;
-# the cache reads the allocator's counter). The short requests share nothing, so no later request
+# that is the one event `num_evictions` counts (`BlockAllocator.allocate` in `labkit/paging.py`). The short requests share nothing, so no later request
 # could have used those blocks: here an eviction is the pool recycling freed memory, and costs
 # nothing. Over a run the pool is recycled about once (the ratio printed above).
 #
