@@ -286,10 +286,6 @@ class PrefixCache:
         """Blocks whose K/V carry a name (in use or free)."""
         return len(self.allocator.names)
 
-    def evictable_block_ids(self) -> list[int]:
-        """Named blocks no sequence holds, in the order the allocator would evict them."""
-        return [b for b in self.allocator.free_block_ids() if b in self.allocator.names]
-
     def match(self, token_ids: Sequence[int], key: CacheKey = CacheKey()) -> PrefixMatch:
         """The longest run of leading full blocks of ``token_ids`` that the cache holds (no side effects). At
         least one token is left to compute: the last prompt token's logits give the first output token
@@ -338,7 +334,7 @@ class PrefixCache:
             raise OutOfBlocksError(f"prompt of {len(tokens)} tokens needs {needed} free blocks, "
                                    f"{self.allocator.num_free} of {self.allocator.num_blocks} are free")
         table = self.share(m, tokens[:m.num_cached_tokens], key)  # the hits first: fresh blocks cannot evict them
-        self.append(table, tokens[m.num_cached_tokens:])
+        self._append(table, tokens[m.num_cached_tokens:])
         return table, m.num_cached_tokens
 
     def share(self, hit: PrefixMatch, token_ids: Sequence[int], key: CacheKey) -> CachedBlockTable:
@@ -356,7 +352,11 @@ class PrefixCache:
         partly filled tail is first replaced by a private copy. Returns the ``(src, dst)`` blocks whose K/V
         must be copied (every layer) before the new K/V are written. All-or-nothing on ``OutOfBlocksError``."""
         self._check_table(table)
-        n = len(check_token_ids("token_ids", token_ids))
+        return self._append(table, check_token_ids("token_ids", token_ids))
+
+    def _append(self, table: CachedBlockTable, token_ids: Sequence[int]) -> list[tuple[int, int]]:
+        """``append`` on checked arguments (the scheduler's hot path: its requests' tokens are checked)."""
+        n = len(token_ids)
         copy = n > 0 and tail_is_shared(table, self.allocator)
         needed = _extra_blocks(table.num_tokens, len(table.block_ids), n, self.block_size, copy)
         if needed > self.allocator.num_free:
@@ -368,7 +368,8 @@ class PrefixCache:
             self.allocator.free(src)  # drop our reference; the other holders keep theirs
             table.block_ids[-1] = dst
             copies.append((src, dst))
-        table.block_ids.extend(self.allocator.allocate_many(needed - copy))
+        if needed > copy:
+            table.block_ids.extend(self.allocator.allocate_many(needed - copy))
         table.num_tokens += n
         table.token_ids.extend(token_ids)
         return copies

@@ -284,7 +284,7 @@ class Scheduler:
         ``allocate_slots`` calls ``cache_blocks``: a request admitted later in the step shares them).
         Returns the copy-on-write pairs."""
         table = request.block_table
-        copies = self.prefix_cache.append(table, token_ids)
+        copies = self.prefix_cache._append(table, token_ids)
         request.num_computed_tokens += len(token_ids)
         if self.enable_prefix_caching and request.num_computed_tokens // self.block_size > table.num_named_blocks:
             self.prefix_cache.cache_full_blocks(table, request.num_computed_tokens)

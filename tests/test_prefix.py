@@ -33,6 +33,11 @@ def reference_chain(tokens, block_size, key):
     return out
 
 
+def evictable(cache: PrefixCache) -> list[int]:
+    """Named blocks no sequence holds, in the order the allocator would evict them (front of the free queue first)."""
+    return [b for b in cache.allocator.free_block_ids() if b in cache.allocator.names]
+
+
 def snapshot(cache: PrefixCache):
     a = cache.allocator
     return (list(a.ref_counts), list(a._free), {h: dict(b) for h, b in cache.index._blocks.items()}, dict(a.names),
@@ -175,7 +180,7 @@ def test_eviction_is_least_recently_used_and_counted():
     a_block, b_block = a_table.block_ids[0], b_table.block_ids[0]
     cache.release(a_table)                   # A freed first: least recently used
     cache.release(b_table)
-    assert cache.evictable_block_ids() == [a_block, b_block]
+    assert evictable(cache) == [a_block, b_block]
     cache.allocate([3, 3, 3, 3, 3])          # 3 fresh blocks: the 2 uncached free ones first, then A
     assert a_block not in cache.allocator.names and b_block in cache.allocator.names
     assert cache.allocator.num_evictions == 1
@@ -188,13 +193,13 @@ def test_eviction_and_clear_only_touch_unreferenced_blocks():
     gone, _ = prefill(cache, [4, 5, 6, 7, 8])
     first, second = gone.block_ids[:2]
     cache.release(gone)                                  # tail first: [6, 7] is freed before [4, 5]
-    assert cache.evictable_block_ids() == [second, first]
+    assert evictable(cache) == [second, first]
     a = cache.allocator
     taken = a.allocate_many(a.num_free - 1)              # every unnamed free block, then the oldest named one
     assert second in taken and first not in taken and a.num_evictions == 1
     a.free_blocks(taken)
     assert cache.match([4, 5, 6, 7, 0]).num_cached_tokens == 2
-    assert cache.clear() == 1 and cache.evictable_block_ids() == []
+    assert cache.clear() == 1 and evictable(cache) == []
     assert keep.block_ids[0] in a.names                  # in use: clear leaves it
     assert cache.match([1, 2, 0]).num_cached_tokens == 2
     cache.release(keep)
