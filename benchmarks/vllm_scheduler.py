@@ -16,8 +16,11 @@ tokens, prefix caching on and off, ``max_num_seqs`` from 4 to 256, token budgets
 2,048 and pools small enough to preempt. Per setting the table reports the share of steps in
 which both schedulers gave the same requests the same number of tokens, the share of
 admissions (new or after a preemption) with the same prefix hit, the preemptions as
-(step, request) pairs found on both sides over those found on either, and the share of
-requests finishing in the same step.
+(step, request) pairs found on both sides over those found on either, the share of
+requests finishing in the same step, and the share of runs whose prefix-cache counters are
+equal at the end: requests, queries and hits of first admissions and of admissions after a
+preemption (vLLM's ``PrefixCacheStats``, recorded at admission by
+``KVCacheManager.record_prefix_cache_stats``; labkit's ``Scheduler`` records the same).
 
 vLLM is not a dependency: its sources (the vLLM 0.33.0 wheel, unzipped) are imported from
 ``--vllm-src`` with every module the scheduler's decisions do not need replaced by an inert
@@ -49,7 +52,8 @@ import vllm_replay  # noqa: E402  (the stand-ins for the parts of vLLM that are 
 
 SCHEDULER_MODULES = {"vllm.v1.core.sched", "vllm.v1.core.sched.scheduler", "vllm.v1.core.sched.request_queue",
                      "vllm.v1.core.sched.output", "vllm.v1.core.sched.utils", "vllm.v1.core.sched.interface",
-                     "vllm.v1.request", "vllm.v1.outputs"}
+                     "vllm.v1.request", "vllm.v1.outputs", "vllm.v1.metrics", "vllm.v1.metrics.stats",
+                     "vllm.v1.metrics.cache_hit_source"}
 BLOCK_SIZE = 16
 VOCAB = 1000
 
@@ -163,6 +167,7 @@ class Trace:
         self.hits: dict[tuple[int, int], int] = {}   # (request, admission number) -> cached tokens
         self.preemptions: set[tuple[int, int]] = set()
         self.finished: dict[int, int] = {}
+        self.cache_stats: tuple[int, ...] = ()  # requests, queries, hits, and the same for preempted admissions
 
 
 def run_labkit(work, num_blocks, budget, max_num_seqs, caching, gate, max_steps) -> Trace:
@@ -194,7 +199,14 @@ def run_labkit(work, num_blocks, budget, max_num_seqs, caching, gate, max_steps)
         sampled = [output_token(c.request.request_id, len(c.request.output_token_ids)) for c in step.sampling_chunks]
         for r in sched.postprocess(step, sampled):
             trace.finished[r.request_id] = t
+    trace.cache_stats = _counts(sched.prefix_cache.stats)
     return trace
+
+
+def _counts(stats) -> tuple:
+    """Both sides' ``PrefixCacheStats`` fields (labkit before issue 31 had other counters: ``None``)."""
+    return tuple(getattr(stats, name, None) for name in ("requests", "queries", "hits", "preempted_requests",
+                                                           "preempted_queries", "preempted_hits"))
 
 
 def run_vllm(v, work, num_blocks, budget, max_num_seqs, caching, max_steps) -> Trace:
@@ -208,7 +220,10 @@ def run_vllm(v, work, num_blocks, budget, max_num_seqs, caching, max_steps) -> T
     structured = types.SimpleNamespace(accept_tokens=lambda request, tokens: True,
                                        should_advance=lambda request: False)
     sched = v.Scheduler(vllm_config=config, kv_cache_config=kv_config, structured_output_manager=structured,
-                        block_size=BLOCK_SIZE, log_stats=False)
+                        block_size=BLOCK_SIZE, log_stats=True)
+    # Its prefix-cache counters (KVCacheManager.record_prefix_cache_stats, at admission) add up over the
+    # whole run: the per-step SchedulerStats that would reset them are not made here.
+    sched.make_stats = lambda *args, **kwargs: None
 
     def hasher(request):  # labkit's hash chain, as vllm_replay.py: the new full blocks' names
         known = len(request.block_hashes)
@@ -260,11 +275,13 @@ def run_vllm(v, work, num_blocks, budget, max_num_seqs, caching, max_steps) -> T
         for r in live:
             if r.request_id not in sched.requests and int(r.request_id) not in trace.finished:
                 trace.finished[int(r.request_id)] = t
+    trace.cache_stats = _counts(sched.kv_cache_manager.prefix_cache_stats)
     return trace
 
 
-def compare(a: Trace, b: Trace) -> tuple[int, int, int, int, int, int, int, int]:
-    """(steps, same steps, admissions, same hits, preemption pairs on either side, on both, requests, same finish)."""
+def compare(a: Trace, b: Trace) -> tuple[int, int, int, int, int, int, int, int, int]:
+    """(steps, same steps, admissions, same hits, preemption pairs on either side, on both, requests, same finish,
+    1 if the prefix-cache counters are equal)."""
     n = max(len(a.steps), len(b.steps))
     steps = [(a.steps[i] if i < len(a.steps) else None, b.steps[i] if i < len(b.steps) else None) for i in range(n)]
     same_steps = sum(1 for x, y in steps if x == y)
@@ -273,7 +290,7 @@ def compare(a: Trace, b: Trace) -> tuple[int, int, int, int, int, int, int, int]
     either, both = len(a.preemptions | b.preemptions), len(a.preemptions & b.preemptions)
     ids = set(a.finished) | set(b.finished)
     same_finish = sum(1 for i in ids if a.finished.get(i, -1) == b.finished.get(i, -2))
-    return n, same_steps, len(keys), same_hits, either, both, len(ids), same_finish
+    return n, same_steps, len(keys), same_hits, either, both, len(ids), same_finish, int(a.cache_stats == b.cache_stats)
 
 
 def main() -> None:
@@ -290,13 +307,14 @@ def main() -> None:
     settings = [(256, 2048, 2000), (256, 2048, 160), (64, 512, 160), (16, 256, 120), (4, 64, 120),
                 (256, 64, 200), (16, 2048, 100), (64, 128, 140)]
     header = (f"{'max_num_seqs':>12} {'budget':>6} {'blocks':>6} {'caching':>7} {'steps':>6} {'same steps':>10} "
-              f"{'admissions':>10} {'same hit':>8} {'preemptions l/v':>15} {'same preempt.':>13} {'same finish':>11}")
+              f"{'admissions':>10} {'same hit':>8} {'preemptions l/v':>15} {'same preempt.':>13} {'same finish':>11} "
+              f"{'same counters':>13}")
     lines = [header]
-    total = [0] * 8
+    total = [0] * 9
     pre_l = pre_v = 0
     for seqs, budget, blocks in settings:
         for caching in (True, False):
-            row = [0] * 8
+            row = [0] * 9
             pl = pv = 0
             for seed in range(args.seeds):
                 rng = random.Random(seed * 1000 + seqs + budget + blocks)
@@ -307,15 +325,16 @@ def main() -> None:
                 pl, pv = pl + len(a.preemptions), pv + len(b.preemptions)
             total = [x + y for x, y in zip(total, row)]
             pre_l, pre_v = pre_l + pl, pre_v + pv
-            lines.append(_row(f"{seqs:>12} {budget:>6} {blocks:>6} {'on' if caching else 'off':>7}", row, pl, pv))
-    lines.append(_row(f"{'all':>12} {'':>6} {'':>6} {'':>7}", total, pre_l, pre_v))
+            lines.append(_row(f"{seqs:>12} {budget:>6} {blocks:>6} {'on' if caching else 'off':>7}", row, pl, pv,
+                              args.seeds))
+    lines.append(_row(f"{'all':>12} {'':>6} {'':>6} {'':>7}", total, pre_l, pre_v, args.seeds * 2 * len(settings)))
     print("\n".join(lines))
 
 
-def _row(label: str, r: list[int], pl: int, pv: int) -> str:
-    n, ss, adm, sh, either, both, ids, sf = r
+def _row(label: str, r: list[int], pl: int, pv: int, runs: int) -> str:
+    n, ss, adm, sh, either, both, ids, sf, counters = r
     return (f"{label} {n:>6,} {ss / n:>10.1%} {adm:>10,} {sh / max(adm, 1):>8.1%} {f'{pl:,}/{pv:,}':>15} "
-            f"{(both / either if either else 1.0):>13.1%} {sf / max(ids, 1):>11.1%}")
+            f"{(both / either if either else 1.0):>13.1%} {sf / max(ids, 1):>11.1%} {counters / runs:>13.1%}")
 
 
 if __name__ == "__main__":

@@ -519,7 +519,7 @@ print(f"{len(reply.tokens)} tokens generated; the cache at the end held {reply.c
 # ## Exercises
 
 # %%
-from labkit.exercises import Exercises
+from labkit.exercises import Exercises, hidden_rng
 
 ex = Exercises("01_why_the_cache_grows")
 
@@ -549,14 +549,20 @@ ex.check("Exercise 1", answer_1, expected=generate(model, list(range(20)), 5).ca
 
 # %% [markdown]
 # **Exercise 2.** Write `kv_cache_bytes(num_layers, num_kv_heads, head_dim, tokens, bytes_per_element)`,
-# the size of a contiguous cache. The checker compares it with caches of real tensors for several
-# model shapes.
+# the size of a contiguous cache. The checker compares it with caches of real tensors for model
+# shapes it draws afresh on every run. Write the product yourself: it refuses labkit's own byte
+# formulas (`labkit.capacity`) and the sizes its caches report.
 
 # %%
 def kv_cache_bytes(num_layers: int, num_kv_heads: int, head_dim: int, tokens: int, bytes_per_element: int) -> int:
     # BEGIN SOLUTION
     return 2 * num_layers * num_kv_heads * head_dim * tokens * bytes_per_element
     # END SOLUTION
+
+
+from labkit import capacity, vllm
+from labkit.cache import KVPool, PagedKVCache, PrefixKVCache
+from labkit.pool import PoolPlan
 
 
 def measured_bytes(layers: int, kv_heads: int, head_dim: int, tokens: int, dtype: torch.dtype) -> int:
@@ -570,10 +576,18 @@ def measured_bytes(layers: int, kv_heads: int, head_dim: int, tokens: int, dtype
     return c.nbytes
 
 
-shapes = [(2, 1, 16, 10, torch.float32), (3, 2, 32, 7, torch.float16), (1, 4, 8, 33, torch.bfloat16)]
-ex.check_function("Exercise 2", kv_cache_bytes,
-                  [((L, h, d, t, torch.tensor([], dtype=dt).element_size()), measured_bytes(L, h, d, t, dt))
-                   for L, h, d, t, dt in shapes])
+def ex2_cases() -> list:
+    """Three model shapes drawn afresh (one per element type), each measured on real tensors."""
+    rng = hidden_rng()
+    shapes = [(rng.randint(1, 4), rng.choice([1, 2, 4]), rng.choice([8, 16, 32]), rng.randint(1, 40), dtype)
+              for dtype in (torch.float32, torch.float16, torch.bfloat16)]
+    return [((L, h, d, t, torch.tensor([], dtype=dt).element_size()), measured_bytes(L, h, d, t, dt))
+            for L, h, d, t, dt in shapes]
+
+
+ex.check_function("Exercise 2", kv_cache_bytes, ex2_cases(),
+                  forbid=[capacity.bytes_per_token, capacity.cache_bytes, capacity.ModelShape, vllm.page_size_bytes,
+                          KVCache, KVPool, PagedKVCache, PrefixKVCache, PoolPlan, measured_bytes])
 
 # %% [markdown]
 # SOLUTIONS ONLY

@@ -724,7 +724,7 @@ for prompt, run in zip(prompts, paged_runs):
 # ## Exercises
 
 # %%
-from labkit.exercises import Exercises
+from labkit.exercises import Exercises, hidden_rng, is_triton_kernel, torch_generator, triton_launches
 
 ex = Exercises("03_paging")
 
@@ -736,7 +736,8 @@ ex.strict = True  # in solutions/, every checker must pass
 # **Exercise 1.** Write `blocks_and_tail(num_tokens, block_size)` returning a pair: the number
 # of blocks a request of `num_tokens` tokens takes, and the number of empty slots in its last
 # block. (For 37 tokens and 16-token blocks: `(3, 11)`.) Write the arithmetic yourself: the
-# checker refuses labkit's `blocks_needed` and `BlockTable`.
+# checker refuses labkit's `blocks_needed`, `BlockTable` and every other labkit function that
+# counts blocks, and draws its cases afresh on every run.
 
 # %%
 def blocks_and_tail(num_tokens: int, block_size: int) -> tuple[int, int]:
@@ -746,15 +747,30 @@ def blocks_and_tail(num_tokens: int, block_size: int) -> tuple[int, int]:
     # END SOLUTION
 
 
+from labkit import vllm
+from labkit.pool import PoolPlan
+from labkit.prefix import PrefixCache, _extra_blocks, extra_blocks
+
+
 def _allocated(num_tokens: int, block_size: int) -> tuple[int, int]:
     table = BlockTable(block_size)
     table.append(num_tokens, BlockAllocator(blocks_needed(num_tokens, block_size) + 1))
     return len(table.block_ids), table.empty_slots
 
 
-ex.check_function("Exercise 1", blocks_and_tail,
-                  [((n, bs), _allocated(n, bs)) for n, bs in [(37, 16), (32, 16), (1, 16), (100, 7), (0, 8)]],
-                  forbid=[blocks_needed, BlockTable.append, BlockTable.new_blocks_for, BlockTable.empty_slots.fget])
+def ex1_cases() -> list:
+    """An empty request, one-token blocks, then exact fits and partly filled tails at random sizes."""
+    rng = hidden_rng()
+    sizes = [(0, rng.randint(1, 64)), (rng.randint(1, 50), 1)]
+    for _ in range(4):
+        bs, k = rng.randint(2, 64), rng.randint(1, 20)
+        sizes += [(k * bs, bs), (k * bs + rng.randint(1, bs - 1), bs)]
+    return [((n, bs), _allocated(n, bs)) for n, bs in sizes]
+
+
+ex.check_function("Exercise 1", blocks_and_tail, ex1_cases(),
+                  forbid=[blocks_needed, BlockTable, extra_blocks, _extra_blocks, vllm._blocks_per_request,
+                          PrefixCache, PoolPlan, _allocated])
 
 # %% [markdown]
 # SOLUTIONS ONLY
@@ -799,15 +815,22 @@ def gather(cache: torch.Tensor, block_table: torch.Tensor, seq_len: int) -> torc
 
 
 def _gather_cases():
-    g = torch.Generator().manual_seed(3)
-    for seq_len, block_size in [(1, 4), (8, 4), (9, 4), (30, 8)]:
-        cache = torch.randn(12, block_size, 2, 4, generator=g)
-        table = torch.randperm(12, generator=g)[:-(-seq_len // block_size) + 1].int()
+    """Random pools and shuffled tables: one token, an exact fit, one token past it, and a random length."""
+    rng = hidden_rng()
+    g = torch_generator(rng)
+    for kind in ("one", "exact", "one past", "random"):
+        block_size = rng.choice([2, 4, 8, 16])
+        seq_len = {"one": 1, "exact": block_size * rng.randint(1, 4), "one past": block_size * rng.randint(1, 4) + 1,
+                   "random": rng.randint(2, 60)}[kind]
+        needed = -(-seq_len // block_size)
+        cache = torch.randn(needed + 4, block_size, rng.choice([1, 2, 4]), rng.choice([4, 8]), generator=g)
+        table = torch.randperm(needed + 4, generator=g)[:needed + 1].int()  # one entry more than needed
         yield (cache, table, seq_len), kernels.gather_kv(cache, table, seq_len)
 
 
 ex.check_function("Exercise 3", gather, _gather_cases(),
-                  forbid=[kernels.gather_kv, kernels.paged_decode_attention_ref, kernels.paged_prefill_attention_ref])
+                  forbid=[kernels.gather_kv, kernels.paged_decode_attention_ref, kernels.paged_prefill_attention_ref,
+                          kernels.paged_decode_attention_batched])
 
 # %% [markdown]
 # SOLUTIONS ONLY
@@ -828,9 +851,10 @@ ex.check_function("Exercise 3", gather, _gather_cases(),
 # those past the end; beware a tile in which *every* position is masked: the online softmax then
 # computes `exp2(-inf - (-inf))`, which is NaN. The other never visits those positions at all.
 # The checker launches your kernel (interpreted on a CPU, compiled on a GPU) on random pools with
-# ragged lengths, a shuffled block table and GQA, into an output filled with NaN, and compares it
-# with a float64 PyTorch softmax over the windowed positions, for windows shorter and longer
-# than the sequences.
+# ragged lengths drawn afresh on every run, a shuffled block table and GQA, into an output filled
+# with NaN, and compares it with a float64 PyTorch softmax over the windowed positions, for
+# windows shorter and longer than the sequences. It also records what Triton launched: the output
+# must come from your kernel, not from PyTorch.
 
 # %%
 import triton  # after `import labkit`, which switched on the interpreter if there is no GPU
@@ -910,34 +934,43 @@ def window_reference(q, k_cache, v_cache, block_tables, seq_lens, window):
 
 
 def check_window_kernel(kernel) -> list[str]:
-    """Ragged lengths, a shuffled block table, GQA (8 query heads on 2 KV heads), several windows."""
-    if not isinstance(kernel, triton.runtime.KernelInterface):  # compiled (JITFunction) or interpreted
-        return ["expected a @triton.jit kernel"]
+    """Ragged lengths drawn afresh, a shuffled block table, GQA (8 query heads on 2 KV heads), three windows."""
+    if not is_triton_kernel(kernel):  # compiled (JITFunction) or interpreted, as @triton.jit made it
+        return ["expected the @triton.jit kernel itself (not a subclass, nothing of it replaced)"]
     device = "cuda" if ON_GPU else "cpu"
-    g = torch.Generator().manual_seed(4)
-    seq_lens = torch.tensor([37, 5, 61, 16, 1], dtype=torch.int32)
+    rng = hidden_rng()
+    g = torch_generator(rng)
     block_size, heads, kv_heads, d = 8, 8, 2, 16
-    max_blocks = -(-int(seq_lens.max()) // block_size)
-    k_cache = torch.randn(40, block_size, kv_heads, d, generator=g)
-    v_cache = torch.randn(40, block_size, kv_heads, d, generator=g)
-    block_tables = torch.randperm(40, generator=g)[: len(seq_lens) * max_blocks].view(len(seq_lens), -1).int()
-    q = torch.randn(len(seq_lens), heads, d, generator=g)
+    lengths = [1, block_size * rng.randint(1, 4), rng.randint(40, 64), rng.randint(2, 64), rng.randint(2, 64)]
+    rng.shuffle(lengths)
+    seq_lens = torch.tensor(lengths, dtype=torch.int32)
+    max_blocks = -(-max(lengths) // block_size)
+    num_blocks = len(lengths) * max_blocks + 3
+    k_cache = torch.randn(num_blocks, block_size, kv_heads, d, generator=g)
+    v_cache = torch.randn(num_blocks, block_size, kv_heads, d, generator=g)
+    block_tables = torch.randperm(num_blocks, generator=g)[: len(lengths) * max_blocks].view(len(lengths), -1).int()
+    q = torch.randn(len(lengths), heads, d, generator=g)
     args = [t.to(device) for t in (q, k_cache, v_cache, block_tables, seq_lens)]
     problems, unchanged = [], True
-    for window in (20, 1, 64):
-        got = run_window_kernel(kernel, *args, window).double().cpu()
+    # A window shorter than the longest sequence, a window of one token, a window longer than them all.
+    for window in (rng.randint(2, 30), 1, max(lengths) + rng.randint(0, 8)):
+        with triton_launches() as launched:  # the output must come from a launch of this very kernel
+            got = run_window_kernel(kernel, *args, window).double().cpu()
+        if [fn for fn, _ in launched] != [kernel.fn]:
+            return [f"window {window}: the output did not come from one launch of your kernel "
+                    f"(Triton launched {[getattr(fn, '__name__', fn) for fn, _ in launched]})"]
         want = window_reference(q, k_cache, v_cache, block_tables, seq_lens, window)
         everything = window_reference(q, k_cache, v_cache, block_tables, seq_lens, 10**6)
         shorter = seq_lens > window  # sequences whose window leaves positions out
         if shorter.any() and not torch.allclose(got[shorter], everything[shorter], atol=1e-5):
             unchanged = False  # the window changed something
-        bad = [int(s) for s in range(len(seq_lens)) if not torch.allclose(got[s], want[s], atol=1e-5)]
+        bad = [int(s) for s in range(len(lengths)) if not torch.allclose(got[s], want[s], atol=1e-5)]
         if got.isnan().any():
             problems.append(f"window {window}: NaN in the output of sequence(s) "
                             f"{sorted({int(s) for s in got.isnan().nonzero()[:, 0]})} (a tile where every score "
                             "was -inf, or a program that stored nothing?)")
         elif bad:
-            problems.append(f"window {window}: sequence(s) of {[int(seq_lens[s]) for s in bad]} tokens differ from "
+            problems.append(f"window {window}: sequence(s) of {[lengths[s] for s in bad]} tokens differ from "
                             f"the reference by up to {(got[bad] - want[bad]).abs().max():.1e}")
     if unchanged and problems:
         raise NotImplementedError  # the kernel still attends to every position: not started yet

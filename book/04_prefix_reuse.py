@@ -143,14 +143,17 @@ assert shared * block_bytes == 0.5 * GiB and private * block_bytes == GiB and hi
 # 2 GiB become 1.5 GiB: one copy of the report, two private suffixes. The saving holds only because
 # the report's K/V are the *same computation* in both requests; the cases below show when they are not.
 #
-# A scheduler (chapter 05) must know this *before* it admits a request: `free_blocks_needed` says
-# how many blocks a prompt would take from the free pool, given what the cache already holds.
+# A scheduler (chapter 05) must know this *before* it admits a request: `match` finds the prompt's
+# hit, and `hit_extra_blocks` counts the blocks the rest would take from the free pool (with any
+# cached block it revives from there).
 
 # %%
 # NBVAL_CHECK_OUTPUT
 request_c = report_tokens + [300_000 + i for i in range(4096)]
-needed_c = cache_ab.free_blocks_needed(request_c)
-alone = PrefixCache(BlockAllocator(1024), block_size=16).free_blocks_needed(request_c)
+hit_c = cache_ab.match(request_c)
+needed_c = cache_ab.hit_extra_blocks(hit_c, len(request_c) - hit_c.num_cached_tokens)
+empty = PrefixCache(BlockAllocator(1024), block_size=16)
+alone = empty.hit_extra_blocks(empty.match(request_c), len(request_c))
 print(f"a third request on the same report needs {needed_c} free blocks ({format_bytes(needed_c * block_bytes)}); "
       f"on an empty cache {alone} ({format_bytes(alone * block_bytes)})")
 assert needed_c == 256 and alone == 512
@@ -629,7 +632,7 @@ for name in prompts:
 # ## Exercises
 
 # %%
-from labkit.exercises import Exercises
+from labkit.exercises import Exercises, hidden_rng, torch_generator
 
 ex = Exercises("04_prefix_reuse")
 
@@ -640,7 +643,8 @@ ex.strict = True  # in solutions/, every checker must pass
 # %% [markdown]
 # **Exercise 1.** Write `my_hash_chain(token_ids, block_size, key)`: the names of every full block,
 # using `block_hash(parent_hash, block_tokens, key)` (the first block's parent is `None`). The
-# checker compares it with labkit on ragged prompts and several block sizes.
+# checker compares it with labkit on ragged prompts and block sizes drawn afresh on every run, and
+# refuses `hash_chain` and the prefix cache that names blocks with it.
 
 # %%
 def my_hash_chain(token_ids: list[int], block_size: int, key: CacheKey) -> list[str]:
@@ -653,13 +657,27 @@ def my_hash_chain(token_ids: list[int], block_size: int, key: CacheKey) -> list[
     # END SOLUTION
 
 
-gen = torch.Generator().manual_seed(4)
-ex_cases = []
-for n, bs in [(0, 4), (3, 4), (8, 4), (13, 4), (17, 16), (33, 16), (7, 1)]:
-    tokens = torch.randint(0, 100, (n,), generator=gen).tolist()
-    ex_cases.append(((tokens, bs, CacheKey(adapter="a" if n % 2 else None)),
-                     hash_chain(tokens, bs, CacheKey(adapter="a" if n % 2 else None))))
-ex.check_function("Exercise 1", my_hash_chain, ex_cases, forbid=[hash_chain],
+from labkit.prefix import CachedBlockTable
+
+
+def ex1_cases() -> list:
+    """Ragged prompts drawn afresh: empty, shorter than a block, whole blocks, a partial last block,
+    and one-token blocks, each under a random key."""
+    rng = hidden_rng()
+    cases = []
+    for kind in ("empty", "short", "whole", "partial", "whole", "partial", "one-token blocks"):
+        bs = 1 if kind == "one-token blocks" else rng.choice([2, 4, 16])
+        n = 0 if kind == "empty" else rng.randint(1, bs - 1) if kind == "short" else bs * rng.randint(1, 4)
+        if kind == "partial":
+            n += rng.randint(1, bs - 1)
+        tokens = [rng.randrange(50_000) for _ in range(n)]
+        key = CacheKey(adapter=rng.choice([None, "a", "b"]), salt=rng.choice([None, "tenant-1"]))
+        cases.append(((tokens, bs, key), hash_chain(tokens, bs, key)))
+    return cases
+
+
+ex.check_function("Exercise 1", my_hash_chain, ex1_cases(),
+                  forbid=[hash_chain, PrefixCache, CachedBlockTable, PrefixKVCache],
                   hint="walk the full blocks from the first; each name's parent is the name just made.")
 
 # %% [markdown]
@@ -675,9 +693,9 @@ ex.check_function("Exercise 1", my_hash_chain, ex_cases, forbid=[hash_chain],
 # adapter should share as much as the cache allows. Write `cache_key_for(request)`, returning the
 # `CacheKey` under which a request's blocks are named. A request is a dict with `"tenant"`,
 # `"adapter"` (a name or `None`) and `"prompt"`. The checker serves a stream of 40 requests from
-# three tenants (two of them with the same system prompt) through a real `PrefixCache` under your
-# keys, and checks every hit: no block may cross a tenant or an adapter, and every hit the rules
-# allow must happen.
+# three tenants (two of them with the same system prompt), drawn afresh on every run, through a
+# real `PrefixCache` under your keys, and checks every hit: no block may cross a tenant or an
+# adapter, and every hit the rules allow must happen. Your function gets a copy of each request.
 
 # %%
 def cache_key_for(request: dict) -> CacheKey:
@@ -689,8 +707,8 @@ def cache_key_for(request: dict) -> CacheKey:
     # END STUB
 
 
-def tenant_stream(n: int = 40, seed: int = 7) -> list[dict]:
-    g = torch.Generator().manual_seed(seed)
+def tenant_stream(n: int = 40) -> list[dict]:
+    g = torch_generator(hidden_rng())
     system = {"acme": list(range(1000, 1040)), "globex": list(range(1000, 1040)),  # the same system prompt
               "initech": list(range(2000, 2024))}
     stream = []
@@ -705,8 +723,8 @@ def tenant_stream(n: int = 40, seed: int = 7) -> list[dict]:
 def check_isolation(fn) -> list[str]:
     cache, problems, served = PrefixCache(BlockAllocator(1024), block_size=16), [], []
     for i, request in enumerate(tenant_stream()):
-        key = fn(request)
-        if not isinstance(key, CacheKey):
+        key = fn(request)  # check_behaviour hands fn a copy of the request: this one stays as drawn
+        if type(key) is not CacheKey:
             return [f"cache_key_for must return a CacheKey, got {key!r}"]
         hit = cache.match(request["prompt"], key).num_cached_tokens
         # What the rules allow: full blocks shared with an earlier request of the same tenant and adapter,

@@ -46,6 +46,7 @@ from labkit.cache import generate
 from labkit.engine import Engine
 from labkit.model import Decoder, DecoderConfig
 from labkit.paging import blocks_needed
+from labkit.priority import PriorityScheduler
 from labkit.scheduler import Request, Scheduler, extra_blocks, plan_iteration
 from labkit.units import format_bytes
 
@@ -299,8 +300,9 @@ assert planned(short_plan) == [("S2", 3), ("S1", 4)]
 # %% [markdown]
 # Under first-come-first-served the long request L takes 3 of the 4 blocks and S2 waits; shortest
 # first admits both short ones and L waits. Same pool, same blocks, same `plan_iteration`: only
-# the order changed. Over a whole run the choice moves waiting time between requests. The
-# `Scheduler` takes a `priority` key for its waiting queue; here is a run of ten requests with
+# the order changed. Over a whole run the choice moves waiting time between requests.
+# `PriorityScheduler` (`labkit.priority`, a variant beside the core) re-sorts its waiting queue by a
+# `priority` key before each step; here is a run of ten requests with
 # mixed lengths under both orders, measured in steps until each one's first token (1 means it got
 # its first token in the step it arrived):
 
@@ -317,8 +319,8 @@ def workload():
 
 def first_token_waits(priority):
     reqs, arrivals = workload()
-    sched = Scheduler(num_blocks=16, block_size=4, max_num_batched_tokens=16, enable_prefix_caching=False,
-                      priority=priority)
+    cls, key = (Scheduler, {}) if priority is None else (PriorityScheduler, {"priority": priority})
+    sched = cls(num_blocks=16, block_size=4, max_num_batched_tokens=16, enable_prefix_caching=False, **key)
     steps = serve(sched, arrivals)
     arrived = {r.request_id: t for t, rs in arrivals.items() for r in rs}
     first = {}
@@ -381,10 +383,11 @@ def small_stream(head_of_line, steps=200):
     mean wait for their first token, and the output tokens produced in `steps` steps."""
     sched = Scheduler(num_blocks=8, block_size=4, max_num_batched_tokens=64, enable_prefix_caching=False,
                       head_of_line=head_of_line)
-    big, admitted, arrived, first = None, None, {}, {}
+    big, admitted, arrived, first, small = None, None, {}, {}, []
     for t in range(steps):
         if t % 2 == 0:
-            arrived[sched.add_request([1 + t % 30] * 3, 7).request_id] = t
+            small.append(sched.add_request([1 + t % 30] * 3, 7))
+            arrived[small[-1].request_id] = t
         if t == 6:
             big = sched.add_request(list(range(1, 21)), 4)
         step = sched.schedule()
@@ -394,7 +397,7 @@ def small_stream(head_of_line, steps=200):
             admitted = t
         sched.postprocess(step, [0] * len(step.sampling_chunks))
     waits = [first[i] - t0 for i, t0 in arrived.items() if i in first]
-    small_outputs = sum(len(r.output_token_ids) for r in [*sched.finished, *sched.running] if r is not big)
+    small_outputs = sum(len(r.output_token_ids) for r in small)
     return admitted, float(np.mean(waits)), small_outputs, len(big.output_token_ids)
 
 
@@ -523,8 +526,13 @@ assert reasons_f["token budget spent"] > 0 and reasons_f["blocks did not fit"] >
 # (the `make_room` hook of `plan_iteration`; its turn is then recorded as `preempted`). The victim's
 # K/V are simply dropped: when it comes back, its prompt and the tokens it had already generated
 # are computed again (**recompute**, what vLLM does). In the same step no waiting request is
-# admitted, so the freed blocks go to the requests that needed them.
-#
+# admitted, so the freed blocks go to the requests that needed them. The whole rule is one loop of
+# `Scheduler._make_room`:
+
+# %%
+excerpt(Scheduler._make_room, "while self._extra_blocks", "return self.allocator.num_free")
+
+# %% [markdown]
 # Three requests, 6 blocks of 4 tokens: A and B (6-token prompts, 6 new tokens each) need 3 blocks
 # apiece at full length, so C (3 + 4 tokens) cannot stay.
 
@@ -784,12 +792,10 @@ NEW = 5
 
 POOL = 24
 engine = Engine(model, num_blocks=POOL, block_size=4, max_num_batched_tokens=16)
-for p in prompts:
-    engine.add_request(p, NEW)
+served = [engine.add_request(p, NEW) for p in prompts]  # in arrival order
 steps = []
 while engine.has_unfinished():
     steps.append(engine.step())
-served = sorted(engine.scheduler.finished, key=lambda r: r.request_id)  # in arrival order
 outputs = [r.output_token_ids for r in served]
 print(f"{len(engine.stats)} steps; attention ran {engine.backend.kernel_backend()}")
 
@@ -924,7 +930,8 @@ print(f"pool: {tight} blocks of {BLOCK} tokens; the prompts need {prompt_blocks}
       f"{full_blocks} (the shared system-prompt block{'s' if common != 1 else ''} counted once)")
 st = real_engine.stats
 print(f"{len(st)} steps, {sum(s.preemptions for s in st)} preemption(s), {sum(s.prefix_hit_tokens for s in st)} "
-      f"prompt tokens from the prefix cache, {sum(s.scheduled_tokens for s in st)} tokens computed for "
+      f"prompt tokens from the prefix cache at first admission, {sum(s.preempted_hit_tokens for s in st)} re-found "
+      f"after a preemption (vLLM counts those apart), {sum(s.scheduled_tokens for s in st)} tokens computed for "
       f"{sum(map(len, chat_prompts))} prompt and {sum(map(len, replies))} reply tokens")
 print(f"replies: {[len(r) for r in replies]} tokens; {sum(r[-1] == stop for r in replies)} ended at <|im_end|>, "
       f"the others at the limit of {REPLY}")
@@ -988,7 +995,7 @@ print("engine == transformers' generate, token for token, for all four requests"
 # ## Exercises
 
 # %%
-from labkit.exercises import Exercises
+from labkit.exercises import Exercises, hidden_rng
 
 ex = Exercises("05_scheduler")
 
@@ -1000,8 +1007,10 @@ ex.strict = True  # in solutions/ a failing checker fails the notebook tests
 # **Exercise 1.** Write `blocks_to_take(num_computed, held, tokens, block_size, shared_tail)`: the
 # free blocks a request that has computed `num_computed` tokens and holds `held` blocks uses to
 # compute `tokens` more, when `shared_tail` says whether another request shares its tail block.
+# A request may hold more blocks than its computed tokens fill (a reservation gave it some ahead).
 # Mind the block boundaries, and remember when a shared tail really must be copied. (No prefix hits
-# here; do not call `labkit`.)
+# here; do not call `labkit`: the checker refuses its block counts, and draws its cases afresh on
+# every run.)
 
 # %%
 def blocks_to_take(num_computed, held, tokens, block_size, shared_tail):
@@ -1014,16 +1023,37 @@ def blocks_to_take(num_computed, held, tokens, block_size, shared_tail):
     # END SOLUTION
 
 
-from labkit.prefix import _extra_blocks  # extra_blocks without its checks: refused in answers too
+from labkit import vllm
+from labkit.paging import BlockTable
+from labkit.pool import PoolPlan
+from labkit.prefix import PrefixCache, _extra_blocks  # extra_blocks without its checks: refused in answers too
 
-ex1_cases = [(c, blocks_needed(c, bs), t, bs, sh)
-             for bs in (4, 16) for c in (0, bs - 1, bs, bs + 1) for t in (0, 1, bs - 1, bs + 1)
-             for sh in (False, True)]
-ex.check_function("Exercise 1", blocks_to_take,
-                  [(args, extra_blocks(*args[:4], shared_tail=args[4])) for args in ex1_cases],
+
+def ex1_cases() -> list:
+    """Two block sizes drawn afresh; a request with nothing computed, a full tail and a partly filled one;
+    no token, one, exactly the rest of the tail, and many; shared tail or not. It holds the blocks its
+    computed tokens fill, sometimes one or two more (a reservation); and once, for each block size,
+    one more with many tokens to come."""
+    rng = hidden_rng()
+    cases = []
+    for bs in (rng.randint(2, 8), rng.randint(9, 32)):
+        k = rng.randint(1, 6)
+        for computed in (0, k * bs, k * bs + rng.randint(1, bs - 1)):
+            tail = -computed % bs  # free slots in the last block
+            for tokens in (0, 1, tail or bs, rng.randint(bs + 1, 4 * bs)):
+                for shared in (False, True):
+                    held = blocks_needed(computed, bs) + rng.choice((0, 0, 1, 2))
+                    cases.append((computed, held, tokens, bs, shared))
+        computed = k * bs + rng.randint(1, bs - 1)
+        cases.append((computed, blocks_needed(computed, bs) + 1, 2 * bs, bs, False))  # a reserved block to use
+    return [(args, extra_blocks(*args[:4], shared_tail=args[4])) for args in cases]
+
+
+ex.check_function("Exercise 1", blocks_to_take, ex1_cases(),
                   hint="new blocks = ceil((num_computed + tokens) / block_size) - held; a copy only for a partly "
                        "filled shared tail.",
-                  forbid=[extra_blocks, _extra_blocks, blocks_needed])
+                  forbid=[extra_blocks, _extra_blocks, blocks_needed, vllm._blocks_per_request, BlockTable,
+                          PrefixCache, PoolPlan])
 
 # %% [markdown]
 # SOLUTIONS ONLY
@@ -1106,14 +1136,15 @@ ex.check("Exercise 3", answer_3, expected=ex3.num_new_tokens,
 # the next token.
 
 # %% [markdown]
-# **Exercise 4 (a scheduling policy).** The `Scheduler` takes a `priority`: a key function of a
+# **Exercise 4 (a scheduling policy).** The `PriorityScheduler` takes a `priority`: a key function of a
 # `Request`, used to sort the waiting queue before every step (smaller first). Write
 # `shortest_prompt_first(request)` so that requests with shorter prompts are admitted first. The
-# checker serves nine requests of 11 to 19 prompt tokens that all arrive at once, in a pool with
-# room for all of them but a token budget of only 20 tokens per step, so that the prompts start
-# about one per step and their order shows. It does so for two arrival orders (longest first, and
-# mixed), records the order in which the requests are admitted (their first chunk), and checks
-# that it is the order of prompt length, token for token; and that the mean step of the first
+# checker serves nine requests of consecutive prompt lengths (between 8 and 22 tokens, random
+# token ids, drawn afresh on every run) that all arrive at once, in a pool with room for all of
+# them but a token budget of only 20 tokens per step, so that the prompts start about one per step
+# and their order shows. It does so for two arrival orders (longest first, and shuffled), records
+# the order in which the requests are admitted (their first chunk), and checks that it is the
+# order of prompt length, token for token; and, for longest first, that the mean step of the first
 # tokens comes sooner than first come, first served.
 
 # %%
@@ -1126,18 +1157,27 @@ def shortest_prompt_first(request: Request):
     # END STUB
 
 
-EX4_ARRIVALS = {"longest first": [19, 18, 17, 16, 15, 14, 13, 12, 11],
-                "mixed": [15, 12, 19, 11, 17, 13, 18, 14, 16]}  # prompt lengths, in arrival order
+def ex4_arrivals() -> dict[str, list[list[int]]]:
+    """Nine prompts of consecutive lengths from a random start, of random token ids, in two arrival
+    orders: longest first, and shuffled."""
+    rng = hidden_rng()
+    start = rng.randint(8, 14)
+    lengths = list(range(start, start + 9))
+    shuffled = lengths.copy()
+    while shuffled == lengths:
+        rng.shuffle(shuffled)
+    prompts = {n: [rng.randrange(1, 50_000) for _ in range(n)] for n in lengths}
+    return {"longest first": [prompts[n] for n in reversed(lengths)], "shuffled": [prompts[n] for n in shuffled]}
 
 
-def admissions(priority, lengths: list[int]) -> tuple[list[int], float]:
-    """Serve prompts of these lengths, all arriving at step 0: the prompt lengths in the order the
-    scheduler admitted them (across steps, and within a step in its planning order), and the mean
-    step of the first tokens."""
-    sched = Scheduler(num_blocks=128, block_size=4, max_num_batched_tokens=20, enable_prefix_caching=False,
-                      priority=priority)
-    for n in lengths:
-        sched.add_request(list(range(1, n + 1)), 2)
+def admissions(priority, prompts: list[list[int]]) -> tuple[list[int], float]:
+    """Serve these prompts, all arriving at step 0: the prompt lengths in the order the scheduler
+    admitted them (across steps, and within a step in its planning order), and the mean step of
+    the first tokens."""
+    cls, key = (Scheduler, {}) if priority is None else (PriorityScheduler, {"priority": priority})
+    sched = cls(num_blocks=128, block_size=4, max_num_batched_tokens=20, enable_prefix_caching=False, **key)
+    for prompt in prompts:
+        sched.add_request(list(prompt), 2)
     admitted, first = {}, {}
     while sched.has_unfinished():
         step = sched.schedule()
@@ -1151,11 +1191,12 @@ def admissions(priority, lengths: list[int]) -> tuple[list[int], float]:
 
 def check_policy(fn) -> list[str]:
     problems = []
-    for name, lengths in EX4_ARRIVALS.items():
-        (order, mean_first), (_, mean_fcfs) = admissions(fn, lengths), admissions(None, lengths)
+    for name, prompts in ex4_arrivals().items():
+        lengths = [len(p) for p in prompts]
+        (order, mean_first), (_, mean_fcfs) = admissions(fn, prompts), admissions(None, prompts)
         if order != sorted(lengths):
             problems.append(f"arrival order {name} {lengths}: admitted in the order {order}")
-        elif mean_first >= mean_fcfs:
+        elif name == "longest first" and mean_first >= mean_fcfs:
             problems.append(f"arrival order {name}: first tokens at step {mean_first:.2f} on average, "
                             f"first come first served {mean_fcfs:.2f}")
     return problems

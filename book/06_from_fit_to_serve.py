@@ -817,7 +817,7 @@ measures = {  # what a run is judged by, and how to print it
     "TTFT p99 (ms)": (lambda r, b: r.ttft_percentiles()["p99"], ms),
     "preemptions": (lambda r, b: r.preemptions.sum(), count),
     "recomputed tokens": (lambda r, b: r.recomputed_tokens, count),
-    "evicted blocks": (lambda r, b: r.scheduler.prefix_cache.stats.evicted_blocks, count),
+    "evicted blocks": (lambda r, b: r.scheduler.allocator.num_evictions, count),
     "reuse ratio": (lambda r, b: r.reuse_ratio, lambda v: f"{v:.1%}"),
     "steps, budget full": (lambda r, b: np.mean(r.step_tokens == b), lambda v: f"{v:.0%}"),
     "waiting (mean)": (lambda r, b: np.average(r.num_waiting, weights=r.step_time), lambda v: f"{v:.1f}"),
@@ -840,7 +840,7 @@ for big, small in pairs["docs"]:
     assert small.ttft_percentiles()["p99"] < big.ttft_percentiles()["p99"]
     assert small.preemptions.sum() == big.preemptions.sum() == 0 == small.recomputed_tokens
     assert abs(small.reuse_ratio - big.reuse_ratio) < 0.01
-    assert abs(np.log(small.scheduler.prefix_cache.stats.evicted_blocks / big.scheduler.prefix_cache.stats.evicted_blocks)) < 0.05
+    assert abs(np.log(small.scheduler.allocator.num_evictions / big.scheduler.allocator.num_evictions)) < 0.05
 assert any(s.reuse_ratio > b.reuse_ratio for b, s in pairs["docs"]) and any(s.reuse_ratio < b.reuse_ratio for b, s in pairs["docs"])
 # Short requests: in every draw the small budget is spent to the last token in many steps, requests
 # queue, and TTFT grows; the large budget never fills and nobody waits.
@@ -855,10 +855,10 @@ print(f"documents, seed 3: the step in flight at a random moment lasts {in_fligh
       f"with a budget of 1,024 and {in_flight[128] * 1e3:.0f} ms with 128")
 assert in_flight[128] < in_flight[1024]
 short_runs = budget_runs["short", 1024]
-recycled = np.median([r.scheduler.prefix_cache.stats.evicted_blocks / r.num_blocks for r in short_runs])
+recycled = np.median([r.scheduler.allocator.num_evictions / r.num_blocks for r in short_runs])
 print(f"short requests: nothing reused, yet the evicted blocks are {recycled:.1f}x the pool's "
       f"{short_runs[0].num_blocks:,} blocks (median over the seeds)")
-assert all(r.reuse_ratio == 0 < r.scheduler.prefix_cache.stats.evicted_blocks for r in short_runs)
+assert all(r.reuse_ratio == 0 < r.scheduler.allocator.num_evictions for r in short_runs)
 
 # %% [markdown]
 # The direction holds in all five draws of each workload, and the spread says how much one draw
@@ -882,8 +882,7 @@ assert all(r.reuse_ratio == 0 < r.scheduler.prefix_cache.stats.evicted_blocks fo
 # gets a name (its hash) when it is computed, and a finished request's named blocks return to the
 # free queue *still named*, in case a later prompt matches them. When the allocator has no
 # unnamed free block left, it hands out the least recently freed named one and drops its name:
-# that is the one event `evicted_blocks` counts (`BlockAllocator.allocate` in `labkit/paging.py`;
-# the cache reads the allocator's counter). The short requests share nothing, so no later request
+# that is the one event `num_evictions` counts (`BlockAllocator.allocate` in `labkit/paging.py`). The short requests share nothing, so no later request
 # could have used those blocks: here an eviction is the pool recycling freed memory, and costs
 # nothing. Over a run the pool is recycled about once (the ratio printed above).
 #
@@ -1157,7 +1156,7 @@ assert [len(o) for o in measured.outputs] == [s.output_len for s in test_specs]
 # ## Exercises
 
 # %%
-from labkit.exercises import Exercises
+from labkit.exercises import Exercises, Metered, TooManyCalls, calls_made, hidden_rng
 
 ex = Exercises("06_from_fit_to_serve")
 
@@ -1197,7 +1196,8 @@ ex.check("Exercise 1", answer_1, expected=plan_pool(block_size=32).sequences_aft
 # milliseconds, of one decode step of the teaching model (with its Llama-3-8B weights, 2 bytes
 # each) for `batch` sequences that each hold `context` tokens, on a device with `bandwidth` bytes
 # per second. Read the weights once, each sequence's history, and write one new token's K/V per
-# sequence. Use `MODEL_COSTS["teaching model"].weight_bytes` for the weights.
+# sequence. Use `MODEL_COSTS["teaching model"].weight_bytes` for the weights. The checker draws
+# batches, contexts and devices afresh on every run, and refuses the cost model's own step times.
 
 # %%
 def decode_ms(batch, context, bandwidth):
@@ -1208,14 +1208,20 @@ def decode_ms(batch, context, bandwidth):
     # END SOLUTION
 
 
-ex.check_function("Exercise 2", decode_ms,
-                  [((b, c, DEVICES[d].memory_bandwidth),
-                    CostModel("teaching model", d).memory_bound_step(b, b * c) * 1e3)
-                   for b, c, d in [(1, 100, "L4"), (8, 4096, "H100 SXM"), (64, 2048, "A100 80GB SXM"),
-                                   (6, 8191, "RTX 4090 (24 GiB)")]],
+from labkit import calibration
+
+
+def ex2_cases() -> list:
+    """A single sequence, then batches and contexts drawn afresh, each on a device drawn afresh."""
+    rng = hidden_rng()
+    settings = [(1, rng.randint(0, 200))] + [(rng.randint(2, 256), rng.randint(1, 16_384)) for _ in range(4)]
+    return [((b, c, DEVICES[d].memory_bandwidth), CostModel("teaching model", d).memory_bound_step(b, b * c) * 1e3)
+            for (b, c), d in zip(settings, (rng.choice(sorted(DEVICES)) for _ in settings))]
+
+
+ex.check_function("Exercise 2", decode_ms, ex2_cases(),
                   rel_tol=1e-9, hint="bytes = weights + batch × (context + 1) × 131,072; divide by the bandwidth.",
-                  forbid=[CostModel.memory_bound_step, CostModel.step, CostModel.decode_step_time,
-                          CostModel.time_from_sums])
+                  forbid=[CostModel, calibration._predict])
 
 # %% [markdown]
 # SOLUTIONS ONLY
@@ -1280,14 +1286,15 @@ ex.check("Exercise 4", answer_4, expected=cost.breakeven_batch(4096), rel_tol=1e
 # given a function `curve` that rises with the rate and `curve(lo) <= target_s < curve(hi)`,
 # return a pair `(a, b)` with `lo <= a < b <= hi`, `b - a <= tol`, `curve(a) <= target_s` and
 # `curve(b) > target_s`, using at most 10 calls of `curve`. The checker hands your search two
-# made-up curves whose threshold it knows, then `ttft_p99` with a target of 1 s; it counts the
-# calls and checks both ends of each interval itself.
+# made-up curves whose threshold it draws afresh on every run, then `ttft_p99` on a workload drawn
+# for the run (its `seed`), with a target of 1 s; it counts the calls and checks both ends of each
+# interval itself.
 
 # %%
-def ttft_p99(rate: float) -> float:
+def ttft_p99(rate: float, seed: int = 5) -> float:
     """TTFT p99 (seconds) of 100 ShareGPT-like requests at ``rate`` requests/s in a 2 GiB pool."""
     run = Simulator(cost, pool_bytes=2 * GiB, max_num_batched_tokens=2048).run(
-        workloads.sharegpt_like(100, arrival_rate=rate, seed=5))
+        workloads.sharegpt_like(100, arrival_rate=rate, seed=seed))
     return run.ttft_percentiles()["p99"]
 
 
@@ -1306,54 +1313,48 @@ def find_rate(curve, target_s: float, lo: float, hi: float, tol: float) -> tuple
     # END STUB
 
 
-class TooManyCalls(Exception):
-    """Raised by the checker's counting curve at the call past the limit."""
-
-
 def check_search(fn, limit: int = 10) -> list[str]:
-    """Run the search on curves whose threshold the checker knows, then on the simulator."""
-    lo, hi, tol = 1.0, 16.0, 0.25
-    memo: dict[float, float] = {}
-
-    def simulated(rate: float) -> float:
-        if rate not in memo:
-            memo[rate] = ttft_p99(rate)
-        return memo[rate]
+    """Run the search on two made-up curves whose threshold the checker draws, then on the simulator
+    with a workload drawn afresh. The search gets each curve behind a counter it cannot reset."""
+    rng = hidden_rng()
+    lo, hi, tol, target = 1.0, 16.0, 0.25, 1.0
 
     def step_at(threshold: float):
         """A made-up curve: 0.5 s up to ``threshold`` requests/s, 5 s past it."""
         return lambda rate: 0.5 if rate <= threshold else 5.0
 
-    cases = [("a made-up curve with its step at 3.3 req/s", step_at(3.3), 1.0),
-             ("a made-up curve with its step at 12.7 req/s", step_at(12.7), 1.0),
-             ("ttft_p99", simulated, 1.0)]
-    problems = []
-    for label, curve, target in cases:
-        calls = []
+    memo: dict[float, float] = {}
+    seed = rng.randrange(10**6)  # a fresh workload moves the rate that meets the target
+    while not ttft_p99(lo, seed) <= target < ttft_p99(hi, seed):  # the promise made to the search
+        seed = rng.randrange(10**6)
 
-        def counted(rate: float) -> float:
-            calls.append(rate)
-            if len(calls) > limit:
-                raise TooManyCalls
-            return curve(float(rate))
+    def simulated(rate: float) -> float:
+        if rate not in memo:
+            memo[rate] = ttft_p99(rate, seed)
+        return memo[rate]
 
-        assert curve(lo) <= target < curve(hi)  # the promise made to the search
+    cases = [("a made-up curve with a step below 8 req/s", step_at(rng.uniform(lo + tol, 8.0))),
+             ("a made-up curve with a step above 8 req/s", step_at(rng.uniform(8.0, hi - tol))),
+             ("ttft_p99 on a workload drawn for this run", simulated)]
+    for label, curve in cases:
+        metered = Metered(curve, limit)  # no closure, no attributes: the count and the curve stay the checker's
         try:
-            answer = fn(counted, target, lo, hi, tol)
+            answer = fn(metered, target, lo, hi, tol)
         except TooManyCalls:
-            problems.append(f"{label}: more than {limit} calls")
-            continue
-        if not (isinstance(answer, tuple) and len(answer) == 2):
-            problems.append(f"{label}: return a pair (a, b), got {answer!r}")
-            continue
-        a, b = (float(x) for x in answer)
+            answer = None
+        pair = type(answer) is tuple and len(answer) == 2 and \
+            all(isinstance(x, (int, float)) and not isinstance(x, bool) for x in answer)
+        a, b = (float(x) for x in answer) if pair else (None, None)  # plain floats, before counting the calls
+        if calls_made(metered) > limit:
+            return [f"{label}: more than {limit} calls"]
+        if not pair:
+            return [f"{label}: return a pair of numbers (a, b), got {answer!r}"]
         if not lo <= a < b <= hi or b - a > tol:
-            problems.append(f"{label}: ({a:g}, {b:g}) is not an interval of width <= {tol} in [{lo}, {hi}]")
-        elif not curve(a) <= target < curve(b):
-            problems.append(f"{label}: the curve is {curve(a):.2f} s at {a:g} req/s and {curve(b):.2f} s at "
-                            f"{b:g} req/s, which does not bracket the target {target} s (search the curve you "
-                            f"are given)")
-    return problems
+            return [f"{label}: ({a:g}, {b:g}) is not an interval of width <= {tol} in [{lo}, {hi}]"]
+        if not curve(a) <= target < curve(b):  # the checker's own evaluations, not counted
+            return [f"{label}: the curve is {curve(a):.2f} s at {a:g} req/s and {curve(b):.2f} s at {b:g} req/s, "
+                    f"which does not bracket the target {target} s (search the curve you are given)"]
+    return []
 
 
 ex.check_behaviour("Exercise 5", find_rate, check_search,

@@ -461,12 +461,14 @@ class PrefixKVCache(KVPool):
         if self.table is not None:
             raise ValueError("a sequence is running: call end() before begin()")
         self.table, num_cached = self.prefix.allocate(prompt_ids, key or self.key())
+        if self.reuse:  # one admission, one lookup: counted as vLLM's scheduler counts it
+            self.prefix.stats.record(len(prompt_ids), num_cached)
         self.seq_len = num_cached
         return num_cached
 
     def extend(self, token_ids: Sequence[int]) -> None:
         """Reserve slots for decode tokens; copy a shared tail block first (copy-on-write)."""
-        self.copy_blocks(self.prefix.append(self._running(), token_ids).copies)
+        self.copy_blocks(self.prefix.append(self._running(), token_ids))
 
     def end(self) -> None:
         """The sequence finished: release its blocks (its full blocks stay cached)."""

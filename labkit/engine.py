@@ -7,7 +7,8 @@ Each ``Engine.step()`` follows what vLLM v1 does each iteration (``vllm/v1/engin
    token budget and the free blocks, admits waiting requests with their prefix-cache
    hits (chapter 04), preempts when blocks run out, and assigns every new token a slot.
 2. labkit only: copy-on-write pairs are applied to the K/V pools (block ``src`` -> ``dst``,
-   all layers). They come from ``Scheduler.fork``, chapter 04's way to sample several
+   all layers). They come from ``ForkingScheduler.fork`` (``labkit.forking``, pass
+   ``scheduler_cls=ForkingScheduler``), chapter 04's way to sample several
    answers from one prompt: the twins share every block, and the first to write into a
    shared, partly filled tail gets a private copy. vLLM v1 does no such copy: its parallel
    sampling makes independent child requests (``vllm/v1/engine/parallel_sampling.py``),
@@ -31,7 +32,7 @@ chapter 06's simulator drives without a model.
 
 from __future__ import annotations
 
-from typing import Any, Callable, Sequence
+from typing import Sequence
 
 import torch
 
@@ -50,8 +51,9 @@ class Engine:
     ``model``: a ``labkit.model.Decoder``. ``num_blocks`` blocks of ``block_size`` tokens
     form the K/V pool; ``max_num_batched_tokens`` is the token budget of a step and
     ``max_num_seqs`` the most requests running at once.
-    ``enable_prefix_caching``, ``priority``, ``full_sequence_must_fit`` (vLLM's admission gate, on
-    by default): passed to the ``Scheduler``. ``dtype``: of the
+    ``enable_prefix_caching``, ``full_sequence_must_fit`` (vLLM's admission gate, on by default):
+    passed to the scheduler, an instance of ``scheduler_cls`` (a ``Scheduler`` or a variant of it,
+    such as ``labkit.forking.ForkingScheduler``). ``dtype``: of the
     K/V pool (default: the model's). ``use_triton``: the Triton kernels (default) or their
     PyTorch references. Greedy decoding; ``stats`` holds one ``StepStats`` per step.
 
@@ -62,7 +64,7 @@ class Engine:
 
     def __init__(self, model: Decoder, num_blocks: int, block_size: int = 16, max_num_batched_tokens: int = 256,
                  *, max_num_seqs: int = 256, enable_prefix_caching: bool = True,
-                 priority: Callable[[Request], Any] | None = None, full_sequence_must_fit: bool = True,
+                 full_sequence_must_fit: bool = True, scheduler_cls: type[Scheduler] = Scheduler,
                  dtype: torch.dtype | None = None, use_triton: bool = True):
         if not isinstance(model, Decoder):
             raise ValueError(f"model must be a labkit.model.Decoder, got {type(model).__name__}")
@@ -72,9 +74,11 @@ class Engine:
         cfg = model.config
         key = CacheKey(model=f"labkit Decoder {id(model):#x}",  # these weights, in this process
                        cache_dtype=str(self.dtype).removeprefix("torch."), rope_theta=float(cfg.rope_theta))
-        self.scheduler = Scheduler(num_blocks, block_size, max_num_batched_tokens, max_num_seqs=max_num_seqs,
-                                   enable_prefix_caching=enable_prefix_caching, priority=priority, cache_key=key,
-                                   full_sequence_must_fit=full_sequence_must_fit)
+        if not (isinstance(scheduler_cls, type) and issubclass(scheduler_cls, Scheduler)):
+            raise ValueError(f"scheduler_cls must be labkit.scheduler.Scheduler or a subclass, got {scheduler_cls!r}")
+        self.scheduler = scheduler_cls(num_blocks, block_size, max_num_batched_tokens, max_num_seqs=max_num_seqs,
+                                       enable_prefix_caching=enable_prefix_caching, cache_key=key,
+                                       full_sequence_must_fit=full_sequence_must_fit)
         self.backend = KVPool(cfg, num_blocks, block_size, self.dtype, weight.device, use_triton)
         self.stats: list[StepStats] = []
 

@@ -2,64 +2,312 @@
 
 A reader's unsolved stub never breaks a chapter: the checker says "not solved
 yet" and names the notebook in solutions/ that holds the answer. In solutions/
-the notebook calls ``Exercises(..., strict=True)``, and there a checker that does
-not pass raises, so the notebook tests (nbval) fail.
+the notebook sets ``ex.strict = True``, and there a checker that does not pass
+raises, so the notebook tests (nbval) fail.
 
 Expected values are always computed, usually with labkit itself, never typed in.
 
-Two rules keep a checker honest:
+The rules that keep a checker honest, each tried against answers written to game it
+(``tests/test_exercise_checkers.py``):
 
 * any error in the reader's code (other than the stub's ``NotImplementedError``) becomes a ❌
   with the error's type, its message and the hint, never a traceback that hides the verdict;
-* ``forbid=`` names labkit functions the exercise asks the reader to write: handing one in
-  under a new name, or calling it from inside the answer, is refused. The check watches the
-  calls themselves (``sys.setprofile``), so a wrapper or a lambda around the library function
-  is caught as well as the function itself.
+* an answer is compared as a plain value (numbers, strings, tuples, lists, dicts, tensors),
+  so an object that claims to equal everything is refused;
+* a function answer gets *copies* of its inputs: rewriting what it was handed changes nothing
+  the checker compares against;
+* hidden cases are drawn afresh on every run (``hidden_rng``), so an answer fitted to one
+  draw, or pasted from an earlier run, fails the next; a notebook still prints the same
+  verdict line every time;
+* ``forbid=`` names the labkit functions (or whole classes) that the exercise asks the reader to
+  write. Handing one in under a new name, or calling it from inside the answer, is refused.
+  The check watches the calls themselves (``_Watch``, a profiler): in the checker's thread, in
+  every thread the answer starts, in the workers of thread pools made before, and on Python
+  3.12+ in every running thread. An answer that switches the watch off, starts another
+  process, or starts a thread the watch cannot see gets a ❌ too;
+* ``Metered`` hands an answer a function that counts its calls and keeps the count, and the
+  function behind it, out of the answer's reach;
+* ``triton_launches`` records which Triton kernels really ran, so a kernel exercise can tell a
+  launched kernel from an imitation that computes in PyTorch.
+
+All of this runs in the reader's own Python process, so it guards against shortcuts, not
+against an answer that sets out to take the checker apart (``ctypes``, or reading the
+checker's frames and private tables): the point is learning, not security.
 """
 
 from __future__ import annotations
 
+import copy
+import dataclasses
+import functools
+import importlib.util
 import math
+import os
+import random
+import secrets
 import sys
+import threading
+import types
+import weakref
 from contextlib import contextmanager
 from typing import Any, Callable, Iterable, Iterator
 
 import torch
 
+__all__ = ["Exercises", "hidden_rng", "torch_generator", "given_copies", "Metered", "TooManyCalls", "calls_made",
+           "is_triton_kernel", "triton_launches"]
+
+
+# --------------------------------------------------------------------------- comparing answers
+
+
+class _NotPlain(TypeError):
+    """An answer of a type the checker does not compare (it could claim to equal anything)."""
+
+
+_SCALARS = (bool, int, float, complex, str, bytes, type(None))
+
+
+def _plain(value: Any) -> Any:
+    """``value`` rebuilt from plain types only, so comparing it runs no code of the reader's.
+
+    Numbers, strings, tuples, lists, dicts, sets, tensors (copied, on the CPU), NumPy scalars and
+    arrays, and dataclasses (as their type's name and fields). Subclasses are not plain: an
+    ``int`` subclass may redefine ``==``. Anything else raises ``_NotPlain``.
+    """
+    kind = type(value)
+    if kind in _SCALARS:
+        return value
+    if kind in (tuple, list):
+        return kind(_plain(v) for v in value)
+    if kind is dict:
+        return {_plain(k): _plain(v) for k, v in value.items()}
+    if kind in (set, frozenset):
+        return kind(_plain(v) for v in value)
+    if isinstance(value, torch.Tensor) and kind.__module__.startswith("torch"):  # torch's own tensor types
+        return value.detach().cpu().clone()
+    if kind.__module__ == "numpy":  # NumPy's own scalars and arrays, not a subclass defined elsewhere
+        if hasattr(value, "item") and getattr(value, "shape", None) == ():
+            return _plain(value.item())
+        if kind.__name__ == "ndarray" and value.dtype.kind in "biuf":
+            return torch.as_tensor(value.copy())
+    if dataclasses.is_dataclass(value) and not isinstance(value, type):
+        return (kind.__qualname__,) + tuple(_plain(getattr(value, f.name)) for f in dataclasses.fields(value))
+    raise _NotPlain(f"of type `{kind.__name__}`")
+
 
 def _close(got: Any, expected: Any, rel_tol: float) -> bool:
+    """Whether two plain values are equal: floats within ``rel_tol``, tensors of one shape elementwise."""
+    if isinstance(expected, torch.Tensor) or isinstance(got, torch.Tensor):
+        try:
+            got, expected = torch.as_tensor(got), torch.as_tensor(expected)
+            return got.shape == expected.shape and bool(torch.allclose(
+                got.double(), expected.double(), rtol=max(rel_tol, 1e-9), atol=1e-9))
+        except (TypeError, ValueError, RuntimeError):  # a reader's answer of the wrong kind
+            return False
     if isinstance(expected, float) or isinstance(got, float):
         try:
             return math.isclose(float(got), float(expected), rel_tol=rel_tol, abs_tol=1e-12)
         except (TypeError, ValueError):
             return False
-    if isinstance(expected, torch.Tensor) or isinstance(got, torch.Tensor):
-        try:
-            return bool(torch.allclose(torch.as_tensor(got).double(), torch.as_tensor(expected).double(),
-                                       rtol=max(rel_tol, 1e-9), atol=1e-9))
-        except (TypeError, ValueError, RuntimeError):  # a reader's answer of the wrong kind or shape
-            return False
+    if type(expected) in (tuple, list) and type(got) is type(expected):
+        return len(got) == len(expected) and all(_close(g, e, rel_tol) for g, e in zip(got, expected))
+    if type(expected) is dict and type(got) is dict:
+        return got.keys() == expected.keys() and all(_close(got[k], expected[k], rel_tol) for k in expected)
     return got == expected
 
 
-class _ForbiddenCall(Exception):
-    """Raised inside a checker when the reader's answer runs a library function it should replace."""
-
-    def __init__(self, fn: Callable[..., Any]):
-        super().__init__(f"{fn.__module__}.{fn.__qualname__}")
-        self.fn = fn
+# --------------------------------------------------------------------------- hidden cases and copies
 
 
-def _code_of(fn: Callable[..., Any]) -> Any:
-    """The code object a call to ``fn`` runs (through functools.wraps and bound methods)."""
-    fn = getattr(fn, "__func__", fn)
-    while hasattr(fn, "__wrapped__"):
-        fn = fn.__wrapped__
-    return getattr(fn, "__code__", None)
+def hidden_rng() -> random.Random:
+    """A random generator for a checker's hidden cases, seeded afresh from the operating system.
+
+    Every run draws new cases, so no answer can be fitted to them; build the cases so that
+    each run covers the same kinds (edges included), and the verdict line stays the same.
+    """
+    return random.Random(secrets.randbits(64))
+
+
+def torch_generator(rng: random.Random) -> torch.Generator:
+    """A ``torch.Generator`` seeded from ``rng``, for random tensors in hidden cases."""
+    return torch.Generator().manual_seed(rng.getrandbits(62))
+
+
+def given_copies(fn: Callable[..., Any]) -> Callable[..., Any]:
+    """``fn``, called with deep copies of its arguments: what the answer rewrites stays its own.
+
+    Objects that must stay shared (such as a ``Metered`` function) return themselves from
+    ``__deepcopy__``.
+    """
+    @functools.wraps(fn)
+    def with_copies(*args: Any, **kwargs: Any) -> Any:
+        return fn(*copy.deepcopy(args), **copy.deepcopy(kwargs))
+
+    return with_copies
+
+
+# --------------------------------------------------------------------------- a function that counts its calls
+
+
+class TooManyCalls(Exception):
+    """Raised by a ``Metered`` function at each call past its limit."""
+
+
+class _Meter:
+    def __init__(self, fn: Callable[..., Any], limit: int):
+        self.fn, self.limit, self.calls = fn, limit, 0
+
+
+_METERS: "weakref.WeakKeyDictionary[Metered, _Meter]" = weakref.WeakKeyDictionary()
+
+
+class Metered:
+    """``fn`` behind a counter: the answer may call it ``limit`` times, and cannot undo a call.
+
+    The function and its count are kept in a table private to this module, not in the object:
+    it has no attributes, no closure, cannot be copied (a copy is the object itself) or pickled,
+    so an answer can neither reset the count nor reach the uncounted function. The checker
+    reads the count with ``calls_made``.
+    """
+
+    __slots__ = ("__weakref__",)
+
+    def __init__(self, fn: Callable[..., Any], limit: int):
+        _METERS[self] = _Meter(fn, limit)
+
+    def __call__(self, *args: Any) -> Any:
+        meter = _METERS[self]
+        meter.calls += 1
+        if meter.calls > meter.limit:
+            raise TooManyCalls(f"more than {meter.limit} calls")
+        return meter.fn(*args)
+
+    def __repr__(self) -> str:
+        return "<a function that counts its calls>"
+
+    def __copy__(self) -> "Metered":
+        return self
+
+    def __deepcopy__(self, memo: dict) -> "Metered":
+        return self
+
+    def __reduce__(self) -> Any:
+        raise TypeError("a Metered function cannot be pickled")
+
+
+def calls_made(metered: Metered) -> int:
+    """How many times ``metered`` was called, refused calls included."""
+    return _METERS[metered].calls
+
+
+# --------------------------------------------------------------------------- Triton kernels that really ran
+
+
+def _triton_classes() -> tuple[type, ...]:
+    """The classes ``@triton.jit`` makes: compiled (``JITFunction``) and interpreted."""
+    from triton.runtime.interpreter import InterpretedFunction
+    from triton.runtime.jit import JITFunction
+
+    return JITFunction, InterpretedFunction
+
+
+def is_triton_kernel(kernel: object) -> bool:
+    """Whether ``kernel`` is what ``@triton.jit`` returns, untouched: not a subclass, no ``run`` of its own."""
+    if importlib.util.find_spec("triton") is None:
+        return False
+    return type(kernel) in _triton_classes() and "run" not in vars(kernel)
+
+
+def _from_triton(fn: Callable[..., Any]) -> bool:
+    import triton
+
+    code = getattr(fn, "__code__", None)
+    return code is not None and code.co_filename.startswith(os.path.dirname(triton.__file__))
+
+
+@contextmanager
+def triton_launches() -> Iterator[list[tuple[Callable[..., Any], Any]]]:
+    """Record ``(python function, grid)`` of every Triton kernel launched while the block runs.
+
+    It wraps the two places a launch ends up, ``JITFunction.run`` (compiled) and the
+    interpreter's ``GridExecutor`` (every program of the grid run on the CPU), and records a
+    launch once it has run. If either was replaced by something outside Triton, nothing is
+    recorded: an output is the work of a kernel only if the kernel is on this list.
+    """
+    from triton.runtime import interpreter, jit
+
+    launched: list[tuple[Callable[..., Any], Any]] = []
+    compiled_run, interpreted_call = jit.JITFunction.run, interpreter.GridExecutor.__call__
+    honest = _from_triton(compiled_run) and _from_triton(interpreted_call)
+
+    def recording_run(self, *args, grid, warmup, **kwargs):  # noqa: ANN001 (Triton's signature)
+        kernel = compiled_run(self, *args, grid=grid, warmup=warmup, **kwargs)
+        if honest and not warmup and kernel is not None:
+            launched.append((self.fn, grid))
+        return kernel
+
+    def recording_call(self, *args, **kwargs):  # noqa: ANN001
+        interpreted_call(self, *args, **kwargs)
+        originals = {id(rewritten): fn for fn, rewritten in interpreter.InterpretedFunction.rewritten_fn.items()}
+        if honest:
+            launched.append((originals.get(id(self.fn), self.fn), self.grid))
+
+    jit.JITFunction.run, interpreter.GridExecutor.__call__ = recording_run, recording_call
+    try:
+        yield launched
+    finally:
+        jit.JITFunction.run, interpreter.GridExecutor.__call__ = compiled_run, interpreted_call
+
+
+# --------------------------------------------------------------------------- watching the answer's calls
+
+
+class _Refused(BaseException):
+    """Raised inside a checker when the answer does what the watch refuses.
+
+    A ``BaseException``, so an answer's ``except Exception`` does not swallow it; the watch
+    also records the reason, so even a swallowed refusal gives a ❌.
+    """
+
+
+def _functions_of(item: Any) -> list[types.FunctionType]:
+    """The Python functions behind a forbid entry: a function, a method, a property, or a whole class."""
+    if isinstance(item, type):
+        return [f for klass in item.__mro__[:-1]  # the class and its bases, not ``object``
+                for attr in vars(klass).values() if not isinstance(attr, type) for f in _functions_of(attr)]
+    if isinstance(item, property):
+        return [f for g in (item.fget, item.fset, item.fdel) if g is not None for f in _functions_of(g)]
+    if isinstance(item, (staticmethod, classmethod)):
+        return _functions_of(item.__func__)
+    if isinstance(item, functools.cached_property):
+        return _functions_of(item.func)
+    fn = getattr(item, "__func__", item)  # a bound method: its function
+    found = []
+    while True:
+        if isinstance(fn, types.FunctionType):
+            found.append(fn)
+        if not hasattr(fn, "__wrapped__"):
+            return found
+        fn = fn.__wrapped__  # functools.wraps: the wrapper and the function it wraps
+
+
+def _code_of(fn: Any) -> Any:
+    """The code object a call to the reader's ``fn`` runs first (through functools.wraps, bound
+    methods, functools.partial and callable objects)."""
+    if isinstance(fn, functools.partial):
+        return _code_of(fn.func)
+    inner = getattr(fn, "__func__", fn)
+    while hasattr(inner, "__wrapped__"):
+        inner = inner.__wrapped__
+    if isinstance(inner, types.FunctionType):
+        return inner.__code__
+    call = getattr(type(fn), "__call__", None)  # a callable object: its __call__
+    return call.__code__ if isinstance(call, types.FunctionType) else None
 
 
 def _runs_inside(frame: Any, code: Any) -> bool:
-    """Whether ``code`` is on the call stack above ``frame``."""
+    """Whether ``code`` is on the call stack at ``frame`` or above it."""
     while frame is not None:
         if frame.f_code is code:
             return True
@@ -67,35 +315,227 @@ def _runs_inside(frame: Any, code: Any) -> bool:
     return False
 
 
-@contextmanager
-def _refuse_calls(forbid: Iterable[Callable[..., Any]], answer: Any = None) -> Iterator[None]:
-    """Raise ``_ForbiddenCall`` as soon as one of ``forbid`` starts running, under any name.
+def _name(fn: Callable[..., Any]) -> str:
+    return f"{fn.__module__}.{fn.__qualname__}"
 
-    With ``answer`` (the reader's function), only calls made while it runs count, so a checker may
-    still use the library function to compute what it expects.
-    """
-    inside = _code_of(answer) if answer is not None else None
-    codes = {_code_of(f): f for f in forbid if _code_of(f) is not None}
-    if not codes:
-        yield
-        return
-    previous = sys.getprofile()
 
-    def profile(frame, event, arg):  # noqa: ANN001 (sys.setprofile's signature)
-        if event == "call" and frame.f_code in codes and (inside is None or _runs_inside(frame, inside)):
-            sys.setprofile(None)  # the exception unwinds through frames we no longer need to watch
-            raise _ForbiddenCall(codes[frame.f_code])
+def _process_entry_points() -> dict[Any, str]:
+    """The Python functions through which work reaches another process, where no watch can follow:
+    starting one, and sending to one started before (a pipe, a queue, a pool)."""
+    import multiprocessing.connection
+    import multiprocessing.pool
+    import multiprocessing.process
+    import multiprocessing.queues
+    import subprocess
+    from concurrent.futures import process
 
-    sys.setprofile(profile)
+    reason = "hands work to another process (`{}`), where the checker cannot watch it"
+    functions = [multiprocessing.process.BaseProcess.start, multiprocessing.connection._ConnectionBase.send,
+                 multiprocessing.connection._ConnectionBase.send_bytes, multiprocessing.queues.Queue.put,
+                 multiprocessing.pool.Pool._check_running, process.ProcessPoolExecutor.submit, subprocess.Popen.__init__]
+    return {f.__code__: reason.format(_name(f)) for f in functions}
+
+
+def _refused_builtins() -> dict[Any, str]:
+    """C functions an answer may not call while watched, each with the reason."""
+    import _thread
+
+    refused: dict[Any, str] = {sys.setprofile: "switches the checker's watch off (`sys.setprofile`)",
+                               sys.getprofile: "reads the checker's watch (`sys.getprofile`)"}
+    if hasattr(sys, "_setprofileallthreads"):  # Python 3.12+
+        refused[sys._setprofileallthreads] = "switches the checker's watch off (`sys._setprofileallthreads`)"
+    for name in ("fork", "forkpty", "posix_spawn", "posix_spawnp", "system", "execv", "execve"):
+        if hasattr(os, name):
+            refused[getattr(os, name)] = f"starts another process (`os.{name}`), where the checker cannot watch it"
     try:
-        yield
-    finally:
+        import _posixsubprocess
+
+        refused[_posixsubprocess.fork_exec] = "starts another process (`_posixsubprocess.fork_exec`), where the " \
+                                              "checker cannot watch it"
+    except ImportError:  # not on Windows
+        pass
+    for name in ("start_new", "start_new_thread", "start_joinable_thread"):  # the alias first: the name wins
+        if hasattr(_thread, name):
+            refused[getattr(_thread, name)] = (f"starts a thread with `_thread.{name}`, where the checker cannot "
+                                               "watch it (threading.Thread is watched)")
+    return refused
+
+
+_THREAD_START = threading.Thread.start.__code__
+_BOOTSTRAP_INNER = threading.Thread._bootstrap_inner.__code__
+
+
+def _refused_functions() -> dict[Any, str]:
+    """Python functions an answer may not call while watched (code object: reason)."""
+    refused = {f.__code__: f"changes the checker's watch (`threading.{f.__name__}`)"
+               for f in (getattr(threading, n, None) for n in ("setprofile", "getprofile", "setprofile_all_threads"))
+               if f is not None}
+    return {**refused, **_process_entry_points()}
+
+
+def _work_item_class() -> type | None:
+    """``concurrent.futures``' work item: its ``run`` is what a pool's worker thread calls."""
+    try:
+        from concurrent.futures import thread
+    except ImportError:
+        return None
+    return getattr(thread, "_WorkItem", None)
+
+
+class _Watch:
+    """A profiler that refuses the forbidden functions while the reader's answer runs.
+
+    ``sys.setprofile`` reports every function call of one thread to a callback; the watch
+    installs itself in the checker's thread, in threads started while it is open
+    (``threading.setprofile``), on Python 3.12+ in every running thread, and around each job a
+    ``concurrent.futures`` thread pool runs (its workers may predate the check). A call is the
+    answer's when the answer's code is on the stack, or when it happens in another thread.
+
+    It refuses: the forbidden functions; switching the watch off or reading it; starting a
+    process or sending it work (nothing there can be watched); starting a thread outside
+    ``threading``; and a thread the answer started that ran without the watch. After the answer it checks that it is still the
+    profiler everywhere it put itself. ``violation`` says what went wrong, or is ``None``.
+
+    Only a watch with something to forbid profiles anything; an empty one costs nothing.
+    """
+
+    def __init__(self, forbid: Iterable[Any], answer: Any = None):
+        banned = {f.__code__: f"calls `{_name(f)}`; the exercise is to write it yourself"
+                  for item in forbid for f in _functions_of(item)}
+        # What each watched code object means, by id (a cheap key: this is looked up at every call).
+        self._codes: dict[int, tuple[Any, str | None]] = {}
+        if banned:
+            global _REFUSED_FUNCTIONS
+            if _REFUSED_FUNCTIONS is None:
+                _REFUSED_FUNCTIONS = _refused_functions()
+            for code, reason in {**_REFUSED_FUNCTIONS, **banned}.items():
+                self._codes[id(code)] = (code, reason)
+            self._codes[id(_THREAD_START)] = (_THREAD_START, None)  # a thread starts: note it
+        self.inside = _code_of(answer) if answer is not None else None
+        self.violation: str | None = None
+        self._open = False
+        self._thread = 0
+        self._started: list[threading.Thread] = []  # threads started while open
+        self._ran: set[int] = set()  # threads that ran their target under the watch
+
+    # The profile callback: kept short, it runs at every call while the answer runs.
+    def __call__(self, frame: Any, event: str, arg: Any) -> None:
+        if not self._open:
+            sys.setprofile(None)  # a thread that outlived the check: stop watching it
+            return
+        if event == "call":
+            entry = self._codes.get(id(frame.f_code))
+            if entry is None:
+                back = frame.f_back
+                if back is not None and back.f_code is _BOOTSTRAP_INNER:
+                    self._ran.add(threading.get_ident())  # a new thread's run(): it is watched
+            elif entry[1] is None:
+                self._started.append(frame.f_locals.get("self"))  # threading.Thread.start
+            elif self._by_answer(frame):
+                self._refuse(entry[1])
+        elif event == "c_call":
+            try:
+                reason = _REFUSED.get(arg)
+            except TypeError:  # an unhashable callable: nothing refused
+                return
+            if reason is None or frame.f_code in _OWN_CODES:
+                return
+            if frame.f_code is _THREAD_START and "thread" in reason:
+                return  # threading.Thread.start itself: its thread gets the watch
+            if self._by_answer(frame):
+                self._refuse(reason)
+
+    def _by_answer(self, frame: Any) -> bool:
+        if threading.get_ident() != self._thread:
+            return True  # another thread: only the answer starts threads or hands them work while watched
+        return self.inside is None or _runs_inside(frame, self.inside)
+
+    def _refuse(self, reason: str) -> None:
+        if self.violation is None:
+            self.violation = reason
+        sys.setprofile(None)  # the exception unwinds through frames there is no need to watch
+        raise _Refused(reason)
+
+    def _watched_job(self, run: Callable[[Any], None]) -> Callable[[Any], None]:
+        """A thread pool job's ``run``, under the watch (the pool's worker may be older than the check)."""
+        def run_watched(item: Any) -> None:
+            _run_watched(self, run, item)
+
+        return run_watched
+
+    def __enter__(self) -> "_Watch":
+        if not self._codes:
+            return self
+        self._thread = threading.get_ident()
+        self._previous = (sys.getprofile(), threading._profile_hook)
+        self._work_item = _work_item_class()
+        if self._work_item is not None:
+            self._job_run = self._work_item.run
+            self._watched_run = self._watched_job(self._job_run)
+            self._work_item.run = self._watched_run
+        self._open = True
+        threading.setprofile(self)
+        if hasattr(threading, "setprofile_all_threads"):  # Python 3.12+: threads already running too
+            threading.setprofile_all_threads(self)
+        sys.setprofile(self)
+        return self
+
+    def __exit__(self, *exc: Any) -> bool:
+        if not self._codes:
+            return False
+        tampered = sys.getprofile() is not self or threading._profile_hook is not self or \
+            (self._work_item is not None and vars(self._work_item).get("run") is not self._watched_run)
+        for t in self._started:  # each thread the answer started must have run under the watch
+            if t is not None and t.ident not in self._ran and self.violation is None:
+                t.join(timeout=1.0)  # it may not have reached its target yet
+                if t.ident not in self._ran and self.violation is None:
+                    self.violation = "starts a thread that ran without the checker's watch"
+        self._open = False
+        _restore_profiler(self._previous[0])
+        threading.setprofile(self._previous[1])
+        if self._work_item is not None:
+            self._work_item.run = self._job_run
+        if tampered and self.violation is None:
+            self.violation = "switched off or replaced the checker's watch (sys.setprofile / threading.setprofile)"
+        return False
+
+
+def _restore_profiler(previous: Any) -> None:
+    """Put back the profiler this thread had: a Python callback, or a C profiler such as cProfile's."""
+    if previous is None or callable(previous):
         sys.setprofile(previous)
+    elif callable(getattr(previous, "enable", None)):  # cProfile.Profile: it installs itself
+        sys.setprofile(None)
+        previous.enable()
+    else:
+        sys.setprofile(None)
+
+
+def _run_watched(watch: _Watch, run: Callable[[Any], None], item: Any) -> None:
+    """``run(item)`` with ``watch`` as this thread's profiler, then the profiler it had before."""
+    previous = sys.getprofile()
+    sys.setprofile(watch)
+    try:
+        run(item)
+    finally:
+        _restore_profiler(previous)
+
+
+_REFUSED = _refused_builtins()
+_REFUSED_FUNCTIONS: dict[Any, str] | None = None  # _refused_functions(), made by the first watch
+_OWN_CODES = {_Watch.__enter__.__code__, _Watch.__exit__.__code__, _run_watched.__code__, _restore_profiler.__code__}
+
+
+# --------------------------------------------------------------------------- the checkers
 
 
 def _error_text(err: BaseException) -> str:
     text = str(err).strip().split("\n")[0]
     return f"{type(err).__name__}: {text}" if text else type(err).__name__
+
+
+def _shown(args: tuple) -> str:
+    return ", ".join(f"<tensor {tuple(a.shape)}>" if isinstance(a, torch.Tensor) else repr(a) for a in args)
 
 
 class Exercises:
@@ -118,77 +558,108 @@ class Exercises:
             raise AssertionError(msg)
         print(msg)
 
-    def check(self, name: str, answer: Any, expected: Any, *, rel_tol: float = 0.0, hint: str = "") -> None:
-        """Compare a value the reader computed with the expected one."""
-        if answer is None or answer is Ellipsis:
-            return self._not_solved(name)
-        if not _close(answer, expected, rel_tol):
-            return self._wrong(name, f"Your answer was {answer!r}.", hint)
-        print(f"✅ {name}: correct.")
-
-    def _forbidden(self, name: str, fn: Callable[..., Any], hint: str) -> None:
-        return self._wrong(name, f"your answer uses labkit's own `{fn.__module__}.{fn.__qualname__}`; "
-                                 "the exercise is to write it yourself.", hint)
+    def _refused(self, name: str, reason: str, hint: str) -> None:
+        return self._wrong(name, f"your answer {reason}.", hint)
 
     def _crashed(self, name: str, err: BaseException, hint: str) -> None:
         return self._wrong(name, f"your code raised {_error_text(err)}.", hint)
 
+    def _not_plain(self, name: str, err: _NotPlain, hint: str) -> None:
+        return self._wrong(name, f"your answer is {err}; give a plain value (a number, a string, a tuple, a list, "
+                                 "a dict or a tensor).", hint)
+
+    def _handed_in(self, name: str, answer: Any, forbid: list[Any], hint: str) -> bool:
+        """Refuse an answer that *is* a forbidden function under another name."""
+        code = _code_of(answer)
+        for item in forbid:
+            for f in _functions_of(item):
+                if code is f.__code__:
+                    self._refused(name, f"is `{_name(f)}` itself; the exercise is to write it yourself", hint)
+                    return True
+        return False
+
+    def check(self, name: str, answer: Any, expected: Any, *, rel_tol: float = 0.0, hint: str = "") -> None:
+        """Compare a value the reader computed with the expected one."""
+        if answer is None or answer is Ellipsis:
+            return self._not_solved(name)
+        try:
+            got = _plain(answer)
+        except _NotPlain as err:
+            return self._not_plain(name, err, hint)
+        if not _close(got, _plain(expected), rel_tol):
+            return self._wrong(name, f"Your answer was {got!r}.", hint)
+        print(f"✅ {name}: correct.")
+
     def check_function(self, name: str, fn: Callable[..., Any], cases: Iterable[tuple[tuple, Any]], *,
-                       rel_tol: float = 0.0, hint: str = "",
-                       forbid: Iterable[Callable[..., Any]] = ()) -> None:
+                       rel_tol: float = 0.0, hint: str = "", forbid: Iterable[Any] = ()) -> None:
         """Call the reader's ``fn(*args)`` for each ``(args, expected)`` case.
 
-        ``forbid``: the library functions this exercise rebuilds; an answer that is one of them,
-        or calls one, gets a ❌.
+        ``fn`` gets deep copies of ``args``, and its result is compared as a plain value.
+        ``forbid``: the library functions (or classes) this exercise rebuilds; an answer that is
+        one of them, or calls one, in any thread, gets a ❌.
         """
         cases, forbid = list(cases), list(forbid)
         if fn is None or fn is Ellipsis:
             return self._not_solved(name)
-        for banned in forbid:
-            if _code_of(fn) is not None and _code_of(fn) is _code_of(banned):
-                return self._forbidden(name, banned, hint)
+        if self._handed_in(name, fn, forbid, hint):
+            return None
         for args, expected in cases:
+            watch = _Watch(forbid, answer=fn)
+            given = copy.deepcopy(args)
             try:
-                with _refuse_calls(forbid, answer=fn):
-                    got = fn(*args)
+                with watch:
+                    got = _plain(fn(*given))  # made plain while watched: nothing of the answer's runs later
+            except _Refused:
+                pass  # the watch holds the reason
             except NotImplementedError:
-                return self._not_solved(name)
-            except _ForbiddenCall as err:
-                return self._forbidden(name, err.fn, hint)
+                if watch.violation is None:
+                    return self._not_solved(name)
+            except _NotPlain as err:
+                if watch.violation is None:
+                    return self._not_plain(name, err, hint)
             except Exception as err:  # the reader's bug: a verdict, not a traceback
-                return self._crashed(name, err, hint)
+                if watch.violation is None:
+                    return self._crashed(name, err, hint)
+            if watch.violation is not None:
+                return self._refused(name, watch.violation, hint)
             if got is None or got is Ellipsis:
                 return self._not_solved(name)
-            if not _close(got, expected, rel_tol):
-                shown = ", ".join(repr(a) if not hasattr(a, "shape") else f"<tensor {tuple(a.shape)}>" for a in args)
-                return self._wrong(name, f"{getattr(fn, '__name__', 'fn')}({shown}) gave {got!r}.", hint)
+            if not _close(got, _plain(expected), rel_tol):
+                return self._wrong(name, f"{getattr(fn, '__name__', 'fn')}({_shown(args)}) gave {got!r}.", hint)
         print(f"✅ {name}: correct on all {len(cases)} cases.")
 
     def check_behaviour(self, name: str, solution: Any, verify: Callable[[Any], list[str]], *,
-                        hint: str = "", forbid: Iterable[Callable[..., Any]] = ()) -> None:
+                        hint: str = "", forbid: Iterable[Any] = ()) -> None:
         """Run the reader's ``solution`` (a function, a policy, a setting) and judge what it *does*.
 
         ``verify(solution)`` exercises it on cases built by the chapter (a workload, a stream,
         random tensors) and returns the list of broken expectations, each a sentence; an
-        empty list passes. A stub (``None``, ``...``, or a function raising
-        ``NotImplementedError``) counts as not solved yet; any other error is a ❌ with the hint.
-        ``forbid`` works as in ``check_function``, while ``verify`` runs.
+        empty list passes. A function ``solution`` is handed to ``verify`` wrapped so that it
+        gets deep copies of its arguments (``given_copies``). A stub (``None``, ``...``, or a
+        function raising ``NotImplementedError``) counts as not solved yet; any other error is
+        a ❌ with the hint. ``forbid`` works as in ``check_function``, while ``verify`` runs.
         """
         forbid = list(forbid)
         if solution is None or solution is Ellipsis:
             return self._not_solved(name)
-        for banned in forbid:
-            if _code_of(solution) is not None and _code_of(solution) is _code_of(banned):
-                return self._forbidden(name, banned, hint)
+        if self._handed_in(name, solution, forbid, hint):
+            return None
+        handed = given_copies(solution) if isinstance(solution, (types.FunctionType, types.MethodType)) else solution
+        watch = _Watch(forbid, answer=solution if callable(solution) else None)
+        problems: list[str] = []
         try:
-            with _refuse_calls(forbid, answer=solution if callable(solution) else None):
-                problems = list(verify(solution))
+            with watch:
+                problems = list(verify(handed))
+        except _Refused:
+            pass
         except NotImplementedError:
-            return self._not_solved(name)
-        except _ForbiddenCall as err:
-            return self._forbidden(name, err.fn, hint)
+            if watch.violation is None:
+                return self._not_solved(name)
         except Exception as err:  # the reader's bug: a verdict, not a traceback
-            return self._crashed(name, err, hint)
+            if watch.violation is None:
+                return self._crashed(name, err, hint)
+        if watch.violation is not None:
+            return self._refused(name, watch.violation, hint)
         if problems:
             shown = "; ".join(problems[:3]) + (f" (and {len(problems) - 3} more)" if len(problems) > 3 else "")
             return self._wrong(name, shown + ".", hint)

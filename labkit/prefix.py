@@ -18,7 +18,7 @@ Typical use, with K/V written by the caller::
     cache = PrefixCache(BlockAllocator(64), block_size=16)
     table, num_cached = cache.allocate(prompt_ids, key)  # K/V needed for prompt_ids[num_cached:]
     cache.cache_full_blocks(table)                        # reusable from now on
-    result = cache.append(table, [next_id])               # decode: one more slot
+    copies = cache.append(table, [next_id])               # decode: one more slot (copy a shared tail first)
     cache.release(table)                                  # finished: named blocks stay cached
 """
 
@@ -32,10 +32,10 @@ from dataclasses import astuple, dataclass
 from typing import Callable, Sequence
 
 from .checks import check_flag, check_int, check_token_ids
-from .paging import BlockAllocator, BlockTable, OutOfBlocksError, blocks_needed
+from .paging import BlockAllocator, BlockTable, OutOfBlocksError
 
-__all__ = ["CacheKey", "block_hash", "hash_chain", "PrefixMatch", "AppendResult", "PrefixCacheStats", "CachedBlock",
-           "tail_is_shared", "extra_blocks", "CachedBlockTable", "PrefixCache", "OutOfBlocksError"]
+__all__ = ["CacheKey", "block_hash", "hash_chain", "PrefixMatch", "PrefixCacheStats", "CachedBlock", "tail_is_shared",
+           "extra_blocks", "CachedBlockTable", "BlockHashIndex", "PrefixCache", "OutOfBlocksError"]
 
 
 @dataclass(frozen=True)
@@ -119,40 +119,36 @@ class PrefixMatch:
         return len(self.block_ids)
 
 
-@dataclass(frozen=True)
-class AppendResult:
-    """The appended tokens' pool slots, and the ``(src, dst)`` blocks whose K/V must be copied
-    (every layer) before they are written: ``dst`` replaced a shared tail block."""
-
-    slot_mapping: list[int]
-    copies: list[tuple[int, int]]
-
-
 @dataclass
 class PrefixCacheStats:
-    """Counters since the cache was made. A *hit* is a prompt token whose K/V were found, a *miss*
-    one that had to be computed; an *eviction* drops a named block's name (its K/V are overwritten)."""
+    """Counters since the cache was made, as vLLM keeps them (``vllm/v1/metrics/stats.py``,
+    ``PrefixCacheStats``): each admitted request is recorded once, its *query* being all the
+    tokens it knows and its *hits* those found in the cache. A request admitted again after a
+    preemption goes to the ``preempted_*`` counters, so re-finding its own blocks is no hit.
+    (Evictions are counted by the allocator: ``allocator.num_evictions``.)"""
 
     requests: int = 0
-    hit_tokens: int = 0
-    miss_tokens: int = 0
-    hit_blocks: int = 0
-    miss_blocks: int = 0
-    evicted_blocks: int = 0
+    queries: int = 0
+    hits: int = 0
+    preempted_requests: int = 0
+    preempted_queries: int = 0
+    preempted_hits: int = 0
 
     @property
     def hit_rate(self) -> float:
-        """Share of prompt tokens served from the cache (0.0 before any request)."""
-        total = self.hit_tokens + self.miss_tokens
-        return self.hit_tokens / total if total else 0.0
+        """Share of queried tokens (first admissions) found in the cache; 0.0 before any request."""
+        return self.hits / self.queries if self.queries else 0.0
 
-    def record(self, hit: PrefixMatch, num_tokens: int, num_fresh_blocks: int) -> None:
-        """One request of ``num_tokens`` prompt tokens admitted with prefix ``hit``."""
-        self.requests += 1
-        self.hit_tokens += hit.num_cached_tokens
-        self.miss_tokens += num_tokens - hit.num_cached_tokens
-        self.hit_blocks += hit.num_cached_blocks
-        self.miss_blocks += num_fresh_blocks
+    def record(self, num_tokens: int, num_hits: int, preempted: bool = False) -> None:
+        """One admission of a request that knows ``num_tokens`` tokens, ``num_hits`` of them found."""
+        if preempted:
+            self.preempted_requests += 1
+            self.preempted_queries += num_tokens
+            self.preempted_hits += num_hits
+        else:
+            self.requests += 1
+            self.queries += num_tokens
+            self.hits += num_hits
 
 
 @dataclass(frozen=True)
@@ -172,13 +168,13 @@ class CachedBlock:
     parent_entry: int | None
 
 
-def tail_is_shared(table: BlockTable, allocator: BlockAllocator, released: int = 0) -> bool:
+def tail_is_shared(table: BlockTable, allocator: BlockAllocator) -> bool:
     """The copy-on-write test: the table's last block is partly filled and another table holds it too.
 
     The next token written there would change the other table's history, so the writer first
-    gets a private copy. ``released``: references to the tail that planned copies will drop.
+    gets a private copy.
     """
-    return bool(table.num_tokens % table.block_size) and allocator.ref_counts[table.block_ids[-1]] - released > 1
+    return bool(table.num_tokens % table.block_size) and allocator.ref_counts[table.block_ids[-1]] > 1
 
 
 def extra_blocks(num_computed_tokens: int, num_blocks_held: int, tokens: int, block_size: int, *,
@@ -230,14 +226,45 @@ class CachedBlockTable(BlockTable):
                          "which records the tokens and copies a shared tail first")
 
 
+class BlockHashIndex:
+    """Block hash -> the named blocks that carry it, oldest first (vLLM's ``BlockHashToBlockMap``).
+
+    Identical twins share a hash (two requests computed the same block in one step), so a hash
+    maps to several blocks. ``lookup`` verifies tokens, extra keys and parent, so a hash
+    collision can cause a miss, never a wrong reuse.
+    """
+
+    def __init__(self, names: dict[int, CachedBlock]):
+        self.names = names  # block id -> its name: the allocator's, the one truth
+        self._blocks: dict[str, dict[int, None]] = {}
+
+    def add(self, entry: CachedBlock) -> None:
+        self.names[entry.block_id] = entry
+        self._blocks.setdefault(entry.block_hash, {})[entry.block_id] = None
+
+    def remove(self, block_id: int, entry: CachedBlock) -> None:
+        """``block_id`` lost its name (the allocator calls this on an eviction)."""
+        twins = self._blocks[entry.block_hash]
+        del twins[block_id]
+        if not twins:
+            del self._blocks[entry.block_hash]
+
+    def lookup(self, h: str, tokens: Sequence[int], key: CacheKey, parent_entry: int | None) -> CachedBlock | None:
+        """The oldest block named ``h`` that really is this block after this parent, else ``None``."""
+        for block_id in self._blocks.get(h, ()):
+            entry = self.names[block_id]
+            if entry.parent_entry == parent_entry and entry.token_ids == tuple(tokens) and entry.key == key:
+                return entry
+        return None
+
+
 class PrefixCache:
     """Hash-named full blocks, shared by reference count and evicted least recently used.
 
-    The names live on the ``allocator`` (``allocator.names``, dropped when it hands a block out
-    again); this class keeps the index from hash to blocks. Like vLLM v1, identical twins are
-    named too (``vllm/v1/core/block_pool.py``, ``BlockHashToBlockMap``), so a block table only
-    grows at its end; a lookup takes the oldest twin. ``hash_fn``: ``block_hash`` by default;
-    tests pass a weak one to show that collisions cannot cause wrong reuse.
+    The names live on the ``allocator`` (``allocator.names``), indexed by hash in ``index``. A block
+    loses its name only when the allocator hands it out again (an eviction) or on ``clear``. As in
+    vLLM v1, identical twins are named too, so a block table only grows at its end. ``hash_fn``:
+    ``block_hash`` by default; tests pass a weak one to show that collisions cannot cause wrong reuse.
     """
 
     def __init__(self, allocator: BlockAllocator, block_size: int, *, hash_fn: HashFn = block_hash):
@@ -248,162 +275,120 @@ class PrefixCache:
             raise ValueError("hash_fn must be callable (parent_hash, token_ids, key) -> str")
         if allocator.on_evict is not None or allocator.names:
             raise ValueError("allocator must not serve another prefix cache already")
-        self.allocator = allocator
-        self.block_size = block_size
-        self.hash_fn = hash_fn
-        self._stats = PrefixCacheStats()
-        self._by_hash: dict[str, dict[int, None]] = {}  # block hash -> its named blocks, oldest first
+        self.allocator, self.block_size, self.hash_fn = allocator, block_size, hash_fn
+        self.stats = PrefixCacheStats()  # recorded by whoever admits a request (the scheduler, as vLLM's)
+        self.index = BlockHashIndex(allocator.names)
         self._entry_ids = itertools.count()
-        allocator.on_evict = self._on_evict
-
-    @property
-    def stats(self) -> PrefixCacheStats:
-        """The counters; ``evicted_blocks`` is the allocator's ``num_evictions`` (one counter for one event)."""
-        self._stats.evicted_blocks = self.allocator.num_evictions
-        return self._stats
+        allocator.on_evict = self.index.remove
 
     @property
     def num_cached_blocks(self) -> int:
         """Blocks whose K/V carry a name (in use or free)."""
         return len(self.allocator.names)
 
-    def is_cached(self, block_id: int) -> bool:
-        return block_id in self.allocator.names
-
-    def cached_block(self, block_id: int) -> CachedBlock | None:
-        """The name of ``block_id``, or ``None`` when it carries none."""
-        return self.allocator.names.get(block_id)
-
-    def cached_block_ids(self) -> list[int]:
-        return sorted(self.allocator.names)
-
-    def evictable_block_ids(self) -> list[int]:
-        """Named blocks no sequence holds, in the order ``allocate`` would evict them."""
-        return [b for b in self.allocator.free_block_ids() if b in self.allocator.names]
-
     def match(self, token_ids: Sequence[int], key: CacheKey = CacheKey()) -> PrefixMatch:
-        """The longest run of leading full blocks of ``token_ids`` that the cache holds (no side effects).
-
-        At least one token is left to compute: the last prompt token's logits give the first
-        output token (vLLM's ``KVCacheManager.get_computed_blocks``: ``max_cache_hit_length = num_tokens - 1``).
-        """
+        """The longest run of leading full blocks of ``token_ids`` that the cache holds (no side effects). At
+        least one token is left to compute: the last prompt token's logits give the first output token
+        (vLLM's ``KVCacheManager.get_computed_blocks``: ``max_cache_hit_length = num_tokens - 1``)."""
         tokens = check_token_ids("token_ids", token_ids, 1)
         _check_key(key)
         hashes, bs = hash_chain(tokens, self.block_size, key, self.hash_fn), self.block_size
         block_ids: list[int] = []
         entries: list[int] = []
         for i in range((len(tokens) - 1) // bs):
-            entry = self._lookup(hashes[i], tokens[i * bs:(i + 1) * bs], key, entries[-1] if entries else None)
+            entry = self.index.lookup(hashes[i], tokens[i * bs:(i + 1) * bs], key, entries[-1] if entries else None)
             if entry is None:
                 break
             block_ids.append(entry.block_id)
             entries.append(entry.entry_id)
         return PrefixMatch(tuple(block_ids), len(block_ids) * bs, tuple(hashes), tuple(entries))
 
-    def free_blocks_needed(self, token_ids: Sequence[int], key: CacheKey = CacheKey()) -> int:
-        """Free blocks ``allocate(token_ids, key)`` would use: fresh ones, and hits revived from the free queue."""
-        hit = self.match(token_ids, key)
-        return self.hit_extra_blocks(hit, len(token_ids) - hit.num_cached_tokens)
-
     def hit_extra_blocks(self, hit: PrefixMatch, tokens: int) -> int:
-        """``extra_blocks`` of a new request computing ``tokens`` tokens after its prefix ``hit``."""
+        """``extra_blocks`` of a new request computing ``tokens`` tokens after its prefix ``hit``: fresh
+        blocks, and cached ones that no one holds, revived from the free queue. What ``allocate`` takes."""
         if not isinstance(hit, PrefixMatch):
             raise ValueError(f"hit must be a PrefixMatch (from match), got {type(hit).__name__}")
         check_int("tokens", tokens, 0)
         revived = sum(1 for b in hit.block_ids if self.allocator.ref_counts[b] == 0)
         return _extra_blocks(hit.num_cached_tokens, hit.num_cached_blocks, tokens, self.block_size, revived=revived)
 
-    def extra_blocks(self, table: CachedBlockTable, num_new_tokens: int, released: int = 0) -> int:
+    def extra_blocks(self, table: CachedBlockTable, num_new_tokens: int) -> int:
         """Free blocks that ``append``-ing ``num_new_tokens`` tokens to ``table`` would use: new blocks,
-        plus a private copy of a shared, partly filled tail (``released``: see ``tail_is_shared``)."""
+        plus a private copy of a shared, partly filled tail."""
         self._check_table(table)
         check_int("num_new_tokens", num_new_tokens, 0)
-        check_int("released", released, 0)
         return _extra_blocks(table.num_tokens, len(table.block_ids), num_new_tokens, self.block_size,
-                             tail_is_shared(table, self.allocator, released))
+                             tail_is_shared(table, self.allocator))
 
     def allocate(self, token_ids: Sequence[int], key: CacheKey = CacheKey(), *,
                  lookup: bool = True) -> tuple[CachedBlockTable, int]:
-        """A block table for a new prompt: cached blocks first, fresh blocks for the rest.
-
-        Returns ``(table, num_cached_tokens)``: the caller computes K/V for
-        ``token_ids[num_cached_tokens:]`` only. ``lookup=False``: no hit (prefix caching off).
-        All-or-nothing: on ``OutOfBlocksError`` nothing changed.
-        """
+        """A block table for a new prompt: cached blocks first, fresh blocks for the rest. Returns ``(table,
+        num_cached_tokens)``: the caller computes K/V for ``token_ids[num_cached_tokens:]`` only.
+        ``lookup=False``: no hit (prefix caching off). All-or-nothing: on ``OutOfBlocksError`` nothing changed."""
         tokens = check_token_ids("token_ids", token_ids, 1)
         _check_key(key)
         check_flag("lookup", lookup)
         m = self.match(tokens, key) if lookup else PrefixMatch((), 0, ())
-        revived = [b for b in m.block_ids if self.allocator.ref_counts[b] == 0]
-        needed = _extra_blocks(m.num_cached_tokens, m.num_cached_blocks, len(tokens) - m.num_cached_tokens,
-                               self.block_size, revived=len(revived))
+        needed = self.hit_extra_blocks(m, len(tokens) - m.num_cached_tokens)
         if needed > self.allocator.num_free:
             raise OutOfBlocksError(f"prompt of {len(tokens)} tokens needs {needed} free blocks, "
                                    f"{self.allocator.num_free} of {self.allocator.num_blocks} are free")
-        for b in m.block_ids:  # revive or share the hits first, so the fresh blocks cannot evict them
-            if self.allocator.ref_counts[b] == 0:
-                self.allocator.revive(b)
-            else:
-                self.allocator.incref(b)
-        num_fresh = needed - len(revived)
-        fresh = self.allocator.allocate_many(num_fresh)
-        table = CachedBlockTable(self, key, list(m.block_ids) + fresh, tokens,
-                                 m.block_hashes[:m.num_cached_blocks], m.entry_ids)
-        self._stats.record(m, len(tokens), num_fresh)
+        table = self.share(m, tokens[:m.num_cached_tokens], key)  # the hits first: fresh blocks cannot evict them
+        self._append(table, tokens[m.num_cached_tokens:])
         return table, m.num_cached_tokens
 
-    def append(self, table: CachedBlockTable, token_ids: Sequence[int]) -> AppendResult:
-        """Reserve slots for ``token_ids`` at the end of ``table``, a private copy of a shared tail
-        first (reported in ``copies``). All-or-nothing on ``OutOfBlocksError``."""
-        self._check_table(table)
-        tokens = check_token_ids("token_ids", token_ids)
-        start = table.num_tokens
-        copies = self.grow(table, tokens)
-        return AppendResult(table.slots(start, table.num_tokens), copies)
+    def share(self, hit: PrefixMatch, token_ids: Sequence[int], key: CacheKey) -> CachedBlockTable:
+        """A new block table holding the blocks of a fresh ``hit`` (from ``match``; ``token_ids``: its
+        tokens), one more reference each: a cached block that no one held is revived from the free queue."""
+        if not isinstance(hit, PrefixMatch) or len(token_ids) != hit.num_cached_tokens:
+            raise ValueError(f"hit must be a PrefixMatch of as many tokens as token_ids ({len(token_ids)})")
+        for b in hit.block_ids:
+            self.allocator.incref(b) if self.allocator.ref_counts[b] else self.allocator.revive(b)
+        return CachedBlockTable(self, key, hit.block_ids, token_ids, hit.block_hashes[:hit.num_cached_blocks],
+                                hit.entry_ids)
 
-    def grow(self, table: CachedBlockTable, tokens: Sequence[int]) -> list[tuple[int, int]]:
-        """``append`` without the checks and the slot mapping (the scheduler's checked, hot path);
-        returns the copy-on-write pairs."""
-        n = len(tokens)
+    def append(self, table: CachedBlockTable, token_ids: Sequence[int]) -> list[tuple[int, int]]:
+        """Reserve slots for ``token_ids`` at the end of ``table`` (``table.slots`` gives them); a shared,
+        partly filled tail is first replaced by a private copy. Returns the ``(src, dst)`` blocks whose K/V
+        must be copied (every layer) before the new K/V are written. All-or-nothing on ``OutOfBlocksError``."""
+        self._check_table(table)
+        return self._append(table, check_token_ids("token_ids", token_ids))
+
+    def _append(self, table: CachedBlockTable, token_ids: Sequence[int]) -> list[tuple[int, int]]:
+        """``append`` on checked arguments (the scheduler's hot path: its requests' tokens are checked)."""
+        n = len(token_ids)
         copy = n > 0 and tail_is_shared(table, self.allocator)
         needed = _extra_blocks(table.num_tokens, len(table.block_ids), n, self.block_size, copy)
         if needed > self.allocator.num_free:
             raise OutOfBlocksError(f"appending {n} tokens needs {needed} free blocks, "
                                    f"{self.allocator.num_free} of {self.allocator.num_blocks} are free")
-        new = needed - copy
         copies = []
         if copy:  # first a private copy of the shared tail
             src, dst = table.block_ids[-1], self.allocator.allocate()
             self.allocator.free(src)  # drop our reference; the other holders keep theirs
             table.block_ids[-1] = dst
             copies.append((src, dst))
-        if new:
-            table.block_ids.extend(self.allocator.allocate_many(new))
+        if needed > copy:
+            table.block_ids.extend(self.allocator.allocate_many(needed - copy))
         table.num_tokens += n
-        table.token_ids.extend(tokens)
+        table.token_ids.extend(token_ids)
         return copies
 
     def cache_full_blocks(self, table: CachedBlockTable, num_computed_tokens: int | None = None) -> int:
         """Name the full blocks among the first ``num_computed_tokens`` (default: all) tokens; returns how many.
-
-        vLLM names a block as soon as its tokens are scheduled (``KVCacheManager.allocate_slots`` calls
-        ``cache_blocks``), so a request admitted later in the same step may share it: the model's
-        pass writes every chunk's K/V before any chunk attends.
-        """
+        (The scheduler names them when their tokens are scheduled, as vLLM's ``allocate_slots`` does.)"""
         self._check_table(table)
         n = table.num_tokens if num_computed_tokens is None else num_computed_tokens
         if type(n) is not int or not 0 <= n <= table.num_tokens:
             raise ValueError(f"num_computed_tokens must be an integer in [0, {table.num_tokens}], got {n!r}")
-        bs, names, first = self.block_size, self.allocator.names, table.num_named_blocks
+        bs, first = self.block_size, table.num_named_blocks
         for i in range(first, n // bs):
             parent_hash, parent_entry = (table.block_hashes[-1], table.entry_ids[-1]) if i else (None, None)
             tokens = tuple(table.token_ids[i * bs:(i + 1) * bs])
             h = self.hash_fn(parent_hash, tokens, table.key)
-            twin = self._lookup(h, tokens, table.key, parent_entry)  # an identical block: same content id
+            twin = self.index.lookup(h, tokens, table.key, parent_entry)  # an identical block: same content id
             entry_id = twin.entry_id if twin is not None else next(self._entry_ids)
-            block_id = table.block_ids[i]
-            names[block_id] = CachedBlock(block_id, h, parent_hash, tokens, table.key, entry_id, parent_entry)
-            self._by_hash.setdefault(h, {})[block_id] = None
+            self.index.add(CachedBlock(table.block_ids[i], h, parent_hash, tokens, table.key, entry_id, parent_entry))
             table.block_hashes.append(h)
             table.entry_ids.append(entry_id)
         return max(0, n // bs - first)
@@ -421,37 +406,13 @@ class PrefixCache:
         table.release(self.allocator)
         table.token_ids, table.block_hashes, table.entry_ids = [], [], []
 
-    def evict(self, num_blocks: int = 1) -> list[int]:
-        """Drop the names of the ``num_blocks`` least recently used named free blocks now (engines
-        do it lazily, when ``allocate`` hands a block out); returns them."""
-        check_int("num_blocks", num_blocks, 0)
-        victims = self.evictable_block_ids()[:num_blocks]
-        for b in victims:
-            self.allocator.forget(b)
-        self.allocator.num_evictions += len(victims)  # the allocator counts every eviction
-        return victims
-
     def clear(self) -> int:
-        """Forget every named block that no sequence holds (e.g. after a weight update); returns how many."""
+        """Forget every named block that no sequence holds (e.g. after a weight update); returns how many.
+        Not an eviction (vLLM's ``reset_prefix_cache``): not counted."""
         victims = [b for b in self.allocator.names if self.allocator.ref_counts[b] == 0]
         for b in victims:
-            self.allocator.forget(b)  # a clear is not an eviction: not counted
+            self.allocator.forget(b)
         return len(victims)
-
-    def _lookup(self, h: str, tokens: Sequence[int], key: CacheKey, parent_entry: int | None) -> CachedBlock | None:
-        """The oldest block named ``h`` that really is this block after this parent, else ``None``."""
-        for block_id in self._by_hash.get(h, ()):
-            entry = self.allocator.names[block_id]
-            if entry.parent_entry == parent_entry and entry.token_ids == tuple(tokens) and entry.key == key:
-                return entry
-        return None  # a miss, a hash collision or a stale child: verified, so never a wrong reuse
-
-    def _on_evict(self, block_id: int, entry: CachedBlock) -> None:
-        """The allocator dropped ``block_id``'s name: take it out of the index."""
-        twins = self._by_hash[entry.block_hash]
-        del twins[block_id]
-        if not twins:
-            del self._by_hash[entry.block_hash]
 
     def _check_table(self, table: object) -> None:
         if not isinstance(table, CachedBlockTable) or table.owner is not self:

@@ -156,8 +156,12 @@ def read_safetensors(folder: str | os.PathLike) -> dict[str, torch.Tensor]:
     return tensors
 
 
-def _match_state_dict(model: Decoder, tensors: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+def _match_state_dict(model: Decoder, tensors: dict[str, torch.Tensor],
+                      source: str = "config.json") -> dict[str, torch.Tensor]:
     """The checkpoint's tensors under the model's keys; ValueError naming a missing or unknown tensor.
+
+    ``source`` names what gave the config, for the messages (a GGUF file is checked in full by
+    ``labkit.gguf.check_tensors`` before this, so its mismatches are reported there).
 
     Tied embeddings: the checkpoint stores the matrix once, as ``model.embed_tokens.weight``,
     and ``lm_head.weight`` is the same tensor. Old checkpoints also hold RoPE's
@@ -170,14 +174,14 @@ def _match_state_dict(model: Decoder, tensors: dict[str, torch.Tensor]) -> dict[
     missing = [k for k in expected if tensors.get(k) is None]
     if missing:
         raise ValueError(f"the checkpoint lacks tensor {missing[0]!r} ({len(missing)} missing in all): "
-                         f"it does not match its config.json")
+                         f"it does not match its {source}")
     unknown = sorted(set(tensors) - set(expected))
     if unknown:
         raise ValueError(f"the checkpoint holds tensor {unknown[0]!r} ({len(unknown)} unknown in all), "
                          f"which this decoder does not compute")
     for key, value in expected.items():
         if tuple(tensors[key].shape) != tuple(value.shape):
-            raise ValueError(f"tensor {key!r} has shape {tuple(tensors[key].shape)}, config.json implies "
+            raise ValueError(f"tensor {key!r} has shape {tuple(tensors[key].shape)}, {source} implies "
                              f"{tuple(value.shape)}")
     return tensors
 
@@ -215,6 +219,12 @@ def from_pretrained(path_or_repo_id: str | os.PathLike, *, dtype: torch.dtype | 
     initialisation), then takes the checkpoint's tensors as its parameters, every one in one
     dtype: ``dtype``, or with None the checkpoint's as transformers picks it
     (:func:`checkpoint_dtype`).
+
+    A GGUF file is untrusted input, checked in this order before anything is built: its header
+    (``read_gguf``), its metadata and tensor inventory against each other (``decoder_config``:
+    layers, names, shapes), every tensor's type; then the weights as they are dequantized (NaN and
+    infinity refused). A bad file raises ``labkit.gguf.GGUFError``, a ``ValueError`` naming the file
+    and the reason, and no model is returned.
     """
     if dtype is not None and not (isinstance(dtype, torch.dtype) and dtype.is_floating_point):
         raise ValueError(f"dtype must be a floating-point torch.dtype or None, got {dtype!r}")
@@ -223,16 +233,18 @@ def from_pretrained(path_or_repo_id: str | os.PathLike, *, dtype: torch.dtype | 
         from . import gguf
 
         file = gguf.read_gguf(path_or_repo_id)
-        config = gguf.decoder_config(file)
+        config = gguf.decoder_config(file)  # checks the metadata against the tensor inventory
         raw, raw_config = gguf.state_dict(file, config), {"torch_dtype": "float32"}
+        source = f"the metadata of GGUF file {str(file.path)!r}"
     else:
         folder = model_folder(path_or_repo_id, WEIGHT_FILES)
         raw_config = read_config(folder)
         config = DecoderConfig.from_dict(raw_config)  # refuses what the decoder cannot compute
         raw = read_safetensors(folder)
+        source = "config.json"
     with torch.device("meta"):
         model = Decoder(config)
-    tensors = _match_state_dict(model, raw)
+    tensors = _match_state_dict(model, raw, source)
     dtype = dtype or checkpoint_dtype(raw_config, tensors)
     tensors = {k: v.to(device=device, dtype=dtype) for k, v in tensors.items()}
     model.load_state_dict(tensors, assign=True)

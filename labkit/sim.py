@@ -7,14 +7,13 @@ model, synthetic output ids, and each step timed by the roofline cost model
 (``labkit.costmodel``). It reports TTFT, ITL, throughput, occupancy and reuse.
 
 Speed. Most steps are alike: the same requests each decode one token, nobody arrives,
-finishes or is preempted. After a real step the simulator plans such a stretch and has the
-scheduler run it at once (``labkit.scheduler.advance_decodes``, the same allocations and names in
-the same order). The result is identical to stepping (``skip_ahead=False``); the tests check it.
+finishes or is preempted. After a real step the simulator runs such a stretch at once
+(``labkit.skipahead``, the same allocations and names in the same order). The result is
+identical to stepping (``skip_ahead=False``); the tests check it.
 """
 
 from __future__ import annotations
 
-import itertools
 import math
 from dataclasses import dataclass, field
 from typing import Sequence
@@ -23,9 +22,11 @@ import numpy as np
 
 from .checks import check_flag, check_int, check_number
 from .costmodel import CostModel
-from .paging import BlockAllocator, blocks_needed
-from .prefix import PrefixCache, tail_is_shared
-from .scheduler import Request, Scheduler, Step, advance_decodes, check_allocation
+from .paging import BlockAllocator
+from .prefix import PrefixCache
+from .reservation import check_allocation, scheduler_class
+from .scheduler import Request, Scheduler, Step
+from .skipahead import plan_stretch
 from .units import format_bytes
 from .workloads import RequestSpec
 
@@ -72,7 +73,8 @@ class SimResult:
     interval between two tokens of one request, with how many tokens it stands for.
     ``schedule`` (with ``record_schedule``): per step, ``(request_id, start, num_tokens,
     block_table)`` of each scheduled request; ``queued_at_step``: the first step in
-    which each request was a candidate; ``scheduler``: the scheduler after the run.
+    which each request was a candidate; ``scheduler``: the scheduler after the run; ``requests``: its
+    ``Request`` objects, in arrival order (their output tokens).
     """
 
     num_blocks: int
@@ -99,6 +101,7 @@ class SimResult:
     skipped_steps: int = 0
     queued_at_step: np.ndarray | None = field(default=None, repr=False)
     scheduler: Scheduler | None = field(default=None, repr=False)
+    requests: list[Request] = field(default_factory=list, repr=False)
 
     # ------------------------------------------------------------ latency
     @property
@@ -219,7 +222,7 @@ class Simulator:
                                  f"({format_bytes(block_bytes)}), got {format_bytes(pool_bytes)}")
             num_blocks = int(pool_bytes // block_bytes)
         check_int("num_blocks", num_blocks, 1)
-        allocation, max_model_len = check_allocation(allocation, max_model_len, num_blocks, block_size)
+        check_allocation(allocation, max_model_len)
         self.num_blocks = num_blocks
         self.allocation, self.max_model_len = allocation, max_model_len
         self.block_size = block_size
@@ -229,6 +232,7 @@ class Simulator:
         self.full_sequence_must_fit = check_flag("full_sequence_must_fit", full_sequence_must_fit)
         self.skip_ahead = check_flag("skip_ahead", skip_ahead)
         self.record_schedule = check_flag("record_schedule", record_schedule)
+        self.new_scheduler()  # the scheduler checks the rest (max_model_len fits the pool) now
 
     def __repr__(self) -> str:
         return (f"Simulator({self.num_blocks:,} blocks of {self.block_size} tokens, budget "
@@ -242,11 +246,11 @@ class Simulator:
     def new_scheduler(self) -> Scheduler:
         """A fresh chapter-05 scheduler over a fresh allocator and prefix cache."""
         cache = PrefixCache(BlockAllocator(self.num_blocks), self.block_size, hash_fn=_fast_block_hash)
-        return Scheduler(block_size=self.block_size, max_num_batched_tokens=self.max_num_batched_tokens,
-                         max_num_seqs=self.max_num_seqs,
-                         enable_prefix_caching=self.enable_prefix_caching, prefix_cache=cache,
-                         full_sequence_must_fit=self.full_sequence_must_fit, allocation=self.allocation,
-                         max_model_len=self.max_model_len)
+        cls, variant = scheduler_class(self.allocation)  # paged, or one of the paper's reservations
+        return cls(block_size=self.block_size, max_num_batched_tokens=self.max_num_batched_tokens,
+                   max_num_seqs=self.max_num_seqs, enable_prefix_caching=self.enable_prefix_caching,
+                   prefix_cache=cache, full_sequence_must_fit=self.full_sequence_must_fit,
+                   max_model_len=self.max_model_len, **variant)
 
     def run(self, requests: Sequence[RequestSpec], progress: bool = False) -> SimResult:
         """Serve ``requests`` (arriving at their ``arrival_time``) to completion."""
@@ -283,34 +287,6 @@ def _output_ids(index: int, position: int, n: int) -> range:
     return range(_output_id(index, position), _output_id(index, position + n))
 
 
-class _Columns:
-    """Named columns filled one value at a time (real steps) or one array at a time (skipped stretches)."""
-
-    def __init__(self, *names: str):
-        self._buffer: dict[str, list] = {k: [] for k in names}
-        self._segments: dict[str, list[np.ndarray]] = {k: [] for k in names}
-
-    def add(self, **values) -> None:
-        for k, v in values.items():
-            self._buffer[k].append(v)
-
-    def extend(self, **arrays) -> None:
-        self._flush()
-        for k, a in arrays.items():
-            self._segments[k].append(np.asarray(a))
-
-    def _flush(self) -> None:
-        for k, values in self._buffer.items():
-            if values:
-                self._segments[k].append(np.asarray(values))
-                self._buffer[k] = []
-
-    def array(self, name: str, dtype=np.float64) -> np.ndarray:
-        self._flush()
-        parts = self._segments[name]
-        return np.concatenate(parts).astype(dtype) if parts else np.zeros(0, dtype=dtype)
-
-
 def _requests(specs: Sequence[RequestSpec], sched: Scheduler) -> list[Request]:
     """One scheduler ``Request`` per spec, every spec checked before any is served."""
     if len({getattr(s, "request_id", None) for s in specs}) != len(specs):
@@ -343,15 +319,15 @@ class _Run:
         self.requests = _requests(self.specs, self.sched)
         self.index = {id(r): i for i, r in enumerate(self.requests)}  # id(Request) -> position in specs
         n = len(self.specs)
-        # Plain lists while running (cheaper than numpy scalars one at a time); arrays at the end.
         self.first_token: list[float | None] = [None] * n
         self.finish: list[float | None] = [None] * n
         self.last_token = [0.0] * n
         self.hit_tokens = np.full(n, -1, dtype=np.int64)  # -1 until first admitted
         self.queued_at_step = np.zeros(n, dtype=np.int64)
-        self.steps = _Columns("start", "end", "tokens", "running", "waiting", "used", "live")
-        self.itl_single: list[float] = []  # intervals standing for one token each
-        self.itl = _Columns("value", "weight")  # skipped stretches: one interval for all running requests
+        # Per step (plain lists while running: cheaper than numpy one value at a time; arrays at the end).
+        self.steps: dict[str, list] = {k: [] for k in ("start", "end", "tokens", "running", "waiting", "used", "live")}
+        self.itl: list[float] = []         # every interval between two tokens of one request ...
+        self.itl_weight: list[int] = []    # ... and how many such intervals it stands for
         self.schedule: list = []
         self.skipped_steps = self._first_tokens = 0
         self.bar = None
@@ -379,15 +355,11 @@ class _Run:
             step = sched.schedule()
             if not step.chunks:
                 raise RuntimeError("the scheduler planned nothing although requests are unfinished")
-            end = clock + self._step_time(step)
+            end = clock + self.cost.time_from_sums(*step_sums(step))
             self._record_step(step, clock, end)
             clock = end
             if self.sim.skip_ahead:
                 clock = self._skip(clock, specs[nxt].arrival_time if nxt < n else math.inf, step)
-
-    def _step_time(self, step: Step) -> float:
-        """The cost model's time for the step."""
-        return self.cost.time_from_sums(*step_sums(step))
 
     def _record_step(self, step: Step, start: float, end: float) -> None:
         sampled, self._first_tokens = [], 0
@@ -402,15 +374,16 @@ class _Run:
                     self.first_token[i] = end
                     self._first_tokens += 1
                 else:
-                    self.itl_single.append(end - self.last_token[i])
+                    self.itl.append(end - self.last_token[i])
+                    self.itl_weight.append(1)
                 self.last_token[i] = end
         if self.sim.record_schedule:
             self.schedule.append([(c.request.request_id, c.start, c.num_tokens, tuple(c.block_table))
                                   for c in step.chunks])
         stats = step.stats
-        self.steps.add(start=start, end=end, tokens=stats.scheduled_tokens, running=stats.num_running,
-                       waiting=stats.num_waiting, used=stats.used_blocks,
-                       live=sum(r.num_computed_tokens for r in self.sched.running))
+        self._add_steps(start=[start], end=[end], tokens=[stats.scheduled_tokens], running=[stats.num_running],
+                        waiting=[stats.num_waiting], used=[stats.used_blocks],
+                        live=[sum(r.num_computed_tokens for r in self.sched.running)])
         self._finished(self.sched.postprocess(step, sampled), end)
 
     def _finished(self, requests: list[Request], at: float) -> None:
@@ -420,94 +393,42 @@ class _Run:
             self.bar.update(len(requests))
 
     def _skip(self, clock: float, next_arrival: float, step: Step) -> float:
-        """Apply the coming pure-decode steps at once; returns the clock after them.
-
-        A *pure-decode* step gives every running request one token and does nothing
-        else. The coming steps are pure decode while no request arrives, every running
-        request is decoding (its prompt done), the token budget covers them all, the
-        free blocks cover their new blocks (else the scheduler would preempt), and no
-        waiting request can be admitted. That last point is easy when nobody waits.
-        When requests wait, the step just done must itself have been pure decode (no
-        admission, first token, preemption, copy or finish: the scheduler just judged
-        them inadmissible), and the stretch ends before anything could change that
-        judgement: a request finishing (it frees blocks) or the allocator handing out a
-        cached block (that could shrink a prefix hit). With nobody waiting, requests may
-        finish inside the stretch. ``labkit.scheduler.advance_decodes`` runs the stretch; before
-        each step it asks ``may_run`` here, which checks the arrivals and the free queue
-        and times the step.
-        """
-        sched, alloc = self.sched, self.sched.allocator
-        running = list(sched.running)
-        if not running or len(running) > sched.max_num_batched_tokens:
+        """Run the coming pure-decode steps at once (``labkit.skipahead``) and record them; returns the clock."""
+        stretch = plan_stretch(self.sched, step, clock, next_arrival, self._first_tokens, self.cost.time_from_sums,
+                               lambda r, n: _output_ids(self.index[id(r)], len(r.output_token_ids), n),
+                               self.sim.record_schedule)
+        if stretch is None:
             return clock
-        waiting = bool(sched.waiting)
-        if waiting and (step.preempted or step.copies or self._first_tokens or len(step.chunks) != len(running)
-                        or any(c.num_tokens != 1 or not c.samples for c in step.chunks)):
-            return clock  # the step just done was not pure decode
-        for r in running:
-            if r.num_computed_tokens != r.num_tokens - 1 or not r.output_token_ids:
-                return clock  # still prefilling (its last prompt token would give its first token)
-            if tail_is_shared(r.block_table, alloc):  # it would be copied on write: step normally
-                return clock
-        # Request j computes position computed[j] + s in step s, and finishes in step last[j].
-        computed = [r.num_computed_tokens for r in running]
-        if self.sim.record_schedule:  # blocks held before the stretch: a whole reservation, or those filled
-            held = [len(r.block_table.block_ids) for r in running]
-        last = [r.max_new_tokens - len(r.output_token_ids) - 1 for r in running]
-        k_max = min(last) if waiting else max(last) + 1
-        if k_max < 1:
-            return clock
-        starts, ends, actives, history = [], [], [], []
-
-        def may_run(s: int, new_blocks: int, active: int, context: int) -> bool:
-            now = ends[-1] if ends else clock
-            if now >= next_arrival:
-                return False  # the request arriving by now is a candidate of this step: step normally
-            front = list(itertools.islice(alloc.free_block_ids(), new_blocks))
-            if len(front) < new_blocks:
-                return False  # the scheduler would preempt
-            if waiting and any(b in alloc.names for b in front):
-                return False  # the allocator would evict a cached block while requests wait
-            starts.append(now)
-            ends.append(now + self.cost.time_from_sums(active, context, context + active))
-            actives.append(active)
-            history.append(context)
-            return True
-
-        stretch = advance_decodes(
-            sched, k_max, lambda r, n: _output_ids(self.index[id(r)], len(r.output_token_ids), n), may_run)
-        k = len(ends)
-        if k < 1:
-            return clock
-        self.steps.extend(start=starts, end=ends, tokens=actives, running=actives,
-                          waiting=np.full(k, len(sched.waiting)), used=stretch.used_blocks,
-                          live=np.add(history, actives))
+        k, ends = stretch.num_steps, stretch.ends
+        self._add_steps(start=stretch.starts, end=ends, tokens=stretch.active, running=stretch.active,
+                        waiting=[len(self.sched.waiting)] * k, used=stretch.used_blocks,
+                        live=[c + a for c, a in zip(stretch.context, stretch.active)])
         # Everyone's first interval runs from its own last token (a request the token budget
-        # left out of the previous step has waited longer); later ones are the step times.
-        for j, r in enumerate(running):
+        # left out of the previous step has waited longer); later ones are the step times, one
+        # interval standing for every request decoding in that step.
+        for r, last in zip(stretch.running, stretch.last):
             i = self.index[id(r)]
-            self.itl_single.append(ends[0] - self.last_token[i])
-            self.last_token[i] = ends[min(k, last[j] + 1) - 1]
-        self.itl.extend(value=np.subtract(ends[1:], starts[1:]), weight=actives[1:])
+            self.itl.append(ends[0] - self.last_token[i])
+            self.itl_weight.append(1)
+            self.last_token[i] = ends[min(k, last + 1) - 1]
+        self.itl.extend(np.subtract(ends[1:], stretch.starts[1:]).tolist())
+        self.itl_weight.extend(stretch.active[1:])
         for s, finished in stretch.finished.items():
             self._finished(finished, ends[s])
-        if self.sim.record_schedule:
-            bs = self.sim.block_size
-            for s in range(k):  # each table at step s: the blocks filled so far, or the whole reservation
-                planned = []
-                for j, r in enumerate(running):
-                    if s <= last[j]:
-                        n = max(held[j], blocks_needed(computed[j] + s + 1, bs))
-                        planned.append((r.request_id, computed[j] + s, 1, tuple(stretch.block_tables[j][:n])))
-                self.schedule.append(planned)
+        self.schedule.extend(stretch.schedule)
         self.skipped_steps += k
         return ends[-1]
 
+    def _add_steps(self, **columns: list) -> None:
+        for name, values in columns.items():
+            self.steps[name].extend(values)
+
     def result(self) -> SimResult:
-        steps, specs = self.steps, self.specs
+        specs = self.specs
+        steps = {k: np.array(v, dtype=np.float64 if k in ("start", "end") else np.int64) for k, v in self.steps.items()}
         prompt_len = np.array([sp.prompt_len for sp in specs])
         output_len = np.array([sp.output_len for sp in specs])
-        step_tokens = steps.array("tokens", np.int64)
+        step_tokens = steps["tokens"]
         # Every prompt token not found in the cache is computed once, every output but the
         # last once; anything beyond that was computed again after a preemption.
         useful = int((prompt_len - self.hit_tokens).sum() + (output_len - 1).sum())
@@ -518,10 +439,10 @@ class _Run:
             prompt_len=prompt_len, output_len=output_len, hit_tokens=self.hit_tokens,
             shared_prefix_len=np.array([sp.prefix_len for sp in specs]),
             preemptions=np.array([r.num_preemptions for r in self.requests]),
-            step_start=steps.array("start"), step_end=steps.array("end"), step_tokens=step_tokens,
-            num_running=steps.array("running", np.int64), num_waiting=steps.array("waiting", np.int64),
-            used_blocks=steps.array("used", np.int64), live_tokens=steps.array("live", np.int64),
-            itl=np.concatenate((self.itl_single, self.itl.array("value"))),
-            itl_weight=np.concatenate((np.ones(len(self.itl_single)), self.itl.array("weight"))),
+            step_start=steps["start"], step_end=steps["end"], step_tokens=step_tokens,
+            num_running=steps["running"], num_waiting=steps["waiting"], used_blocks=steps["used"],
+            live_tokens=steps["live"], itl=np.array(self.itl, dtype=np.float64),
+            itl_weight=np.array(self.itl_weight, dtype=np.float64),
             recomputed_tokens=int(step_tokens.sum()) - useful, schedule=self.schedule,
-            skipped_steps=self.skipped_steps, queued_at_step=self.queued_at_step, scheduler=self.sched)
+            skipped_steps=self.skipped_steps, queued_at_step=self.queued_at_step, scheduler=self.sched,
+            requests=self.requests)

@@ -38,6 +38,7 @@ import torch
 import labkit  # noqa: F401  (first: Triton's interpreter without a GPU)
 from labkit import capacity, checks, costmodel, kernels, paging, pool, units, vllm, workloads
 from labkit import cache, diagrams, engine, model, prefix, pretrained, scheduler, show, sim
+from labkit import forking, priority, reservation, skipahead
 from labkit.capacity import GiB, PRESETS, TEACHING_MODEL, ModelShape
 from labkit.widgets import load_explorer, paging_stepper, prefix_stepper
 
@@ -104,6 +105,12 @@ def a_request() -> scheduler.Request:
 
 def small_scheduler() -> scheduler.Scheduler:
     sched = scheduler.Scheduler(num_blocks=8, block_size=4)
+    sched.add_request([1, 2, 3], 4)
+    return sched
+
+
+def forking_scheduler() -> forking.ForkingScheduler:
+    sched = forking.ForkingScheduler(num_blocks=8, block_size=4)
     sched.add_request([1, 2, 3], 4)
     return sched
 
@@ -415,7 +422,7 @@ CASES: list[tuple[str, Any, tuple, dict, type, str]] = [
     ("PagedKVCache.free_sequence unknown", On(paged_cache, "free_sequence"), (99,), {}, ValueError, "seq_id"),
     ("hash_chain block 0", prefix.hash_chain, ([1, 2, 3], 0), {}, ValueError, "block_size"),
     ("PrefixCache block 0", prefix.PrefixCache, (paging.BlockAllocator(4), 0), {}, ValueError, "block_size"),
-    ("PrefixCache.evict negative", On(prefix_cache, "evict"), (-1,), {}, ValueError, "num_blocks"),
+    ("PrefixCache.share hit", On(prefix_cache, "share"), ("hit", [1], KEY), {}, ValueError, "hit"),
     ("scheduler Request empty prompt", scheduler.Request, ([], 4), {}, ValueError, "prompt_token_ids"),
     ("scheduler Request max_new_tokens", scheduler.Request, ([1, 2], 0), {}, ValueError, "max_new_tokens"),
     ("Scheduler block 0", scheduler.Scheduler, (), {"num_blocks": 8, "block_size": 0}, ValueError, "block_size"),
@@ -474,12 +481,21 @@ CASES: list[tuple[str, Any, tuple, dict, type, str]] = [
     ("Request output id negative", scheduler.Request, ([1, 2], 2), {"output_token_ids": [-1]}, ValueError,
      "output_token_ids"),
     ("Request request_id unhashable", scheduler.Request, ([1, 2], 2), {"request_id": [1]}, ValueError, "request_id"),
-    ("advance_decodes max_steps 0", scheduler.advance_decodes, (small_scheduler(), 0, lambda r, n: [1] * n,
+    ("advance_decodes max_steps 0", skipahead.advance_decodes, (small_scheduler(), 0, lambda r, n: [1] * n,
                                                                lambda *a: True), {}, ValueError, "max_steps"),
-    ("advance_decodes sched", scheduler.advance_decodes, ("s", 1, lambda r, n: [1] * n, lambda *a: True), {},
+    ("advance_decodes sched", skipahead.advance_decodes, ("s", 1, lambda r, n: [1] * n, lambda *a: True), {},
      ValueError, "sched"),
-    ("advance_decodes may_run", scheduler.advance_decodes, (small_scheduler(), 1, lambda r, n: [1] * n, 3), {},
+    ("advance_decodes may_run", skipahead.advance_decodes, (small_scheduler(), 1, lambda r, n: [1] * n, 3), {},
      ValueError, "may_run"),
+    ("PriorityScheduler priority 3", priority.PriorityScheduler, (8, 4), {"priority": 3}, ValueError, "priority"),
+    ("ReservingScheduler reserve paged", reservation.ReservingScheduler, (8, 4), {"reserve": "paged",
+                                                                                "max_model_len": 8}, ValueError,
+     "reserve"),
+    ("ReservingScheduler max_len without max_model_len", reservation.ReservingScheduler, (8, 4), {}, ValueError,
+     "max_model_len"),
+    ("check_allocation orca", reservation.check_allocation, ("orca", 8), {}, ValueError, "allocation"),
+    ("ForkingScheduler.fork a waiting request", On(forking_scheduler, "fork"), (scheduler.Request([1], 1),), {},
+     ValueError, "request"),
     ("Scheduler.postprocess nothing in flight", On(small_scheduler, "postprocess"), (None, []), {}, ValueError,
      "step"),
     ("weighted_percentile q 101", sim.weighted_percentile, WEIGHTS + (101,), {}, ValueError, "q"),
@@ -496,6 +512,8 @@ CASES: list[tuple[str, Any, tuple, dict, type, str]] = [
     ("Simulator.run progress str", On(lambda: sim.Simulator(num_blocks=64), "run"),
      ([workloads.RequestSpec(**GOOD_SPEC)],), {"progress": "no"}, ValueError, "progress"),
     ("Engine use_triton str", engine.Engine, (tiny_decoder(), 8), {"use_triton": "no"}, ValueError, "use_triton"),
+    ("Engine scheduler_cls", engine.Engine, (tiny_decoder(), 8), {"scheduler_cls": dict}, ValueError,
+     "scheduler_cls"),
     ("generate negative token", cache.generate, (tiny_decoder(), [-1], 1), {}, ValueError, "prompt_ids"),
     ("generate token past vocab", cache.generate, (tiny_decoder(), [99], 1), {}, ValueError, "prompt_ids"),
     ("generate str prompt", cache.generate, (tiny_decoder(), "ab", 1), {}, ValueError, "prompt_ids"),

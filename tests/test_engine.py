@@ -20,6 +20,7 @@ import torch
 import labkit  # first: sets up Triton's interpreter without a GPU
 from labkit.cache import generate
 from labkit.engine import Engine
+from labkit.forking import ForkingScheduler
 from labkit.model import Decoder, DecoderConfig
 
 CONFIG = DecoderConfig(vocab_size=97, hidden_size=32, intermediate_size=64, num_hidden_layers=2,
@@ -54,11 +55,10 @@ def test_triton_engine_mixed_chunked_prefix_and_preemption(model):
     engine = poisoned_engine(model, num_blocks=7, block_size=4, max_num_batched_tokens=8)
     assert engine.backend.use_triton
     steps = []
-    for p in prompts:
-        engine.add_request(p, 5)
+    requests = [engine.add_request(p, 5) for p in prompts]
     while engine.has_unfinished():
         steps.append(engine.step())
-    out = [r.output_token_ids for r in sorted(engine.scheduler.finished, key=lambda r: r.request_id)]
+    out = [r.output_token_ids for r in requests]
     assert out == alone(model, prompts, 5)
     stats = engine.stats
     assert sum(s.prefix_hit_tokens for s in stats) > 0
@@ -129,7 +129,7 @@ def test_forced_preemption_with_a_small_pool(model, num_blocks):
 @pytest.mark.parametrize("caching", [True, False])
 def test_fork_applies_copy_on_write(model, caching):
     engine = poisoned_engine(model, num_blocks=16, block_size=4, max_num_batched_tokens=16,
-                             enable_prefix_caching=caching, use_triton=False)
+                             enable_prefix_caching=caching, use_triton=False, scheduler_cls=ForkingScheduler)
     prompt = [3, 1, 4, 1, 5, 9]  # 6 tokens: the tail block is half full when the fork shares it
     parent = engine.add_request(prompt, 5)
     engine.step()                  # prefill, first token
@@ -144,7 +144,8 @@ def test_fork_applies_copy_on_write(model, caching):
 
 def test_skipping_the_copy_would_be_caught(model, monkeypatch):
     """The poisoned pool makes a missing copy-on-write visible: the test above can fail."""
-    engine = poisoned_engine(model, num_blocks=16, block_size=4, max_num_batched_tokens=16, use_triton=False)
+    engine = poisoned_engine(model, num_blocks=16, block_size=4, max_num_batched_tokens=16, use_triton=False,
+                             scheduler_cls=ForkingScheduler)
     monkeypatch.setattr(engine.backend, "copy_blocks", lambda copies: None)
     parent = engine.add_request([3, 1, 4, 1, 5, 9], 3)
     engine.step()

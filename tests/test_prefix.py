@@ -18,7 +18,7 @@ from hypothesis import strategies as st
 from hypothesis.stateful import RuleBasedStateMachine, initialize, invariant, precondition, rule
 
 from labkit.paging import BlockAllocator, BlockTable, OutOfBlocksError
-from labkit.prefix import CacheKey, CachedBlockTable, PrefixCache, block_hash, hash_chain
+from labkit.prefix import CacheKey, CachedBlockTable, PrefixCache, PrefixCacheStats, block_hash, hash_chain
 
 
 def reference_chain(tokens, block_size, key):
@@ -33,10 +33,15 @@ def reference_chain(tokens, block_size, key):
     return out
 
 
+def evictable(cache: PrefixCache) -> list[int]:
+    """Named blocks no sequence holds, in the order the allocator would evict them (front of the free queue first)."""
+    return [b for b in cache.allocator.free_block_ids() if b in cache.allocator.names]
+
+
 def snapshot(cache: PrefixCache):
     a = cache.allocator
-    return (list(a.ref_counts), list(a._free), {h: dict(b) for h, b in cache._by_hash.items()}, dict(a.names),
-            repr(cache.stats))
+    return (list(a.ref_counts), list(a._free), {h: dict(b) for h, b in cache.index._blocks.items()}, dict(a.names),
+            repr(cache.stats), a.num_evictions)
 
 
 # ------------------------------------------------------------------------------------------ hashes
@@ -139,17 +144,29 @@ def test_allocate_shares_in_use_blocks_and_revives_free_cached_ones():
     assert a.num_free == 8 and cache.num_cached_blocks == 2  # finished, still cached
     t3, hit = cache.allocate(list(range(9)))
     assert hit == 8 and [a.ref_counts[b] for b in t3.block_ids] == [1, 1, 1]
-    assert cache.stats.hit_tokens == 16 and cache.stats.miss_tokens == 10 + 2 + 1
-    assert cache.stats.hit_blocks == 4 and cache.stats.miss_blocks == 3 + 1 + 1
+    assert cache.stats == PrefixCacheStats()  # allocate counts nothing: whoever admits a request records it
 
 
-def test_free_blocks_needed_predicts_what_allocate_takes():
+def test_stats_count_each_admission_once_and_preempted_ones_apart():
+    """vLLM's PrefixCacheStats: requests, queries (every token the request knows) and hits at the first
+    admission; a request admitted again after a preemption goes to the preempted_* counters."""
+    stats = PrefixCacheStats()
+    stats.record(40, 16)
+    stats.record(40, 0)
+    stats.record(45, 32, preempted=True)   # re-finding its own blocks is no hit
+    assert (stats.requests, stats.queries, stats.hits) == (2, 80, 16) and stats.hit_rate == 0.2
+    assert (stats.preempted_requests, stats.preempted_queries, stats.preempted_hits) == (1, 45, 32)
+    assert PrefixCacheStats().hit_rate == 0.0
+
+
+def test_hit_extra_blocks_predicts_what_allocate_takes():
     cache = make(num_blocks=12, block_size=4)
     t, _ = prefill(cache, list(range(12)))
     cache.release(t)
     other, _ = prefill(cache, [50] * 6)
     for prompt in ([*range(12), 1], list(range(5)), [50] * 9, [60] * 3, list(range(4))):
-        predicted = cache.free_blocks_needed(prompt)
+        hit = cache.match(prompt)
+        predicted = cache.hit_extra_blocks(hit, len(prompt) - hit.num_cached_tokens)
         free = cache.allocator.num_free
         table, _ = cache.allocate(prompt)
         assert free - cache.allocator.num_free == predicted, prompt
@@ -163,25 +180,27 @@ def test_eviction_is_least_recently_used_and_counted():
     a_block, b_block = a_table.block_ids[0], b_table.block_ids[0]
     cache.release(a_table)                   # A freed first: least recently used
     cache.release(b_table)
-    assert cache.evictable_block_ids() == [a_block, b_block]
+    assert evictable(cache) == [a_block, b_block]
     cache.allocate([3, 3, 3, 3, 3])          # 3 fresh blocks: the 2 uncached free ones first, then A
-    assert not cache.is_cached(a_block) and cache.is_cached(b_block)
-    assert cache.stats.evicted_blocks == 1
+    assert a_block not in cache.allocator.names and b_block in cache.allocator.names
+    assert cache.allocator.num_evictions == 1
     assert cache.match([1, 1, 1]).num_cached_tokens == 0 and cache.match([2, 2, 2]).num_cached_tokens == 2
 
 
-def test_evict_and_clear_only_touch_unreferenced_blocks():
+def test_eviction_and_clear_only_touch_unreferenced_blocks():
     cache = make(num_blocks=8, block_size=2)
     keep, _ = prefill(cache, [1, 2, 3])
     gone, _ = prefill(cache, [4, 5, 6, 7, 8])
     first, second = gone.block_ids[:2]
     cache.release(gone)                                  # tail first: [6, 7] is freed before [4, 5]
-    assert cache.evictable_block_ids() == [second, first]
-    assert cache.evict(1) == [second] and cache.stats.evicted_blocks == 1
-    assert cache.allocator.num_evictions == 1  # one event, one counter (issue 19)
+    assert evictable(cache) == [second, first]
+    a = cache.allocator
+    taken = a.allocate_many(a.num_free - 1)              # every unnamed free block, then the oldest named one
+    assert second in taken and first not in taken and a.num_evictions == 1
+    a.free_blocks(taken)
     assert cache.match([4, 5, 6, 7, 0]).num_cached_tokens == 2
-    assert cache.clear() == 1 and cache.evictable_block_ids() == []
-    assert cache.is_cached(keep.block_ids[0])            # in use: clear leaves it
+    assert cache.clear() == 1 and evictable(cache) == []
+    assert keep.block_ids[0] in a.names                  # in use: clear leaves it
     assert cache.match([1, 2, 0]).num_cached_tokens == 2
     cache.release(keep)
     assert cache.clear() == 1 and cache.num_cached_blocks == 0
@@ -194,13 +213,13 @@ def test_copy_on_write_of_a_shared_tail():
     child = cache.fork(parent)
     tail = parent.block_ids[-1]
     assert cache.extra_blocks(child, 1) == 1
-    result = cache.append(child, [7])
-    assert result.copies == [(tail, child.block_ids[-1])] and child.block_ids[-1] != tail
+    copies = cache.append(child, [7])
+    assert copies == [(tail, child.block_ids[-1])] and child.block_ids[-1] != tail
     assert parent.block_ids[-1] == tail and cache.allocator.ref_counts[tail] == 1
-    assert result.slot_mapping == [child.block_ids[-1] * 4 + 2]
+    assert child.slots(6, 7) == [child.block_ids[-1] * 4 + 2]
     again = cache.append(child, [8, 9])                   # private now: no second copy
-    assert again.copies == [] and len(child.block_ids) == 3
-    assert cache.append(parent, [7]).copies == []         # parent holds its tail alone
+    assert again == [] and len(child.block_ids) == 3
+    assert cache.append(parent, [7]) == []                # parent holds its tail alone
 
 
 def test_out_of_blocks_changes_nothing():
@@ -226,14 +245,15 @@ def test_out_of_blocks_changes_nothing():
     (lambda c, t, other: c.allocate([]), "token_ids"),
     (lambda c, t, other: c.allocate([1], key="lora"), "key"),
     (lambda c, t, other: c.match([1], key=None), "key"),
-    (lambda c, t, other: c.free_blocks_needed((1, 2, -3)), "token_ids"),
+    (lambda c, t, other: c.match((1, 2, -3)), "token_ids"),
+    (lambda c, t, other: c.share(c.match([1, 2, 3, 4, 9]), [1, 2], CacheKey()), "hit"),
+    (lambda c, t, other: c.hit_extra_blocks("hit", 2), "hit"),
     (lambda c, t, other: c.append(t, [3, -1]), "token_ids"),
     (lambda c, t, other: c.append(BlockTable(4), [1]), "table"),
     (lambda c, t, other: c.append(other["small_blocks"], [1]), "table.*another PrefixCache"),
     (lambda c, t, other: c.release(other["other_cache"]), "table"),
     (lambda c, t, other: c.fork(other["other_cache"]), "table"),
     (lambda c, t, other: c.cache_full_blocks(t, t.num_tokens + 1), "num_computed_tokens"),
-    (lambda c, t, other: c.evict(-1), "num_blocks"),
     (lambda c, t, other: c.extra_blocks(t, -3), "num_new_tokens"),
 ])
 def test_bad_input_raises_value_error_and_changes_nothing(call, param):
@@ -308,7 +328,8 @@ class PrefixMachine(RuleBasedStateMachine):
     @rule(tokens=st.lists(VOCAB, min_size=1, max_size=9), key_idx=st.integers(0, 1), commit=st.booleans())
     def allocate(self, tokens, key_idx, commit):
         before = snapshot(self.cache)
-        predicted = self.cache.free_blocks_needed(tokens, KEYS[key_idx])
+        hit = self.cache.match(tokens, KEYS[key_idx])
+        predicted = self.cache.hit_extra_blocks(hit, len(tokens) - hit.num_cached_tokens)
         free = self.cache.allocator.num_free
         try:
             table, hit = self.cache.allocate(tokens, KEYS[key_idx])
@@ -330,12 +351,12 @@ class PrefixMachine(RuleBasedStateMachine):
         others = {id(t): [self.pool.get(t.slot(p)) for p in range(t.num_tokens)] for t in self.tables if t is not table}
         before = snapshot(self.cache), list(table.block_ids)
         try:
-            result = self.cache.append(table, tokens)
+            copies = self.cache.append(table, tokens)
         except OutOfBlocksError:
             assert (snapshot(self.cache), list(table.block_ids)) == before
             return
         bs = self.cache.block_size
-        for src, dst in result.copies:  # copy-on-write: the caller copies the K/V
+        for src, dst in copies:  # copy-on-write: the caller copies the K/V
             for off in range(bs):
                 if src * bs + off in self.pool:
                     self.pool[dst * bs + off] = self.pool[src * bs + off]
@@ -368,7 +389,9 @@ class PrefixMachine(RuleBasedStateMachine):
 
     @rule(n=st.integers(0, 3))
     def evict(self, n):
-        self.cache.evict(n)
+        """Take n free blocks and give them back: the allocator evicts what it hands out (the one eviction path)."""
+        a = self.cache.allocator
+        a.free_blocks(a.allocate_many(min(n, a.num_free)))
 
     @rule()
     def clear(self):
@@ -393,8 +416,7 @@ class PrefixMachine(RuleBasedStateMachine):
     @invariant()
     def cached_blocks_hold_what_their_entry_names(self):
         bs = self.cache.block_size
-        for b in self.cache.cached_block_ids():
-            entry = self.cache.cached_block(b)
+        for b, entry in self.cache.allocator.names.items():
             key, prefix = self.pool[b * bs + bs - 1]
             assert key == entry.key and prefix[-bs:] == entry.token_ids
 
@@ -469,7 +491,7 @@ def test_generate_with_prefix_cache_rejects_out_of_vocab_ids_and_changes_nothing
 
     def state():
         p = kv.prefix
-        return (copy.deepcopy(p.stats), {h: dict(b) for h, b in p._by_hash.items()},  # noqa: SLF001
+        return (copy.deepcopy(p.stats), {h: dict(b) for h, b in p.index._blocks.items()},  # noqa: SLF001
                 sorted(p.allocator.names), list(p.allocator.ref_counts),
                 list(p.allocator._free), kv.table, kv.seq_len, [c.clone() for c in kv.k_caches])  # noqa: SLF001
 
@@ -583,6 +605,6 @@ def test_stepper_says_what_an_evicted_block_held():
     assert c_arrives.evicted == d_arrives.evicted == (1, 4)
     assert c_arrives.evicted_held == ("tokens 5-8 of the report", "tokens 9-12 of A'")
     assert d_arrives.evicted_held == ("tokens 25-28 of C", "tokens 21-24 of C")
-    assert d_arrives.stats.hit_tokens - snaps[8].stats.hit_tokens == 4  # only the report's first block survived
+    assert d_arrives.stats.hits - snaps[8].stats.hits == 4  # only the report's first block survived
     assert "block 1, which held tokens 5-8 of the report" in caption_text(c_arrives)
     assert all(len(s.evicted_held) == len(s.evicted) for s in snaps)

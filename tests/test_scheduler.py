@@ -18,8 +18,11 @@ from hypothesis import strategies as st
 
 from labkit.paging import BlockAllocator, blocks_needed
 from labkit.prefix import PrefixCache
-from labkit.scheduler import (ALLOCATIONS, Request, RequestStatus, Scheduler, advance_decodes, extra_blocks,
-                              plan_iteration)
+from labkit.forking import ForkingScheduler
+from labkit.priority import PriorityScheduler
+from labkit.reservation import ALLOCATIONS, ReservingScheduler, check_allocation, scheduler_class
+from labkit.scheduler import Request, RequestStatus, Scheduler, extra_blocks, plan_iteration
+from labkit.skipahead import advance_decodes
 
 VOCAB = 50
 
@@ -75,9 +78,10 @@ class SymbolicPool:
 def slots_held(sched: Scheduler, r: Request) -> int:
     """The slots a running request's blocks must cover, counted here (not asked of the scheduler):
     paged, its computed tokens; reserving, its whole reservation from admission on."""
-    if sched.allocation == "max_len":
+    reserve = getattr(sched, "reserve", None)
+    if reserve == "max_len":
         return sched.max_model_len
-    if sched.allocation == "exact":
+    if reserve == "exact":
         return len(r.prompt_token_ids) + r.max_new_tokens - 1
     return r.num_computed_tokens
 
@@ -117,7 +121,7 @@ def run(sched: Scheduler, arrivals: dict[int, list[Request]], max_steps: int = 1
         k = len(step.preempted)
         if k:
             assert step.preempted == running_before[::-1][:k]
-            if sched.priority is None:  # back to the front of the queue (a priority key re-sorts it)
+            if not isinstance(sched, PriorityScheduler):  # back to the front of the queue (a key re-sorts it)
                 assert all(sched.waiting[i] is r for i, r in enumerate(reversed(step.preempted)))
         # every candidate's turn, as recorded, follows the article's rules
         for d in step.decisions:
@@ -286,7 +290,7 @@ def test_bad_input_names_the_parameter():
     with pytest.raises(ValueError, match="prefix_cache"):
         Scheduler(block_size=4, prefix_cache="not a prefix cache")
     with pytest.raises(ValueError, match="priority"):
-        Scheduler(4, 4, 16, priority=3)
+        PriorityScheduler(4, 4, 16, priority=3)
     shared = PrefixCache(BlockAllocator(6), 4)
     assert Scheduler(block_size=4, prefix_cache=shared).num_blocks == 6
     sched = Scheduler(4, 4, 16)
@@ -365,7 +369,7 @@ def test_preemption_by_recompute():
 
 def test_fork_copies_the_shared_tail_on_write():
     bs = 4
-    sched = Scheduler(16, bs, max_num_batched_tokens=32)
+    sched = ForkingScheduler(16, bs, max_num_batched_tokens=32)
     parent = sched.add_request([5, 6, 7, 8, 9, 10], 4)   # 6 tokens: the tail block is half full
     pool = SymbolicPool(bs)
     step = sched.schedule()
@@ -390,8 +394,8 @@ def test_fork_copies_the_shared_tail_on_write():
 
 
 def test_priority_reorders_the_waiting_queue():
-    sched = Scheduler(5, 4, max_num_batched_tokens=64, enable_prefix_caching=False,
-                      priority=lambda r: len(r.prompt_token_ids))
+    sched = PriorityScheduler(5, 4, max_num_batched_tokens=64, enable_prefix_caching=False,
+                              priority=lambda r: len(r.prompt_token_ids))
     long = sched.add_request([1] * 12, 2)
     short = sched.add_request([2] * 3, 2)
     step = sched.schedule()
@@ -475,8 +479,9 @@ def workloads(draw):
     priority = draw(st.sampled_from([None, lambda r: len(r.prompt_token_ids), lambda r: -r.max_new_tokens]))
     hol = draw(st.booleans())
     gate = draw(st.booleans())
-    return Scheduler(num_blocks, bs, budget, enable_prefix_caching=caching, priority=priority,
-                     head_of_line=hol, full_sequence_must_fit=gate), arrivals
+    cls, extra = (Scheduler, {}) if priority is None else (PriorityScheduler, {"priority": priority})
+    return cls(num_blocks, bs, budget, enable_prefix_caching=caching, head_of_line=hol,
+               full_sequence_must_fit=gate, **extra), arrivals
 
 
 @settings(max_examples=150, deadline=None)
@@ -526,7 +531,7 @@ def test_finishing_a_waiting_request_cancels_it_cleanly():
     a = sched.add_request([1, 2, 3, 4, 5], 3)
     b = sched.add_request([6, 7, 8], 2)
     sched.finish(b)  # cancelled before it ever ran
-    assert b.status is RequestStatus.FINISHED and b not in sched.waiting and b in sched.finished
+    assert b.status is RequestStatus.FINISHED and b not in sched.waiting and b.request_id not in sched.requests
     step = sched.schedule()
     assert [c.request for c in step.chunks] == [a]
     assert sched.allocator.num_used == blocks_needed(5, 4)
@@ -573,7 +578,7 @@ def test_two_forks_sharing_a_tail_need_one_copy_not_two():
     """The first fork to write copies the shared tail; the second then owns it alone. The pass
     must count one copy, so nobody is preempted when one block is free."""
     bs = 4
-    sched = Scheduler(3, bs, max_num_batched_tokens=32)
+    sched = ForkingScheduler(3, bs, max_num_batched_tokens=32)
     parent = sched.add_request([5, 6, 7, 8, 9, 10], 4)   # 6 tokens: 2 blocks, the tail half full
     pool = SymbolicPool(bs)
     step = sched.schedule()
@@ -696,7 +701,7 @@ def test_the_gate_counts_a_preempted_requests_outputs_and_its_prefix_hit():
     r = Request(list(range(1, 13)) + [40, 41, 42, 43, 44], 2)
     hit = sched.prefix_cache.match(r.all_token_ids)
     assert hit.num_cached_tokens == 12
-    sched._hits[id(r)] = hit  # its turn in a pass, with 8 blocks free
+    sched._hits[id(r)], r.num_computed_tokens = hit, hit.num_cached_tokens  # its turn, as _candidates sets it
     assert sched._extra_blocks(r, 1) == 3 + 1   # whole sequence: 3 revived + 2 new fit; the chunk: 3 + 1
     r.output_token_ids = [7] * 16               # as if preempted after 16 outputs: 33 tokens, 9 blocks
     assert sched._extra_blocks(r, 1) == 3 + 6   # the whole sequence does not fit: its need is reported
@@ -716,7 +721,7 @@ def test_random_workloads_with_the_gate_off_still_finish(workload):
 # -- issue 19: operations between schedule() and postprocess() -----------------------------------
 
 def _two_decoding(pool: SymbolicPool | None = None, num_blocks: int = 16) -> tuple[Scheduler, Request, Request]:
-    sched = Scheduler(num_blocks, 4, max_num_batched_tokens=32)
+    sched = ForkingScheduler(num_blocks, 4, max_num_batched_tokens=32)
     a = sched.add_request([1, 2, 3, 4, 5], 6)
     b = sched.add_request([6, 7, 8], 6)
     step = sched.schedule()
@@ -765,7 +770,7 @@ def test_a_request_finished_mid_step_gets_no_token_and_the_others_do():
 
 def test_a_fork_never_takes_an_id_in_use():
     probe = Request([1], 1).request_id        # the module-wide counter hands out probe + 1 next
-    sched = Scheduler(16, 4, max_num_batched_tokens=32)
+    sched = ForkingScheduler(16, 4, max_num_batched_tokens=32)
     parent = sched.add_request(Request([1, 2, 3], 4, request_id=probe + 1))
     other = sched.add_request(Request([4, 5, 6], 4, request_id=probe + 2))
     pool = SymbolicPool(4)
@@ -832,8 +837,8 @@ def _fuzz_once(seed: int) -> None:
     rng = random.Random(seed)
     bs = rng.choice([2, 4])
     num_blocks = rng.randrange(6, 16)
-    sched = Scheduler(num_blocks, bs, rng.randrange(4, 40), max_num_seqs=rng.randrange(2, 8),
-                      enable_prefix_caching=rng.random() < 0.7, full_sequence_must_fit=rng.random() < 0.7)
+    sched = ForkingScheduler(num_blocks, bs, rng.randrange(4, 40), max_num_seqs=rng.randrange(2, 8),
+                             enable_prefix_caching=rng.random() < 0.7, full_sequence_must_fit=rng.random() < 0.7)
     cap = num_blocks * bs
     shared = [rng.randrange(VOCAB) for _ in range(rng.randrange(0, 2 * bs + 1))]
     pending = []
@@ -862,12 +867,12 @@ def _fuzz_once(seed: int) -> None:
                 aborted.add(id(victim))
                 sched.finish(victim)
             elif sched.running and len(sched.running) < sched.max_num_seqs:
-                sched.fork(rng.choice(sched.running))
+                pending.append((-1, sched.fork(rng.choice(sched.running))))
         sched.postprocess(step, sampled)
         check_ref_counts(sched)
     assert not sched.has_unfinished(), f"seed {seed}: unfinished after 400 steps"
     assert sched.allocator.num_free == num_blocks and sched.allocator.ref_counts == [0] * num_blocks
-    for r in sched.finished:
+    for _, r in pending:
         if id(r) not in aborted:
             assert r.output_token_ids == reference_output(r.prompt_token_ids, r.max_new_tokens, r.eos_token_id)
 
@@ -890,10 +895,10 @@ def test_reservations_hold_their_whole_length_and_never_preempt(workload, alloca
     reqs = [r for rs in arrivals.values() for r in rs]
     longest = max(len(r.prompt_token_ids) + r.max_new_tokens - 1 for r in reqs)
     max_model_len = min(longest + spare, drawn.num_blocks * drawn.block_size)
-    sched = Scheduler(drawn.num_blocks, drawn.block_size, drawn.max_num_batched_tokens,
-                      enable_prefix_caching=drawn.enable_prefix_caching, priority=drawn.priority,
-                      head_of_line=drawn.head_of_line, full_sequence_must_fit=drawn.full_sequence_must_fit,
-                      allocation=allocation, max_model_len=max_model_len)
+    sched = ReservingScheduler(drawn.num_blocks, drawn.block_size, drawn.max_num_batched_tokens,
+                               enable_prefix_caching=drawn.enable_prefix_caching, head_of_line=drawn.head_of_line,
+                               full_sequence_must_fit=drawn.full_sequence_must_fit, reserve=allocation,
+                               max_model_len=max_model_len)
     total = sum(len(r.prompt_token_ids) + r.max_new_tokens for r in reqs)
     steps = run(sched, arrivals, max_steps=10 * total + 10)
     assert not any(step.preempted for step in steps)
@@ -908,7 +913,8 @@ def _serve_all_at_once(allocation: str) -> tuple[list[int], list[list[int]], int
     rng = random.Random(5)
     reqs = [Request([rng.randrange(VOCAB) for _ in range(rng.randrange(4, 20))], rng.randrange(4, 20))
             for _ in range(12)]
-    sched = Scheduler(40, 4, 64, enable_prefix_caching=False, allocation=allocation, max_model_len=48)
+    cls, variant = scheduler_class(allocation)
+    sched = cls(40, 4, 64, enable_prefix_caching=False, max_model_len=48, **variant)
     running = []
     for step in run(sched, {0: reqs}):
         running.append(step.stats.num_running)
@@ -932,7 +938,7 @@ def test_reserving_admits_fewer_requests_at_once_than_paging_with_the_same_token
 def test_a_reserving_request_waits_for_its_whole_reservation():
     """Admission asks for the reservation, not for the prompt: 10 free blocks of 4 slots hold a
     5-token prompt, but not a 48-slot reservation (12 blocks)."""
-    sched = Scheduler(14, 4, 64, enable_prefix_caching=False, allocation="max_len", max_model_len=48)
+    sched = ReservingScheduler(14, 4, 64, enable_prefix_caching=False, reserve="max_len", max_model_len=48)
     sched.add_request([1] * 5, 3)
     first = sched.schedule()
     sched.postprocess(first, [2])
@@ -946,22 +952,60 @@ def test_a_reserving_request_waits_for_its_whole_reservation():
 def test_allocation_bad_values_are_refused_and_nothing_changes():
     for bad in ("max", "Paged", None, 1):
         with pytest.raises(ValueError, match="allocation must be one of 'paged', 'max_len', 'exact'"):
-            Scheduler(8, allocation=bad)
+            check_allocation(bad, 48)
+    for bad in ("paged", "max", None):
+        with pytest.raises(ValueError, match="reserve must be one of 'max_len', 'exact'"):
+            ReservingScheduler(8, reserve=bad, max_model_len=16)
     with pytest.raises(ValueError, match="max_model_len must be an integer >= 1 with allocation='max_len'"):
-        Scheduler(8, allocation="max_len")
+        check_allocation("max_len", None)
+    with pytest.raises(ValueError, match="max_model_len must be an integer >= 1 with reserve='max_len'"):
+        ReservingScheduler(8, reserve="max_len")
     for bad in (0, 2.5, True):
         with pytest.raises(ValueError, match="max_model_len"):
-            Scheduler(8, allocation="max_len", max_model_len=bad)
+            ReservingScheduler(8, reserve="max_len", max_model_len=bad)
     with pytest.raises(ValueError, match="max_model_len must fit the pool"):
-        Scheduler(8, block_size=4, allocation="max_len", max_model_len=33)
-    sched = Scheduler(16, 4, allocation="exact", max_model_len=20)
+        ReservingScheduler(8, block_size=4, reserve="max_len", max_model_len=33)
+    sched = ReservingScheduler(16, 4, reserve="exact", max_model_len=20)
     kept = sched.add_request([1, 2, 3], 4)
     with pytest.raises(ValueError, match="max_model_len"):  # 15 + 6 - 1 = 20 slots fit, 21 do not
         sched.add_request([1] * 15, 7)
     assert list(sched.waiting) == [kept] and list(sched.requests) == [kept.request_id]
-    step = sched.schedule()
-    sched.postprocess(step, [5])
-    before = (list(sched.running), list(sched.allocator.ref_counts), sched.allocator.num_free)
-    with pytest.raises(ValueError, match="fork needs allocation='paged'"):
-        sched.fork(kept)
-    assert (list(sched.running), list(sched.allocator.ref_counts), sched.allocator.num_free) == before
+    assert not hasattr(sched, "fork")  # a reservation is never shared: forking is another variant
+
+
+# ------------------------------------------------------------------ prefix-cache counters, as vLLM keeps them
+
+
+def test_a_preempted_request_refinding_its_own_blocks_is_counted_apart():
+    """Two requests, no shared token, one preemption: vLLM's PrefixCacheStats (recorded at admission by
+    KVCacheManager.record_prefix_cache_stats) counts 2 requests and 0 hits; B's re-admission, which finds
+    its own 2 named blocks again, goes to preempted_requests / preempted_hits."""
+    sched = Scheduler(5, 4, 64)
+    a = sched.add_request(list(range(1, 9)), 4)
+    b = sched.add_request(list(range(20, 28)), 3)
+    steps = run(sched, {})
+    assert sum(len(s.preempted) for s in steps) == 1 and b.num_preemptions == 1 and a.num_preemptions == 0
+    stats = sched.prefix_cache.stats
+    assert (stats.requests, stats.queries, stats.hits) == (2, 16, 0) and stats.hit_rate == 0
+    assert (stats.preempted_requests, stats.preempted_queries, stats.preempted_hits) == (1, 8 + 1, 8)
+    assert sum(s.stats.prefix_hit_tokens for s in steps) == 0 and sum(s.stats.preempted_hit_tokens for s in steps) == 8
+
+
+def test_a_chunked_prompt_is_one_query_of_all_its_tokens():
+    """Two 40-token prompts sharing 16 tokens, a budget of 8: the hit is 16 of 80 queried tokens (20%),
+    not 16 of the tokens in the chunks that admitted them."""
+    shared = list(range(1, 17))
+    sched = Scheduler(32, 4, 8)
+    a = sched.add_request(shared + list(range(100, 124)), 2)
+    b = sched.add_request(shared + list(range(200, 224)), 2)
+    run(sched, {})
+    stats = sched.prefix_cache.stats
+    assert b.num_cached_tokens == 16 and a.num_cached_tokens == 0
+    assert (stats.requests, stats.queries, stats.hits) == (2, 80, 16) and stats.hit_rate == 0.2
+
+
+def test_prefix_caching_off_records_no_lookup():
+    sched = Scheduler(16, 4, 64, enable_prefix_caching=False)
+    sched.add_request([1, 2, 3, 4, 5], 2)
+    run(sched, {})
+    assert sched.prefix_cache.stats == type(sched.prefix_cache.stats)()

@@ -298,7 +298,7 @@ def test_the_engine_comparison_covers_hits_preemption_and_chunks(monkeypatch):
                 blocked.append(step.index)  # someone queued behind the skipped request was not tried
             return step
 
-    monkeypatch.setattr("labkit.sim.Scheduler", Recording)
+    monkeypatch.setattr("labkit.sim.scheduler_class", lambda allocation: (Recording, {}))
     results, mid_prompt_chunks = [], 0
     for s, nb, b, sp in ENGINE_CASES:
         specs = tiny_workload(s, 8, shared=9, max_prompt=24, max_output=14, spread=sp)
@@ -330,9 +330,9 @@ def assert_same_run(a, b):
     sa, sb = a.scheduler, b.scheduler
     assert sa.allocator.ref_counts == sb.allocator.ref_counts
     assert list(sa.allocator._free) == list(sb.allocator._free)  # same LRU order
-    assert sa.prefix_cache.cached_block_ids() == sb.prefix_cache.cached_block_ids()
-    assert sa.prefix_cache.stats == sb.prefix_cache.stats
-    assert [r.output_token_ids for r in sa.finished] == [r.output_token_ids for r in sb.finished]
+    assert sorted(sa.allocator.names) == sorted(sb.allocator.names)
+    assert sa.prefix_cache.stats == sb.prefix_cache.stats and sa.allocator.num_evictions == sb.allocator.num_evictions
+    assert [r.output_token_ids for r in a.requests] == [r.output_token_ids for r in b.requests]
 
 
 WORKLOADS = {
@@ -378,7 +378,7 @@ def test_skip_ahead_covers_preemption_waiting_and_eviction():
     assert runs["chat, tight pool (preemption, queue)"].preemptions.sum() > 0
     assert runs["chat, tight pool (preemption, queue)"].num_waiting.max() > 0
     assert runs["long document, shared prefix"].reuse_ratio > 0.8
-    assert runs["mixed, eviction pressure"].scheduler.prefix_cache.stats.evicted_blocks > 0
+    assert runs["mixed, eviction pressure"].scheduler.allocator.num_evictions > 0
     assert runs["mixed, small blocks, no caching"].reuse_ratio == 0
     seats = runs["chat, 4 seats (max_num_seqs, queue)"]
     assert seats.num_running.max() == 4 and seats.num_waiting.max() > 0
@@ -474,7 +474,7 @@ def test_paging_batches_more_requests_than_reserving_on_one_workload():
     assert mean["max_len"] < mean["exact"] < mean["paged"]
     assert runs["max_len"].requests_per_s < runs["exact"].requests_per_s < runs["paged"].requests_per_s
     assert np.array_equal(runs["max_len"].used_blocks, 128 * runs["max_len"].num_running)
-    tokens = {a: sorted((r.request_id, tuple(r.output_token_ids)) for r in run.scheduler.finished)
+    tokens = {a: sorted((r.request_id, tuple(r.output_token_ids)) for r in run.requests)
               for a, run in runs.items()}
     assert tokens["max_len"] == tokens["exact"] == tokens["paged"]
     assert runs["max_len"].preemptions.sum() == runs["exact"].preemptions.sum() == 0

@@ -20,6 +20,11 @@ from labkit.scheduler import Request, RequestStatus, Scheduler
 COMMON = [i for i in range(3) for _ in range(16)]  # three full blocks of 16, as in vLLM's tests
 
 
+def evictable(cache: PrefixCache) -> list[int]:
+    """Named blocks no sequence holds, in the order the allocator would evict them (front of the free queue first)."""
+    return [b for b in cache.allocator.free_block_ids() if b in cache.allocator.names]
+
+
 def cache_of(num_blocks: int, block_size: int = 16) -> PrefixCache:
     return PrefixCache(BlockAllocator(num_blocks), block_size)
 
@@ -45,8 +50,8 @@ def test_prefill():
     t0, hit = allocate_slots(cache, COMMON + [3] * 7)
     assert hit == 0 and t0.block_ids == [0, 1, 2, 3]
     chain = hash_chain(COMMON + [3] * 7, 16)
-    assert [cache.cached_block(b).block_hash for b in (0, 1, 2)] == chain
-    assert cache.cached_block(3) is None and cache.allocator.ref_counts[:4] == [1, 1, 1, 1]
+    assert [cache.allocator.names.get(b).block_hash for b in (0, 1, 2)] == chain
+    assert cache.allocator.names.get(3) is None and cache.allocator.ref_counts[:4] == [1, 1, 1, 1]
 
     t1, hit = allocate_slots(cache, COMMON + [3] * 5)  # hit while the blocks are in use
     assert hit == 48 and t1.block_ids == [0, 1, 2, 4]
@@ -85,13 +90,14 @@ def test_decode():
     cache = cache_of(10)
     table, _ = allocate_slots(cache, COMMON + [3] * 7)
     assert table.block_ids == [0, 1, 2, 3]
-    assert cache.append(table, [8] * 4).copies == [] and table.block_ids == [0, 1, 2, 3]
+    assert cache.append(table, [8] * 4) == [] and table.block_ids == [0, 1, 2, 3]
     cache.cache_full_blocks(table)
-    assert cache.cached_block(table.block_ids[-1]) is None
+    assert cache.allocator.names.get(table.block_ids[-1]) is None
     cache.append(table, [7] * (9 + 10))
     cache.cache_full_blocks(table)
     assert len(table.block_ids) == 5
-    assert cache.cached_block(table.block_ids[-2]) is not None and cache.cached_block(table.block_ids[-1]) is None
+    names = cache.allocator.names
+    assert table.block_ids[-2] in names and table.block_ids[-1] not in names
 
 
 def test_evict():
@@ -115,10 +121,10 @@ def test_hash_block_correct_reuse():
     other tokens loses its name."""
     cache = cache_of(1)
     table, _ = allocate_slots(cache, list(range(16)))
-    assert cache.is_cached(table.block_ids[0])
+    assert table.block_ids[0] in cache.allocator.names
     cache.release(table)
     table, hit = allocate_slots(cache, list(range(15)))
-    assert hit == 0 and not cache.is_cached(table.block_ids[0]) and cache.stats.evicted_blocks == 1
+    assert hit == 0 and table.block_ids[0] not in cache.allocator.names and cache.allocator.num_evictions == 1
 
 
 def test_computed_blocks_not_evicted():
@@ -183,7 +189,7 @@ def test_reset_prefix_cache():
     assert cache.clear() == 0 and cache.num_cached_blocks == 3  # all in use: kept
     cache.release(t0)
     cache.release(t1)
-    assert cache.clear() == 3 and cache.num_cached_blocks == 0 and cache.stats.evicted_blocks == 0
+    assert cache.clear() == 3 and cache.num_cached_blocks == 0 and cache.allocator.num_evictions == 0
     assert cache.match(COMMON + [3]).num_cached_tokens == 0
 
 
@@ -223,10 +229,12 @@ def test_maybe_evict_cached_block():
     cache.release(first)
     cache.release(twin)
     assert cache.match([1, 2, 3, 4, 9]).block_ids == (oldest,)
-    assert set(cache.evictable_block_ids()) == {oldest, newer}
-    cache.evict(1)
+    assert set(evictable(cache)) == {oldest, newer}
+    a = cache.allocator
+    taken = a.allocate_many(a.num_free - 1)  # every unnamed free block, then one of the twins: evicted
+    assert a.num_evictions == 1 and len({oldest, newer} & set(taken)) == 1
     assert cache.match([1, 2, 3, 4, 9]).num_cached_tokens == 4  # the other twin
-    cache.evict(1)
+    taken.append(a.allocate())
     assert cache.match([1, 2, 3, 4, 9]).num_cached_tokens == 0 and cache.num_cached_blocks == 0
 
 

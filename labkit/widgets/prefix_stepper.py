@@ -46,6 +46,7 @@ class Snapshot:
     evicted: tuple[int, ...] = ()                          # blocks whose name was dropped by this event
     evicted_held: tuple[str, ...] = ()                     # what each evicted block's name stood for
     stats: PrefixCacheStats = field(default_factory=PrefixCacheStats)
+    evicted_blocks: int = 0                                # evictions so far
 
     def state(self, block_id: int) -> str:
         ref = self.ref_counts[block_id]
@@ -72,7 +73,7 @@ def story(num_blocks: int = 8, block_size: int = 4) -> list[Snapshot]:
     snaps: list[Snapshot] = []
 
     def names() -> dict[int, str]:
-        return {b: cache.cached_block(b).block_hash for b in cache.cached_block_ids()}
+        return {b: name.block_hash for b, name in cache.allocator.names.items()}
 
     def held(token_ids: tuple[int, ...]) -> str:
         """Where a named block's tokens come from, e.g. "tokens 5-8 of the report" (1-based positions)."""
@@ -83,24 +84,26 @@ def story(num_blocks: int = 8, block_size: int = 4) -> list[Snapshot]:
         return f"tokens {list(token_ids)}"
 
     def record(short: str, caption: str, action: Callable[[], tuple[tuple, str]]) -> None:
-        names_before, evictions_before = names(), cache.stats.evicted_blocks
-        contents_before = {b: cache.cached_block(b).token_ids for b in names_before}
+        names_before, evictions_before = names(), cache.allocator.num_evictions
+        contents_before = {b: cache.allocator.names[b].token_ids for b in names_before}
         copies, note = action()
         after = names()
         # evicted: a block whose name was dropped (it may carry a new name already)
         evicted = tuple(b for b in sorted(names_before) if after.get(b) != names_before[b])
-        if len(evicted) != cache.stats.evicted_blocks - evictions_before:
-            raise RuntimeError(f"the cache counted {cache.stats.evicted_blocks - evictions_before} evictions, "
+        if len(evicted) != cache.allocator.num_evictions - evictions_before:
+            raise RuntimeError(f"the cache counted {cache.allocator.num_evictions - evictions_before} evictions, "
                                f"the names show {len(evicted)}")
         a = cache.allocator
         snaps.append(Snapshot(
-            caption + note, short, tuple(a.ref_counts), tuple(cache.is_cached(b) for b in range(a.num_blocks)),
+            caption + note, short, tuple(a.ref_counts), tuple(b in a.names for b in range(a.num_blocks)),
             tuple((name, tuple(t.block_ids), t.num_tokens) for name, t in tables.items()),
-            tuple(copies), evicted, tuple(held(contents_before[b]) for b in evicted), replace(cache.stats)))
+            tuple(copies), evicted, tuple(held(contents_before[b]) for b in evicted), replace(cache.stats),
+            a.num_evictions))
 
     def arrive(name: str, prompt: list[int]) -> Callable[[], tuple[tuple, str]]:
         def go() -> tuple[tuple, str]:
             table, hit = cache.allocate(prompt)
+            cache.stats.record(len(prompt), hit)  # one admission, one lookup
             cache.cache_full_blocks(table)  # prefill done: its full blocks get names
             tables[name], sequences[name] = table, list(prompt)
             return (), f": {hit} of {len(prompt)} prompt tokens found in the cache"
@@ -114,10 +117,10 @@ def story(num_blocks: int = 8, block_size: int = 4) -> list[Snapshot]:
 
     def append(name: str, tokens: list[int]) -> Callable[[], tuple[tuple, str]]:
         def go() -> tuple[tuple, str]:
-            result = cache.append(tables[name], tokens)
+            copies = cache.append(tables[name], tokens)
             sequences[name] += tokens
             cache.cache_full_blocks(tables[name])
-            return tuple(result.copies), ""
+            return tuple(copies), ""
         return go
 
     def finish(*who: str) -> Callable[[], tuple[tuple, str]]:
@@ -207,8 +210,8 @@ def caption_text(snap: Snapshot) -> str:
     evicted = "".join(f"\nevicted now: block {b}, which held {what}"
                       for b, what in zip(snap.evicted, snap.evicted_held))
     return (f"{snap.caption}\n"
-            f"prompt tokens hit {s.hit_tokens}, computed {s.miss_tokens} (hit rate {s.hit_rate:.0%}); "
-            f"blocks evicted so far {s.evicted_blocks}; copies this step {list(snap.copies)}{evicted}")
+            f"prompt tokens hit {s.hits}, computed {s.queries - s.hits} (hit rate {s.hit_rate:.0%}); "
+            f"blocks evicted so far {snap.evicted_blocks}; copies this step {list(snap.copies)}{evicted}")
 
 
 class PrefixStepper:
