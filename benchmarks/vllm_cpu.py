@@ -23,6 +23,7 @@ from __future__ import annotations
 
 import argparse
 import datetime as dt
+import os
 import platform
 import sys
 import time
@@ -107,8 +108,8 @@ def main() -> None:
     now = dt.datetime.now(dt.timezone.utc)
     lines = [f"# The book's engine and the real vLLM on one CPU ({now:%Y-%m-%d %H:%M} UTC)", "",
              f"Command: `python benchmarks/vllm_cpu.py --threads {args.threads} --repeat {args.repeat}`  ",
-             f"Machine: {platform.machine()}, {torch.get_num_threads()} of {len(__import__('os').sched_getaffinity(0))} "
-             f"CPUs used, torch {torch.__version__}; vLLM {vllm_default['vllm_version']} (vllm-cpu), "
+             f"Machine: {platform.machine()}, {torch.get_num_threads()} of {os.cpu_count()} CPUs used, "
+             f"torch {torch.__version__}; vLLM {vllm_default['vllm_version']} (vllm-cpu), "
              f"OMP_NUM_THREADS={args.threads}  ",
              f"Model: SmolLM2-135M-Instruct (float32); 16 chat requests sharing a system prompt, outputs 8-64 tokens "
              f"({total} in all, end-of-turn ignored), all submitted at once; blocks of {BLOCK}, prefix caching on, "
@@ -123,10 +124,11 @@ def main() -> None:
     lines += ["", f"vLLM's serving wall time over labkit's (vLLM as it runs by default): {ratio:.2f}. Inside vLLM's "
                   f"engine core its steps took {engine_s:.2f} s of the {vllm_default['wall_s']:.2f} s; the rest is "
                   f"handing requests in and outputs back between its processes.", "",
-              f"Each engine's steps fitted as chapter 06 fits them (`labkit.calibration.fit_steps`, the copy bandwidth "
-              f"measured here pinned: {bandwidth / 1e9:.1f} GB/s, so one read of the {cost.weight_bytes / 2**20:.0f} MiB "
-              f"of weights takes {1000 * cost.weight_bytes / bandwidth:.0f} ms):", "",
-              "| engine | fixed cost per step (ms) | arithmetic rate (GFLOP/s) | weight read, share of a median decode step |",
+              f"Each engine's steps fitted as chapter 06 fits them (`labkit.calibration.fit_steps`, the copy "
+              f"bandwidth measured here pinned: {bandwidth / 1e9:.1f} GB/s, so one read of the "
+              f"{cost.weight_bytes / 2**20:.0f} MiB of weights takes "
+              f"{1000 * cost.weight_bytes / bandwidth:.0f} ms):", "",
+              "| engine | fixed cost per step (ms) | arithmetic rate (GFLOP/s) | weight read, share of a decode step |",
               "|---|---:|---:|---:|"]
     for name, row in rows.items():
         fit = fit_steps(row["samples"], cost, bandwidth)

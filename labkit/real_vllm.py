@@ -38,7 +38,7 @@ from pathlib import Path
 from typing import Any, Callable, Sequence
 
 from .calibration import StepSample
-from .checks import check_int, check_number
+from .checks import check_flag, check_int, check_number
 from .request import RequestStatus
 
 __all__ = ["ROOT", "vllm_python", "model_folder", "is_available", "vllm_env", "engine_args", "run_offline",
@@ -48,7 +48,7 @@ __all__ = ["ROOT", "vllm_python", "model_folder", "is_available", "vllm_env", "e
 ROOT = Path(__file__).resolve().parent.parent  # the repository (labkit is installed from it, editable)
 DRIVER = ROOT / "tools" / "vllm_driver.py"
 SCRATCH = ROOT / ".vllm"  # git-ignored: the model folder, vLLM's cache, logs
-# What the appendix's last real run printed and measured, committed: its cells show it where vLLM is absent.
+# What the appendix's last real run printed and measured (committed): its vLLM cells show it (``recorded_run``).
 RECORD = Path(__file__).resolve().parent / "data" / "real_vllm_run.json"
 
 
@@ -104,7 +104,8 @@ def engine_args(*, block_size: int = 32, max_model_len: int = 2048, max_num_seqs
                 max_model_len=check_int("max_model_len", max_model_len, 1),
                 max_num_seqs=check_int("max_num_seqs", max_num_seqs, 1),
                 max_num_batched_tokens=check_int("max_num_batched_tokens", max_num_batched_tokens, 1),
-                enable_prefix_caching=bool(enable_prefix_caching), enforce_eager=True, disable_log_stats=False,
+                enable_prefix_caching=check_flag("enable_prefix_caching", enable_prefix_caching), enforce_eager=True,
+                disable_log_stats=False,
                 seed=0)
     if num_gpu_blocks_override is not None:
         args["num_gpu_blocks_override"] = check_int("num_gpu_blocks_override", num_gpu_blocks_override, 2)
@@ -150,7 +151,10 @@ def run_offline(runs: Sequence[dict[str, Any]], *, kv_cache_gib: int = 1, thread
         if done.returncode != 0 or not out_path.exists():
             tail = log_path.read_text()[-3000:]
             raise RuntimeError(f"vLLM's offline run failed (exit {done.returncode}); the end of its output:\n{tail}")
-        return json.loads(out_path.read_text())
+        out = json.loads(out_path.read_text())
+    for run in out["runs"]:  # the model folder, relative to the repository
+        run["engine"]["model"] = run["engine"]["model"].replace(f"{ROOT}/", "")
+    return out
 
 
 def _free_port() -> int:
@@ -192,9 +196,9 @@ class Server:
 
     def __enter__(self) -> "Server":
         with open(self.log, "w") as log:
-            self.process = subprocess.Popen(self.command(), env=vllm_env(self.kv_cache_gib, self.threads, self.step_log),
-                                            stdout=log, stderr=subprocess.STDOUT, cwd=str(SCRATCH),
-                                            start_new_session=True)
+            env = vllm_env(self.kv_cache_gib, self.threads, self.step_log)
+            self.process = subprocess.Popen(self.command(), env=env, stdout=log, stderr=subprocess.STDOUT,
+                                            cwd=str(SCRATCH), start_new_session=True)
         deadline = time.monotonic() + self.start_timeout_s
         while time.monotonic() < deadline:
             if self.process.poll() is not None:
@@ -241,8 +245,8 @@ def bench_serve(server: Server, *, request_rate: float, num_prompts: int, input_
     Every request asks for exactly ``output_len`` tokens (``--ignore-eos``); prompt lengths are drawn
     around ``input_len`` (± ``range_ratio``). Returns the benchmark's saved result with every
     request's detail (``start_times``, ``input_lens``, ``output_lens``, ``ttfts``, ``itls``; seconds),
-    plus ``steps``: the engine steps the server ran meanwhile, and ``metrics``: vLLM's counters over
-    the run.
+    plus ``steps``: the engine steps the server ran meanwhile (one list per field of
+    ``STEP_COLUMNS``, for :func:`step_samples`), and ``metrics``: vLLM's counters over the run.
     """
     check_number("request_rate", request_rate, 0, strict=True, finite=True)
     before_steps, before = len(read_steps(server.step_log)), server.metrics()
@@ -250,7 +254,8 @@ def bench_serve(server: Server, *, request_rate: float, num_prompts: int, input_
         args = ["bench", "serve", "--backend", "vllm", "--base-url", server.url, "--model", server.engine["model"],
                 "--dataset-name", "random", "--random-input-len", str(check_int("input_len", input_len, 1)),
                 "--random-output-len", str(check_int("output_len", output_len, 1)),
-                "--random-range-ratio", str(range_ratio), "--num-prompts", str(check_int("num_prompts", num_prompts, 1)),
+                "--random-range-ratio", str(range_ratio),
+                "--num-prompts", str(check_int("num_prompts", num_prompts, 1)),
                 "--request-rate", str(request_rate), "--seed", str(seed), "--ignore-eos", "--disable-tqdm",
                 "--save-result", "--save-detailed", "--result-dir", scratch, "--result-filename", "result.json",
                 "--percentile-metrics", "ttft,tpot,itl,e2el"]
@@ -263,11 +268,11 @@ def bench_serve(server: Server, *, request_rate: float, num_prompts: int, input_
             raise RuntimeError(f"vllm bench serve failed (exit {done.returncode}):\n{log.read_text()[-3000:]}")
         result = json.loads(result_path.read_text())
     shown = args[:args.index("--save-result")] + ["--save-result", "--save-detailed"]
-    result["command"] = "vllm " + " ".join(shown)
+    result["command"] = ("vllm " + " ".join(shown)).replace(f"{ROOT}/", "")
     after = server.metrics()
     result.pop("generated_texts", None)
-    result["steps"] = [{k: v for k, v in s.items() if k not in ("scheduled", "preempted")}  # the sums are enough
-                       for s in read_steps(server.step_log)[before_steps:]]
+    steps = read_steps(server.step_log)[before_steps:]
+    result["steps"] = {k: [s[k] for s in steps] for k in STEP_COLUMNS}  # the sums and times, as columns
     result["metrics"] = {k: after.get(k, 0.0) - before.get(k, 0.0) for k in after}
     return result
 
@@ -280,8 +285,16 @@ def read_steps(path: str | os.PathLike) -> list[dict[str, float]]:
     return [json.loads(line) for line in path.read_text().splitlines() if line.strip()]
 
 
-def step_samples(steps: Sequence[dict[str, float]]) -> list[StepSample]:
-    """Recorded vLLM steps as chapter 06's ``StepSample``: the same three sums, the wall time, the requests."""
+STEP_COLUMNS = ("new_tokens", "context_tokens", "pairs", "seconds", "num_requests")
+
+
+def step_samples(steps: Sequence[dict[str, Any]] | dict[str, Sequence[float]]) -> list[StepSample]:
+    """Recorded vLLM steps as chapter 06's ``StepSample``: the same three sums, the wall time, the requests.
+
+    ``steps``: one dict per step (:func:`read_steps`), or one list per field (:func:`bench_serve`'s columns).
+    """
+    if isinstance(steps, dict):
+        steps = [dict(zip(STEP_COLUMNS, row)) for row in zip(*(steps[k] for k in STEP_COLUMNS))]
     return [StepSample(int(s["new_tokens"]), int(s["context_tokens"]), float(s["pairs"]), float(s["seconds"]),
                        int(s["num_requests"])) for s in steps]
 
@@ -367,17 +380,34 @@ def vllm_schedule(steps: Sequence[dict[str, Any]]) -> tuple[list[dict[int, int]]
 
 
 def load_record(path: str | os.PathLike = RECORD) -> dict[str, Any]:
-    """The committed record of the appendix's last real run (empty when there is none)."""
+    """The committed record of the appendix's real runs (empty when there is none)."""
     path = Path(path)
     return json.loads(path.read_text()) if path.exists() else {}
 
 
-def save_record(section: str, value: dict[str, Any], path: str | os.PathLike = RECORD) -> None:
-    """Store one section of the record (``value`` as JSON), keeping the others."""
+def _rounded(value: Any) -> Any:
+    """``value`` with every float to 6 significant digits (a measured time has no more)."""
+    if isinstance(value, float):
+        return float(f"{value:.6g}")
+    if isinstance(value, dict):
+        return {k: _rounded(v) for k, v in value.items()}
+    if isinstance(value, (list, tuple)):
+        return [_rounded(v) for v in value]
+    return value
+
+
+def save_record(section: str, entry: dict[str, Any], path: str | os.PathLike = RECORD) -> None:
+    """Store ``entry`` as the record's ``section``. The run it replaces moves to ``record["history"]
+    [section]`` when it was made for the same inputs (the earlier runs of the same experiment)."""
     record = load_record(path)
-    record[section] = value
+    entry, old = _rounded(entry), record.get(section)
+    if old is not None and old["inputs"] == entry["inputs"]:
+        record.setdefault("history", {}).setdefault(section, []).append(old)
+    elif old is not None:
+        record.get("history", {}).pop(section, None)  # another experiment: its history goes with it
+    record[section] = entry
     Path(path).parent.mkdir(parents=True, exist_ok=True)
-    Path(path).write_text(json.dumps(record, indent=1, sort_keys=True) + "\n")
+    Path(path).write_text(json.dumps(record, sort_keys=True, separators=(",", ":")) + "\n")
 
 
 def json_normal(value: Any) -> Any:
@@ -386,36 +416,48 @@ def json_normal(value: Any) -> Any:
 
 
 def recorded_run(section: str, inputs: dict[str, Any], run: Callable[[], dict[str, Any]], *,
-                 rerun: bool | None = None, path: str | os.PathLike = RECORD) -> dict[str, Any]:
+                 rerun: bool | None = None, fresh_s: float = 1800,
+                 path: str | os.PathLike = RECORD) -> dict[str, Any]:
     """A real run of vLLM, or the record of the last one: what the appendix's vLLM cells show.
 
     The record's ``section`` is returned when it was made for these ``inputs``, so that the notebook
     shows the same real run however often it is executed. ``run()`` runs (and replaces the section,
-    with the inputs, the date and the machine) when the record holds no run for these inputs, or when
-    ``rerun`` is True; ``rerun=None`` reads ``LABKIT_VLLM_RERUN=1`` from the environment. Running
-    needs vLLM (``make vllm``); without it a missing record is a ``RuntimeError`` that says so.
-    Returns ``{"inputs", "date", "machine", "result"}``.
+    with the inputs, the date and the machine; the run it replaces stays in the record's ``history``) when
+    the record holds no run for these inputs, or when ``rerun`` is True; ``rerun=None`` reads
+    ``LABKIT_VLLM_RERUN`` from the environment: ``1`` reruns every section, a comma-separated list of
+    names (``serving``) only those. A rerun is skipped when the record's run is younger than
+    ``fresh_s`` seconds: the generator executes the notebook twice (chapters/, then solutions/), and
+    both must show the same run. Running needs vLLM (``make vllm``); without it a missing record is a
+    ``RuntimeError`` that says so. Returns ``{"inputs", "date", "machine", "result"}``.
     """
     inputs = json_normal(inputs)
     entry = load_record(path).get(section)
     if rerun is None:
-        rerun = os.environ.get("LABKIT_VLLM_RERUN", "") == "1"
-    if entry is not None and entry["inputs"] == inputs and not rerun:
-        return entry
+        wanted = os.environ.get("LABKIT_VLLM_RERUN", "").split(",")
+        rerun = "1" in wanted or section in wanted
+    now = datetime.datetime.now(datetime.timezone.utc)
+    if entry is not None and entry["inputs"] == inputs:
+        age = (now - datetime.datetime.fromisoformat(entry["date"])).total_seconds()
+        if not rerun or age < fresh_s:
+            return entry
     if not is_available():
         raise RuntimeError(f"the record {Path(path).name} holds no run of {section!r} for these inputs, and vLLM is "
                            f"not set up here: run `make vllm` (Linux x86-64), then this cell again")
-    now = datetime.datetime.now(datetime.timezone.utc)
-    entry = {"inputs": inputs, "date": now.isoformat(timespec="seconds"), "machine": _machine(), "result": run()}
+    machine = _machine()
+    result = run()
+    machine["load_after"] = list(os.getloadavg())
+    entry = {"inputs": inputs, "date": now.isoformat(timespec="seconds"), "machine": machine, "result": result}
     save_record(section, entry, path)
     return entry
 
 
 def _machine() -> dict[str, Any]:
-    """Where a run was made: the processor, its cores and memory."""
+    """Where a run was made: the processor, its cores, and how busy the machine was (load averages over
+    1, 5 and 15 minutes: runnable processes, which on a shared machine include other people's)."""
     import platform
 
     cpu = next((line.split(":", 1)[1].strip() for line in Path("/proc/cpuinfo").read_text().splitlines()
                 if line.startswith("model name")), platform.processor()) if Path("/proc/cpuinfo").exists() \
         else platform.processor()
-    return {"cpu": cpu, "cores": os.cpu_count(), "system": f"{platform.system()} {platform.machine()}"}
+    return {"cpu": cpu, "cores": os.cpu_count(), "system": f"{platform.system()} {platform.machine()}",
+            "load_before": list(os.getloadavg())}

