@@ -28,6 +28,7 @@ from __future__ import annotations
 import datetime
 import json
 import os
+import shutil
 import signal
 import socket
 import subprocess
@@ -168,7 +169,8 @@ class Server:
 
     Started with :func:`engine_args`' settings as command-line flags; every engine step is appended
     to ``step_log`` (:func:`read_steps`). ``log`` holds the server's own output. Leaving the ``with``
-    block stops the server and every process it started (its own process group).
+    block stops the server and every process it started (its own process group), and removes both
+    files.
     """
 
     def __init__(self, *, kv_cache_gib: int = 1, threads: int = 1, start_timeout_s: float = 600, **engine):
@@ -220,6 +222,7 @@ class Server:
             except subprocess.TimeoutExpired:
                 os.killpg(self.process.pid, signal.SIGKILL)
                 self.process.wait()
+        shutil.rmtree(self._dir, ignore_errors=True)  # its log and step record: read while it ran
 
     def metrics(self) -> dict[str, float]:
         """vLLM's counters from ``/metrics`` (Prometheus text): prefix-cache queries and hits, preemptions."""

@@ -136,26 +136,13 @@ def counters(llm) -> dict[str, float]:
     return out
 
 
-def serve_offline(engine: dict, prompts: list[list[int]], max_tokens: list[int], log_path: str,
-                  env: dict[str, str], ignore_eos: bool = False) -> dict:
-    """One ``LLM`` with ``engine`` as its arguments serves every prompt at once; what it reports.
-
-    ``env``: environment variables for this engine only (vLLM reads its variables when it uses them).
-    ``ignore_eos``: every request runs to its ``max_tokens``.
-    """
-    from vllm import LLM, SamplingParams
-    from vllm.inputs import TokensPrompt
-
-    steps_path = log_path + ".steps"
-    env = {**env, STEP_LOG: steps_path}
-    saved = {name: os.environ.get(name) for name in env}
-    os.environ.update(env)
-    install_step_recorder()  # for an engine in this process; a spawned engine core installs its own
+@contextlib.contextmanager
+def environment(variables: dict[str, str]):
+    """Set ``variables`` for the duration (vLLM reads its variables when it uses them, engine by engine)."""
+    saved = {name: os.environ.get(name) for name in variables}
+    os.environ.update(variables)
     try:
-        result = _serve_offline(LLM, SamplingParams, TokensPrompt, engine, prompts, max_tokens, log_path, ignore_eos)
-        with open(steps_path) if os.path.exists(steps_path) else contextlib.nullcontext([]) as f:
-            result["steps"] = [json.loads(line) for line in f]
-        return result
+        yield
     finally:
         for name, value in saved.items():
             if value is None:
@@ -164,9 +151,20 @@ def serve_offline(engine: dict, prompts: list[list[int]], max_tokens: list[int],
                 os.environ[name] = value
 
 
-def _serve_offline(LLM, SamplingParams, TokensPrompt, engine, prompts, max_tokens, log_path, ignore_eos) -> dict:
-    start = time.perf_counter()
-    with captured_output(log_path):
+def serve_offline(engine: dict, prompts: list[list[int]], max_tokens: list[int], log_path: str,
+                  env: dict[str, str], ignore_eos: bool = False) -> dict:
+    """One ``LLM`` with ``engine`` as its arguments serves every prompt at once; what it reports.
+
+    ``env``: environment variables for this engine only. ``ignore_eos``: every request runs to its
+    ``max_tokens``. The engine's steps go to a file of their own (``log_path`` + ".steps").
+    """
+    from vllm import LLM, SamplingParams
+    from vllm.inputs import TokensPrompt
+
+    steps_path = log_path + ".steps"
+    with environment({**env, STEP_LOG: steps_path}), captured_output(log_path):
+        install_step_recorder()  # for an engine core in this process; a spawned one installs its own
+        start = time.perf_counter()
         llm = LLM(**engine)
         started = time.perf_counter()
         before = counters(llm)
@@ -180,6 +178,10 @@ def _serve_offline(LLM, SamplingParams, TokensPrompt, engine, prompts, max_token
         gc.collect()
     with open(log_path) as f:
         log = [m.group(1) for line in f if (m := LOG_LINES.search(line.rstrip()))]
+    steps = []
+    if os.path.exists(steps_path):
+        with open(steps_path) as f:
+            steps = [json.loads(line) for line in f]
     return {
         "engine": engine,
         "log": log,
@@ -187,12 +189,14 @@ def _serve_offline(LLM, SamplingParams, TokensPrompt, engine, prompts, max_token
         "finish_reasons": [o.outputs[0].finish_reason for o in outputs],
         "num_cached_tokens": [o.num_cached_tokens for o in outputs],
         "counters": {k: after[k] - before.get(k, 0) if k != "num_gpu_blocks" else after[k] for k in after},
+        "steps": steps,
         "start_up_s": started - start,
         "generate_s": generated - started,
     }
 
 
 def offline(job_path: str, out_path: str) -> None:
+    """Every run of the job, one engine after another; the reports, and vLLM's version, to ``out_path``."""
     with open(job_path) as f:
         job = json.load(f)
     results = []
