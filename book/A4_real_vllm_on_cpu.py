@@ -34,7 +34,7 @@
 #   another, and where that prediction stops holding (deepens 06).
 #
 # **You need** chapters 04 to 06 and appendix A2. **Time:** about 25 minutes to read. With vLLM set
-# up, running the vLLM cells takes about 6 minutes; without it, the notebook runs in under a minute
+# up, making a new real run takes about 5 minutes; otherwise the notebook runs in under a minute
 # on the record of the last real run.
 
 # %%
