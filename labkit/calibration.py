@@ -6,11 +6,15 @@ measurement, in three steps:
 
 1. **Measure** steps: the book's ``Engine`` serves real requests on the machine at hand, and
    every step is timed together with what the cost model reads from it, ``step_sums``:
-   Σ new tokens, Σ context tokens and Σ attention pairs (``measure_steps``).
-2. **Fit** a device to those steps: the memory bandwidth, the arithmetic rate and the fixed
-   overhead per step for which the roofline, ``max(bytes / bandwidth, flops / peak) +
-   overhead``, best predicts the measured times (``fit_device``). On a CPU the fixed overhead
-   is large (Python, and a few hundred small operations per step, whatever their size).
+   Σ new tokens, Σ context tokens and Σ attention pairs (``measure_steps``). The machine's
+   memory bandwidth is measured apart, by one copy (``measure_stream_bandwidth``).
+2. **Fit** the rest: with the bandwidth pinned to that measurement, the arithmetic rate and the
+   fixed overhead per step for which the roofline, ``max(bytes / bandwidth, flops / peak) +
+   overhead``, best predicts the measured times (``fit_steps``). The result, a ``StepFit``,
+   keeps its residuals and says which share of a decode step is the weight read: the roofline's
+   memory side, now a measurement and not a free parameter. A fit that may move the bandwidth too
+   (``fit_device`` without ``memory_bandwidth``) can trade it against the overhead and land on a
+   bandwidth the machine does not have.
 3. **Predict and compare**: the simulator, with the fitted device, serves a workload that the
    engine then serves for real, requests arriving on the wall clock (``serve_in_real_time``);
    their time to first token and inter-token latency are compared.
@@ -28,13 +32,16 @@ from dataclasses import dataclass
 from typing import Sequence
 
 import numpy as np
+import torch
 
-from .capacity import ModelShape
-from .costmodel import Device, ModelCost
+from .capacity import MiB, ModelShape
+from .checks import check_int, check_number
+from .costmodel import CostModel, Device, ModelCost
 from .sim import step_sums
 from .workloads import RequestSpec
 
-__all__ = ["StepSample", "MeasuredRun", "model_cost", "measure_steps", "fit_device", "serve_in_real_time"]
+__all__ = ["StepSample", "MeasuredRun", "StepFit", "model_cost", "measure_steps", "measure_stream_bandwidth",
+           "fit_steps", "fit_device", "serve_in_real_time"]
 
 
 @dataclass(frozen=True)
@@ -45,6 +52,12 @@ class StepSample:
     context_tokens: int
     pairs: float
     seconds: float
+    num_requests: int = 0  # requests in the step (0: not recorded); a decode step has one new token each
+
+    @property
+    def is_decode(self) -> bool:
+        """Every request in the step computes one token: no prompt chunk."""
+        return 0 < self.num_requests == self.new_tokens
 
 
 @dataclass
@@ -83,7 +96,7 @@ def _timed_step(engine) -> StepSample:
     start = time.perf_counter()
     step = engine.step()
     seconds = time.perf_counter() - start
-    return StepSample(*step_sums(step), seconds)
+    return StepSample(*step_sums(step), seconds, len(step.chunks))
 
 
 def measure_steps(engine, specs: Sequence[RequestSpec]) -> list[StepSample]:
@@ -98,6 +111,32 @@ def measure_steps(engine, specs: Sequence[RequestSpec]) -> list[StepSample]:
         if sample.new_tokens:
             samples.append(sample)
     return samples
+
+
+def measure_stream_bandwidth(nbytes: int = 256 * MiB, repeats: int = 5) -> float:
+    """This machine's memory bandwidth in bytes per second, measured by one copy.
+
+    A buffer of ``nbytes`` (float32) is copied into another ``repeats`` times; each copy reads
+    and writes every byte, so it moves ``2 × nbytes``, as the STREAM benchmark's *Copy* counts
+    it. The fastest copy wins: on a shared machine other programs only ever slow a copy down.
+    The buffer must be far larger than the processor's caches (256 MiB against tens of MiB), or
+    the copy measures the cache. It runs on PyTorch's current number of threads: set them as the
+    engine you calibrate runs (one thread reads more slowly than all of them).
+
+    This is the memory side of the roofline, measured once, so that a fit of step times cannot
+    trade it against the fixed overhead (``fit_steps``).
+    """
+    nbytes = check_int("nbytes", nbytes, MiB)
+    repeats = check_int("repeats", repeats, 1)
+    src = torch.ones(nbytes // 4, dtype=torch.float32)
+    dst = torch.empty_like(src)
+    dst.copy_(src)  # first touch: the pages are mapped here, not inside a timed copy
+    best = float("inf")
+    for _ in range(repeats):
+        start = time.perf_counter()
+        dst.copy_(src)
+        best = min(best, time.perf_counter() - start)
+    return 2 * src.nbytes / best
 
 
 def _predict(cost: ModelCost, samples: Sequence[StepSample], bandwidth: np.ndarray,
@@ -119,29 +158,120 @@ def _physical_memory() -> float:
         return float(2**30)
 
 
-def fit_device(samples: Sequence[StepSample], cost: ModelCost, name: str = "this CPU (fitted)",
-               grid: int = 64) -> tuple[Device, float]:
-    """The device and fixed overhead per step that best predict the measured step times.
+@dataclass(frozen=True)
+class StepFit:
+    """A device fitted to measured steps, with what it leaves unexplained.
 
-    A grid search over the memory bandwidth (1 GB/s to 10 TB/s) and the arithmetic rate
-    (1 GFLOP/s to 10 PFLOP/s), log-spaced; for each pair, the overhead is the median of what the
-    roofline leaves unexplained (at least 0), and the pair whose predictions have the smallest
-    mean squared *relative* error wins. Returns ``(Device, overhead_s)`` for a ``CostModel``.
+    ``device``: the measured (pinned) bandwidth and the fitted arithmetic rate; ``overhead_s``: the
+    fitted fixed cost per step; ``samples``: the steps it was fitted to; ``cost``: the model.
     """
+
+    device: Device
+    overhead_s: float
+    samples: tuple[StepSample, ...]
+    cost: ModelCost
+
+    def cost_model(self) -> CostModel:
+        """The chapter-06 ``CostModel`` with this device and overhead (for the ``Simulator``)."""
+        return CostModel(self.cost, self.device, overhead_s=self.overhead_s)
+
+    @property
+    def measured(self) -> np.ndarray:
+        """Measured seconds of every sample."""
+        return np.array([s.seconds for s in self.samples])
+
+    @property
+    def predicted(self) -> np.ndarray:
+        """The fitted roofline's seconds for every sample."""
+        base = _predict(self.cost, self.samples, np.array([self.device.memory_bandwidth]),
+                        np.array([self.device.peak_flops]))[0]
+        return base + self.overhead_s
+
+    @property
+    def residuals(self) -> np.ndarray:
+        """Measured minus predicted seconds, per sample: what the fit leaves unexplained."""
+        return self.measured - self.predicted
+
+    @property
+    def weight_read_s(self) -> float:
+        """Seconds to stream the weights once at the measured bandwidth: the floor of every step."""
+        return self.cost.weight_bytes / self.device.memory_bandwidth
+
+    def weight_read_share(self) -> float:
+        """Share of a median decode step (one token per request, no prompt chunk) that is the weight read.
+
+        Falls back to the steps of fewest new tokens when no sample recorded its requests.
+        """
+        decodes = [s.seconds for s in self.samples if s.is_decode]
+        if not decodes:
+            fewest = min(s.new_tokens for s in self.samples)
+            decodes = [s.seconds for s in self.samples if s.new_tokens == fewest]
+        return self.weight_read_s / float(np.median(decodes))
+
+
+def _checked_seconds(samples: Sequence[StepSample]) -> np.ndarray:
     if len(samples) < 3:
         raise ValueError(f"samples must hold at least 3 measured steps, got {len(samples)}")
     seconds = np.array([s.seconds for s in samples], dtype=np.float64)
     if not (np.isfinite(seconds).all() and (seconds > 0).all()):
         raise ValueError("samples must have finite step times > 0")
-    bandwidth, peak = (a.ravel() for a in np.meshgrid(np.logspace(9, 13, grid), np.logspace(9, 16, grid),
-                                                      indexing="ij"))
+    return seconds
+
+
+def _best_on_grid(samples: Sequence[StepSample], cost: ModelCost, seconds: np.ndarray, bandwidth: np.ndarray,
+                  peak: np.ndarray) -> tuple[float, float, float]:
+    """The (bandwidth, peak) pair of the grid, and its overhead, whose roofline + overhead has the
+    smallest mean squared *relative* error; each pair's overhead is the median of what its roofline
+    leaves unexplained (at least 0)."""
     base = _predict(cost, samples, bandwidth, peak)
     overhead = np.maximum(np.median(seconds[None, :] - base, axis=1), 0.0)
     error = (((base + overhead[:, None]) - seconds[None, :]) / seconds[None, :]) ** 2
     best = int(np.argmin(error.mean(axis=1)))
-    device = Device(name, memory_bytes=_physical_memory(), memory_bandwidth=float(bandwidth[best]),
-                    peak_flops=float(peak[best]), source="fitted to measured engine steps (labkit.calibration)")
-    return device, float(overhead[best])
+    return float(bandwidth[best]), float(peak[best]), float(overhead[best])
+
+
+def fit_steps(samples: Sequence[StepSample], cost: ModelCost, memory_bandwidth: float,
+              name: str = "this CPU (fitted)", grid: int = 512) -> StepFit:
+    """Fit the arithmetic rate and the fixed overhead per step; the bandwidth is a measurement.
+
+    ``memory_bandwidth`` (bytes per second, from ``measure_stream_bandwidth``) is held fixed. Then
+    a search over the arithmetic rate (1 GFLOP/s to 10 PFLOP/s, ``grid`` log-spaced values) picks,
+    with each rate's overhead the median of what the roofline leaves unexplained, the rate whose
+    predictions have the smallest mean squared relative error. Two free numbers, each pinned by its
+    own steps: the prompt chunks (many tokens) set the arithmetic rate, the decodes the overhead.
+    """
+    seconds = _checked_seconds(samples)
+    bandwidth = check_number("memory_bandwidth", memory_bandwidth, 0, strict=True, finite=True)
+    grid = check_int("grid", grid, 2)
+    peak = np.logspace(9, 16, grid)
+    _, best_peak, overhead = _best_on_grid(samples, cost, seconds, np.full(grid, bandwidth), peak)
+    device = Device(name, memory_bytes=_physical_memory(), memory_bandwidth=bandwidth, peak_flops=best_peak,
+                    source="bandwidth measured by a copy, arithmetic rate fitted to measured steps "
+                           "(labkit.calibration)")
+    return StepFit(device, overhead, tuple(samples), cost)
+
+
+def fit_device(samples: Sequence[StepSample], cost: ModelCost, name: str = "this CPU (fitted)",
+               grid: int = 64, memory_bandwidth: float | None = None) -> tuple[Device, float]:
+    """The device and fixed overhead per step that best predict the measured step times.
+
+    With ``memory_bandwidth`` (measured, ``measure_stream_bandwidth``): ``fit_steps``, which fits
+    only the arithmetic rate and the overhead. Without it, the bandwidth is fitted as well: a
+    grid search over the bandwidth (1 GB/s to 10 TB/s) and the arithmetic rate (1 GFLOP/s to
+    10 PFLOP/s), log-spaced. On a CPU, whose steps are mostly fixed cost, that free fit can buy a
+    smaller overhead with a bandwidth many times the machine's, so prefer the pinned one.
+    Returns ``(Device, overhead_s)`` for a ``CostModel``.
+    """
+    if memory_bandwidth is not None:
+        fit = fit_steps(samples, cost, memory_bandwidth, name, grid)
+        return fit.device, fit.overhead_s
+    seconds = _checked_seconds(samples)
+    bandwidth, peak = (a.ravel() for a in np.meshgrid(np.logspace(9, 13, grid), np.logspace(9, 16, grid),
+                                                      indexing="ij"))
+    best_bandwidth, best_peak, overhead = _best_on_grid(samples, cost, seconds, bandwidth, peak)
+    device = Device(name, memory_bytes=_physical_memory(), memory_bandwidth=best_bandwidth,
+                    peak_flops=best_peak, source="fitted to measured engine steps (labkit.calibration)")
+    return device, overhead
 
 
 def serve_in_real_time(engine, specs: Sequence[RequestSpec]) -> MeasuredRun:

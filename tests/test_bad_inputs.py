@@ -37,7 +37,7 @@ import torch
 
 import labkit  # noqa: F401  (first: Triton's interpreter without a GPU)
 from labkit import capacity, checks, costmodel, kernels, paging, pool, units, vllm, workloads
-from labkit import cache, diagrams, engine, model, prefix, pretrained, scheduler, show, sim
+from labkit import cache, calibration, diagrams, engine, model, prefix, pretrained, real_vllm, scheduler, show, sim
 from labkit import forking, priority, reservation, skipahead
 from labkit.capacity import GiB, PRESETS, TEACHING_MODEL, ModelShape
 from labkit.widgets import load_explorer, paging_stepper, prefix_stepper
@@ -546,6 +546,26 @@ CASES: list[tuple[str, Any, tuple, dict, type, str]] = [
     ("diagram num_layers", diagrams.prefill_decode_diagram, ([1], [1], 0), {}, ValueError, "num_layers"),
     ("excerpt first marker gone", show.excerpt, (paging.blocks_needed, "no such line"), {}, ValueError, "first"),
     ("excerpt last marker gone", show.excerpt, (paging.blocks_needed, "def", "no such line"), {}, ValueError, "last"),
+    # issue 29: vLLM on a CPU, the pinned fit, the real vLLM's settings
+    ("cpu budget 1.5 GiB", vllm.cpu_kv_cache_bytes, (1.5,), {}, ValueError, "kvcache_space_gib"),
+    ("report cpu block 16", vllm.kv_cache_report, ("Llama-3-8B", 8 * GiB),
+     REPORT | {"block_size": 16, "device_type": "cpu"}, ValueError, "block_size"),
+    ("report device tpu", vllm.kv_cache_report, ("Llama-3-8B", 8 * GiB), REPORT | {"device_type": "tpu"}, ValueError,
+     "device_type"),
+    ("report override 0", vllm.kv_cache_report, ("Llama-3-8B", 8 * GiB), REPORT | {"num_gpu_blocks_override": 0},
+     ValueError, "num_gpu_blocks_override"),
+    ("stream bandwidth 1 KiB", calibration.measure_stream_bandwidth, (1024,), {}, ValueError, "nbytes"),
+    ("fit_steps bandwidth nan", calibration.fit_steps, ([calibration.StepSample(1, 0, 1.0, 0.1)] * 3,
+     calibration.model_cost(tiny_config(), 4), float("nan")), {}, ValueError, "memory_bandwidth"),
+    ("fit_steps 2 samples", calibration.fit_steps, ([calibration.StepSample(1, 0, 1.0, 0.1)] * 2,
+     calibration.model_cost(tiny_config(), 4), 1e10), {}, ValueError, "samples"),
+    ("real vLLM block 0", real_vllm.engine_args, (), {"block_size": 0}, ValueError, "block_size"),
+    ("real vLLM override 1", real_vllm.engine_args, (), {"num_gpu_blocks_override": 1}, ValueError,
+     "num_gpu_blocks_override"),
+    ("real vLLM prefix caching str", real_vllm.engine_args, (), {"enable_prefix_caching": "no"}, ValueError,
+     "enable_prefix_caching"),
+    ("real vLLM threads 0", real_vllm.vllm_env, (), {"threads": 0}, ValueError, "threads"),
+    ("chat workload repeats", real_vllm.chat_workload, (None, 2, 2), {}, ValueError, "num_repeats"),
 ]
 
 

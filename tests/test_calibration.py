@@ -6,7 +6,8 @@ import numpy as np
 import pytest
 
 import labkit  # noqa: F401  (first: Triton's interpreter without a GPU)
-from labkit.calibration import StepSample, fit_device, measure_steps, model_cost, serve_in_real_time
+from labkit.calibration import (StepFit, StepSample, fit_device, fit_steps, measure_steps, measure_stream_bandwidth,
+                               model_cost, serve_in_real_time)
 from labkit.costmodel import CostModel, Device
 from labkit.engine import Engine
 from labkit.model import Decoder, DecoderConfig
@@ -95,3 +96,88 @@ def test_bad_input():
         measure_steps(None, [])
     with pytest.raises(ValueError, match="specs"):
         serve_in_real_time(None, [])
+
+
+# --------------------------------------------------------------------------- the bandwidth, measured and pinned
+
+
+def test_stream_bandwidth_is_a_plausible_memory_rate():
+    bandwidth = measure_stream_bandwidth(64 * 2**20, repeats=3)
+    assert 1e9 < bandwidth < 1e12  # between 1 GB/s and 1 TB/s: a CPU's memory, not its cache or a timer glitch
+    with pytest.raises(ValueError, match="nbytes"):
+        measure_stream_bandwidth(1000)
+    with pytest.raises(ValueError, match="repeats"):
+        measure_stream_bandwidth(2**20, repeats=0)
+
+
+def test_pinned_fit_keeps_the_bandwidth_and_finds_the_rest():
+    shape_cost = model_cost(CONFIG, dtype_bytes=4)
+    truth = CostModel(shape_cost, Device("truth", 1e9, memory_bandwidth=2e10, peak_flops=5e10), overhead_s=0.03)
+    samples = synthetic_steps(truth, np.random.default_rng(0))
+    fit = fit_steps(samples, shape_cost, memory_bandwidth=2e10)
+    assert fit.device.memory_bandwidth == 2e10  # pinned, not fitted
+    assert 0.9 < fit.device.peak_flops / 5e10 < 1.1 and abs(fit.overhead_s - 0.03) < 0.002
+    assert np.abs(fit.residuals / fit.measured).max() < 0.05
+    assert np.allclose(fit.predicted, [truth.time_from_sums(s.new_tokens, s.context_tokens, s.pairs) for s in samples],
+                       rtol=0.05)
+    # a wrong bandwidth is not repaired by the fit: the residuals show it
+    wrong = fit_steps(samples, shape_cost, memory_bandwidth=2e8)  # a hundred times too slow
+    assert wrong.device.memory_bandwidth == 2e8 and np.abs(wrong.residuals / wrong.measured).max() > 0.1
+    assert fit_device(samples, shape_cost, grid=512, memory_bandwidth=2e10) == (fit.device, fit.overhead_s)
+    with pytest.raises(ValueError, match="memory_bandwidth"):
+        fit_steps(samples, shape_cost, memory_bandwidth=0.0)
+
+
+def test_weight_read_share_of_a_decode_step():
+    cost = model_cost(CONFIG, dtype_bytes=4)
+    device = Device("d", 1e9, memory_bandwidth=cost.weight_bytes / 0.01, peak_flops=1e12)  # 10 ms per weight read
+    decode = [StepSample(4, 400, 404.0, 0.04, num_requests=4)] * 3  # 40 ms steps: a quarter is the weight read
+    prefill = [StepSample(64, 0, 2080.0, 0.5, num_requests=1)]
+    fit = StepFit(device, 0.03, tuple(decode + prefill), cost)
+    assert fit.weight_read_s == pytest.approx(0.01)
+    assert fit.weight_read_share() == pytest.approx(0.25)
+    assert [s.is_decode for s in fit.samples] == [True, True, True, False]
+
+
+def test_measured_steps_record_their_requests(model):
+    samples = measure_steps(engine(model), specs([0.0] * 3))
+    assert all(1 <= s.num_requests <= 3 for s in samples) and any(s.is_decode for s in samples)
+
+
+@pytest.mark.parametrize("budgets", [(16, 64)])
+def test_the_simulator_predicts_a_budget_comparison_on_the_real_model(budgets):
+    """Chapter 06's claim: the fitted simulator is right in its comparisons. Budget 16 against 64 tokens per
+    step, six chat requests on the real model: the simulated ratio of the two run times lands within 25% of the
+    measured one. Each run is measured twice, back to back, and the faster kept (a busy machine only slows)."""
+    import torch
+
+    from labkit.pretrained import chat_token_ids, from_pretrained, load_tokenizer, real_model
+    from labkit.sim import Simulator
+
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    try:
+        path = real_model()
+        smol, tokenizer = from_pretrained(path, dtype=torch.float32), load_tokenizer(path)
+        asks = ["What is the capital of France?", "Name three primary colours.", "What does a CPU do?",
+                "How do you say hello in Spanish?", "Why is the sky blue?", "Who wrote Hamlet?"]
+        work = [RequestSpec(i, 0.0, chat_token_ids(tokenizer, [{"role": "system", "content": "Answer briefly."},
+                                                               {"role": "user", "content": q}]), 6)
+                for i, q in enumerate(asks)]
+        cost = model_cost(smol.config, dtype_bytes=4)
+
+        def real_engine(budget: int) -> Engine:
+            return Engine(smol, num_blocks=64, block_size=16, max_num_batched_tokens=budget, use_triton=False,
+                          enable_prefix_caching=False)
+
+        fit = fit_steps(measure_steps(real_engine(64), work), cost, measure_stream_bandwidth())
+        small, large = budgets
+        measured = {b: min(sum(s.seconds for s in measure_steps(real_engine(b), work)) for _ in range(2))
+                    for b in (small, large)}
+        simulated = {b: Simulator(fit.cost_model(), num_blocks=64, block_size=16, max_num_batched_tokens=b,
+                                  enable_prefix_caching=False).run(work).makespan for b in (small, large)}
+    finally:
+        torch.set_num_threads(threads)
+    ratio = (simulated[large] / simulated[small]) / (measured[large] / measured[small])
+    assert measured[large] < measured[small]  # the larger budget finishes sooner: fewer steps for the prompts
+    assert abs(ratio - 1) <= 0.25, (measured, simulated)

