@@ -561,8 +561,10 @@ if triton is not None:
     def _encode(y, KV_FORMAT: tl.constexpr):
         """Values already divided by their scale and clamped to ±qmax, as fp8 or int8 codes."""
         if KV_FORMAT == 1:
-            return _round_to_e4m3(y).to(tl.float8e4nv)
-        return _round_half_even(y).to(tl.int8)
+            code = _round_to_e4m3(y).to(tl.float8e4nv)
+        else:
+            code = _round_half_even(y).to(tl.int8)
+        return code  # one return: a compiled jit function must return one type
 
     @triton.jit
     def _load_values(x_ptr, order_ptr, start, j, j_mask, head, stride_xt, stride_xh, e, e_mask,
@@ -1010,9 +1012,10 @@ def launch_settings(kernel: str, dtype: torch.dtype, head_dim: int,
     fails a test, GPU or not. Which tiles run *fastest* only a GPU can tell.
 
     ``quantized``: decode over a quantized pool (appendix A3). Dequantizing a tile takes more
-    registers; on the FMA path, with loads staged through shared memory, ptxas spilled (up to
-    7 KiB on sm86 at head_dim 256). There the loads are not pipelined (1 stage) and 8 warps share
-    the work; the tensor-core path keeps its settings.
+    registers; on the FMA path ptxas spilled with the settings above (up to 7 KiB on sm86 at
+    head_dim 256 with two stages; 8 bytes on sm90 at head_dim 128 with 32-key steps). There a step
+    reads 16 keys, its loads are not pipelined (1 stage), and 8 warps share the work; the
+    tensor-core path keeps its settings.
 
     Interpreted there are no registers or warps, only Python steps: one step as wide as the
     sequence (up to 128 keys), float32 throughout (the interpreter's bfloat16 is inexact).
@@ -1030,8 +1033,7 @@ def launch_settings(kernel: str, dtype: torch.dtype, head_dim: int,
                               num_warps=8 if kernel == "prefill" else 4, num_stages=3, upcast=False,
                               dot_precision="tf32")  # only float32 inputs look at it; these are 16-bit
     if quantized:
-        return LaunchSettings(block_m=16, block_n=16 if wide else 32, block_d=block_d, num_warps=8, num_stages=1,
-                              upcast=True)
+        return LaunchSettings(block_m=16, block_n=16, block_d=block_d, num_warps=8, num_stages=1, upcast=True)
     return LaunchSettings(block_m=16, block_n=16 if wide else 32, block_d=block_d, num_warps=4 if wide else 8,
                           num_stages=2 if capability >= (8, 0) else 1, upcast=True)
 
@@ -1124,7 +1126,8 @@ def _write_kv_quant_triton(x, cache, scale, order, runs, kq: KVQuant) -> None:
         cache.stride(0), cache.stride(1), cache.stride(2),
         *gs, head_dim,
         QMAX=kq.qmax, KV_FORMAT=KV_FORMATS[kq.element], SCALES=SCALE_KINDS[kq.scales], GROUP_SIZE=kq.group_size,
-        BLOCK_R=min(16, _next_pow2(cache.shape[1])), BLOCK_E=block_e, num_warps=4,
+        # at most 2,048 lanes a tile over 4 warps: 16 rows of 256 lanes spilled on sm90 (fp8, per block)
+        BLOCK_R=min(16, _next_pow2(cache.shape[1]), max(1, 2048 // block_e)), BLOCK_E=block_e, num_warps=4,
     )
 
 
