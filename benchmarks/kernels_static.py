@@ -6,7 +6,7 @@ target=GPUTarget("cuda", 75, 32))`` runs the whole pipeline (Triton IR, PTX, the
 
 1. records the launches labkit's public functions make (``paged_decode_attention`` with and
    without split-K and its merge, ``paged_prefill_attention`` with short and long queries,
-   ``write_kv``): CPU tensors go in, labkit believes it runs compiled on the target, and each
+   ``write_kv``, and decode and write over the quantized pools of ``labkit.quant``): CPU tensors go in, labkit believes it runs compiled on the target, and each
    kernel's ``run`` is replaced by a recorder, so grid, arguments, constexprs, ``num_warps``
    and ``num_stages`` are exactly what a GPU launch would get;
 2. compiles each recorded launch for sm75 (T4), sm80 (A100), sm86 (A10, RTX 30), sm89 (L4,
@@ -18,7 +18,8 @@ target=GPUTarget("cuda", 75, 32))`` runs the whole pipeline (Triton IR, PTX, the
    shared memory, the warp limit and the block limit.
 
 It is static analysis, not timing: it says whether a launch compiles, fits and spills, never
-how fast it runs.
+how fast it runs. A case labkit does not launch on a target (fp8 below sm89, where Triton has no
+e4m3) is listed with the fallback labkit names instead (``kernels.kv_format_reason``).
 
 Usage::
 
@@ -46,6 +47,7 @@ import subprocess
 import sys
 import tempfile
 import time
+import warnings
 import zlib
 from concurrent.futures import ProcessPoolExecutor
 from pathlib import Path
@@ -61,7 +63,7 @@ import triton  # noqa: E402
 import triton.language as tl  # noqa: E402
 
 import labkit  # noqa: E402,F401
-from labkit import kernels  # noqa: E402
+from labkit import kernels, quant  # noqa: E402
 from labkit.device import Runtime  # noqa: E402
 
 RESULTS = ROOT / "benchmarks" / "results"
@@ -105,6 +107,7 @@ KERNELS = {  # kernel object name in labkit.kernels -> short name in the tables
     "_merge_splits_kernel": "merge",
     "_paged_prefill_kernel": "prefill",
     "_write_kv_kernel": "write_kv",
+    "_write_kv_quant_kernel": "write_kv_quant",
 }
 DTYPES = {"fp16": torch.float16, "bf16": torch.bfloat16, "fp32": torch.float32}
 
@@ -130,7 +133,8 @@ def recording(capability: tuple[int, int]):
     launches: list[Launch] = []
     saved = {name: getattr(kernels, name) for name in ("RUNTIME", "fallback_reason")}
     kernels.RUNTIME = Runtime(torch.device("cpu"), "compiled", "ahead-of-time compile", capability)
-    kernels.fallback_reason = lambda dtype, device: None
+    kernels.fallback_reason = lambda dtype, device, kv_cache_dtype="auto": kernels.kv_format_reason(
+        kv_cache_dtype, capability)  # only the cache format's own rule: fp8 needs sm89
     case = {"name": ""}
 
     def recorder(name):
@@ -154,10 +158,34 @@ def _pool(num_blocks: int, block_size: int, num_kv_heads: int, head_dim: int, dt
     return torch.zeros(shape, dtype=dtype), torch.zeros(shape, dtype=dtype)
 
 
+def quantized_kind(kind: str) -> tuple[str, str]:
+    """("decode", "int8_per_block") for "decode_int8_per_block"; (kind, "auto") for the others."""
+    for scheme in quant.KV_CACHE_DTYPES[1:]:
+        if kind.endswith("_" + scheme):
+            return kind[: -len(scheme) - 1], scheme
+    return kind, "auto"
+
+
 def run_case(kind: str, dtype: torch.dtype, head_dim: int, group: int, block_size: int,
              num_kv_heads: int = 2) -> None:
     """Call one public function with CPU tensors shaped like a real batch (values do not matter)."""
     num_heads = group * num_kv_heads
+    kind, scheme = quantized_kind(kind)
+    if scheme != "auto":  # a quantized pool: codes and scales (per-tensor scales 1.0, the others 0)
+        kq = quant.kv_quant(scheme)
+        (k_cache, k_scale), (v_cache, v_scale) = (kq.empty_pool(64, block_size, num_kv_heads, head_dim)
+                                                  for _ in range(2))
+        kw = dict(kv_cache_dtype=scheme, k_scale=k_scale, v_scale=v_scale)
+        if kind == "write_kv":
+            k = torch.zeros(5, num_kv_heads, head_dim, dtype=dtype)
+            kernels.write_kv(k, k.clone(), k_cache, v_cache, torch.arange(5, dtype=torch.int64), **kw)
+            return
+        blocks = -(-100 // block_size)
+        block_tables = torch.arange(2 * blocks, dtype=torch.int32).view(2, blocks) % 64
+        q = torch.zeros(2, num_heads, head_dim, dtype=dtype)
+        kernels.paged_decode_attention(q, k_cache, v_cache, block_tables, torch.full((2,), 100, dtype=torch.int32),
+                                       num_splits=1, **kw)
+        return
     if kind == "write_kv":
         k_cache, v_cache = _pool(8, block_size, num_kv_heads, head_dim, dtype)
         k = torch.zeros(5, num_kv_heads, head_dim, dtype=dtype)
@@ -180,13 +208,30 @@ def run_case(kind: str, dtype: torch.dtype, head_dim: int, group: int, block_siz
         kernels.paged_prefill_attention(q, k_cache, v_cache, block_tables, seq_lens, cu)
 
 
+def case_name(kind: str, dtype: str, head_dim: int, group: int, block_size: int) -> str:
+    return f"{kind} {dtype} d{head_dim} g{group} bs{block_size}"
+
+
 def record(cases: list[tuple], capability: tuple[int, int]) -> list[Launch]:
     """The launches of every case (kind, dtype name, head_dim, group, block_size) on ``capability``."""
-    with recording(capability) as (launches, case):
+    with recording(capability) as (launches, case), warnings.catch_warnings():
+        warnings.simplefilter("ignore", RuntimeWarning)  # "runs its PyTorch reference": listed by fallbacks()
         for kind, dtype, head_dim, group, block_size in cases:
-            case["name"] = f"{kind} {dtype} d{head_dim} g{group} bs{block_size}"
+            case["name"] = case_name(kind, dtype, head_dim, group, block_size)
             run_case(kind, DTYPES[dtype], head_dim, group, block_size)
     return launches
+
+
+def fallbacks(cases: list[tuple], gpus: list[str]) -> list[dict]:
+    """The cases labkit does not launch on a target, with the reason it names (fp8 below sm89)."""
+    rows = []
+    for gpu in gpus:
+        for kind, dtype, head_dim, group, block_size in cases:
+            reason = kernels.kv_format_reason(quantized_kind(kind)[1], GPUS[gpu].capability)
+            if reason is not None:
+                rows.append({"gpu": gpu, "case": case_name(kind, dtype, head_dim, group, block_size),
+                             "kernel": quantized_kind(kind)[0], "fallback": reason})
+    return rows
 
 
 # ----------------------------------------------------------------------------------------------
@@ -396,9 +441,17 @@ HEAD_DIMS = (64, 80, 96, 128, 256)
 GROUPS = (1, 4, 8)
 BLOCK_SIZES = (8, 16, 128)
 
+# Quantized pools (appendix A3): decode and write for every scheme, 16-token blocks, GQA group 4.
+QUANT_DECODE = tuple(f"decode_{s}" for s in quant.KV_CACHE_DTYPES[1:])
+QUANT_WRITE = tuple(f"write_kv_{s}" for s in quant.KV_CACHE_DTYPES[1:])
+QUANT_HEAD_DIMS = (64, 128, 256)
+
 FULL_GRID = [(kind, dtype, d, g, bs) for kind, dtype, d, g, bs in
              itertools.product(KINDS, DTYPES, HEAD_DIMS, GROUPS, BLOCK_SIZES)
              if kind != "write_kv" or g == 1]
+FULL_GRID += [(kind, dtype, d, 4, 16) for kind, dtype, d in itertools.product(QUANT_DECODE, DTYPES, QUANT_HEAD_DIMS)]
+FULL_GRID += [(kind, dtype, d, 1, 16) for kind, dtype, d in itertools.product(QUANT_WRITE, ("bf16", "fp32"),
+                                                                             QUANT_HEAD_DIMS)]
 # The test's subset: every kernel, every dtype, every head dim, both sides of each launch rule
 # (tensor cores or FMAs; prefill's short and long tiles; group 1; a block size not a multiple of 16).
 SUBSET = [
@@ -407,6 +460,10 @@ SUBSET = [
     ("prefill_long", "fp16", 256, 4, 16), ("prefill_long", "fp32", 128, 4, 8),
     ("prefill_short", "bf16", 64, 8, 16), ("prefill_long", "bf16", 80, 1, 128),
     ("write_kv", "fp32", 256, 1, 16),
+    # quantized pools: int4 with group scales (tensor cores from sm80), fp8 (sm89 and sm90 only), a
+    # per-block write (its rescaling loop)
+    ("decode_int4_per_group", "bf16", 128, 4, 16), ("decode_fp8_per_block", "fp16", 64, 4, 16),
+    ("write_kv_int8_per_block", "bf16", 128, 1, 16),
 ]
 
 
@@ -475,7 +532,7 @@ def summary(rows: list[dict]) -> list[dict]:
     return out
 
 
-def markdown(rows: list[dict], header: str) -> str:
+def markdown(rows: list[dict], header: str, fallback_rows: list[dict] = ()) -> str:
     """The summary as a Markdown table, and the per-launch detail for decode and prefill at head_dim 128."""
     lines = [header, "",
              "| GPU | kernel | launches | binaries | max registers | max shared (KiB) / limit | spills (B) | "
@@ -500,11 +557,18 @@ def markdown(rows: list[dict], header: str) -> str:
                          f"{r['registers']} | {r['shared_bytes'] / KiB:.1f} | {r['spill_bytes']} | "
                          f"{r['warps_per_sm']} of {GPUS[r['gpu']].max_warps_per_sm} | {r['limited_by']} | "
                          f"{', '.join(f'{k}: {n}' for k, n in sorted(r['load_widths'].items()))} |")
+    if fallback_rows:
+        lines += ["", "Not launched (labkit names the fallback instead):", "",
+                  "| GPU | kernel | cases | reason |", "|---|---|---|---|"]
+        for (gpu, kernel), group in itertools.groupby(fallback_rows, key=lambda r: (r["gpu"], r["kernel"])):
+            group = list(group)
+            lines.append(f"| {gpu} | {kernel} | {len(group)} | {group[0]['fallback'].split(': ', 1)[1]} |")
     return "\n".join(lines) + "\n"
 
 
-def to_json(rows: list[dict], meta: dict) -> str:
-    """The results file: each distinct binary once, then one line per launch naming its binary.
+def to_json(rows: list[dict], meta: dict, fallback_rows: list[dict] = ()) -> str:
+    """The results file: each distinct binary once, then one line per launch naming its binary, then
+    the cases not launched on a target (``fallbacks``: fp8 below sm89).
 
     ``rows_of`` (and the chapter, and the test) join them back into one row per launch.
     """
@@ -516,6 +580,9 @@ def to_json(rows: list[dict], meta: dict) -> str:
     lines[-1] = lines[-1].rstrip(",")
     lines += [' },', ' "launches": [']
     lines += [f"  {json.dumps(launch)}," for launch in launches]
+    lines[-1] = lines[-1].rstrip(",")
+    lines += [" ],", ' "fallbacks": [']
+    lines += [f"  {json.dumps(r)}," for r in fallback_rows]
     lines[-1] = lines[-1].rstrip(",")
     lines += [" ]", "}"]
     return "\n".join(lines) + "\n"
@@ -552,21 +619,22 @@ def main() -> int:
     grid = SUBSET if args.subset else FULL_GRID
     start = time.perf_counter()
     rows = analyse(grid, args.gpus, args.workers)
+    not_launched = fallbacks(grid, args.gpus)
     took = time.perf_counter() - start
     compile_s = sum({r["key"]: r.get("compile_s", 0) for r in rows}.values())
     meta = {"triton": triton.__version__, "torch": torch.__version__, "grid": "subset" if args.subset else "full",
             "command": "python benchmarks/kernels_static.py" + (" --subset" if args.subset else ""),
-            "launches": len(rows), "binaries": len({r["key"] for r in rows}),
+            "launches": len(rows), "binaries": len({r["key"] for r in rows}), "not_launched": len(not_launched),
             "compile_cpu_seconds": round(compile_s), "wall_seconds": round(took),
             "gpus": {k: dataclasses.asdict(v) for k, v in GPUS.items() if k in args.gpus}}
     header = (f"Static analysis (no timing): {meta['launches']} launches, {meta['binaries']} distinct binaries, "
               f"triton {meta['triton']}, `{meta['command']}`.")
-    table = markdown(rows, header)
+    table = markdown(rows, header, not_launched)
     print(table)
     path = args.json or (None if args.subset else RESULTS / "kernels_static.json")
     if path is not None:
         path.parent.mkdir(parents=True, exist_ok=True)
-        path.write_text(to_json(rows, meta))
+        path.write_text(to_json(rows, meta, not_launched))
         if not args.subset:
             (RESULTS / "kernels_static.md").write_text(table)
         print(f"wrote {path}")

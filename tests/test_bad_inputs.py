@@ -37,7 +37,7 @@ import torch
 
 import labkit  # noqa: F401  (first: Triton's interpreter without a GPU)
 from labkit import capacity, checks, costmodel, kernels, paging, pool, units, vllm, workloads
-from labkit import cache, calibration, diagrams, engine, model, prefix, pretrained, real_vllm, scheduler, show, sim
+from labkit import cache, calibration, diagrams, engine, model, prefix, pretrained, quant, real_vllm, scheduler, show, sim
 from labkit import forking, priority, reservation, skipahead
 from labkit.capacity import GiB, PRESETS, TEACHING_MODEL, ModelShape
 from labkit.widgets import load_explorer, paging_stepper, prefix_stepper
@@ -98,6 +98,14 @@ def paged_cache() -> cache.PagedKVCache:
     return cache.PagedKVCache(tiny_config(), num_blocks=4, block_size=4)
 
 
+def int8_pool() -> cache.KVPool:
+    return cache.KVPool(tiny_config(), 4, 4, use_triton=False, kv_cache_dtype="int8_per_tensor")
+
+
+def int8_block_pool() -> cache.KVPool:
+    return cache.KVPool(tiny_config(), 4, 4, use_triton=False, kv_cache_dtype="int8_per_block")
+
+
 def a_request() -> scheduler.Request:
     """A waiting request of 3 prompt tokens and 1 output token (num_tokens 4)."""
     return scheduler.Request([1, 2, 3], 4, output_token_ids=[5])
@@ -140,6 +148,12 @@ V_NEW = torch.randn(3, 1, 8, generator=torch.Generator().manual_seed(3))
 SLOTS = torch.tensor([0, 1, 2], dtype=torch.int64)
 
 ATTN = (Q, K_CACHE, V_CACHE, BLOCK_TABLES, SEQ_LENS)
+# The same problem in quantized pools (appendix A3): int8 codes with per-block scales, int4 with group scales.
+INT8_BLOCK = quant.kv_quant("int8_per_block")
+(QK_CACHE, QK_SCALE), (QV_CACHE, QV_SCALE) = (INT8_BLOCK.empty_pool(4, 16, 1, 8) for _ in range(2))
+Q_KW = dict(kv_cache_dtype="int8_per_block", k_scale=QK_SCALE, v_scale=QV_SCALE)
+INT4 = quant.kv_quant("int4_per_group")
+(K4_CACHE, K4_SCALE), (V4_CACHE, V4_SCALE) = (INT4.empty_pool(4, 16, 1, 8) for _ in range(2))
 # causal_attention's shapes: q [batch, q_len, Hq, D], k and v [batch, kv_len, Hkv, D]
 Q4 = torch.randn(1, 3, 2, 8, generator=torch.Generator().manual_seed(4))
 K4 = torch.randn(1, 3, 1, 8, generator=torch.Generator().manual_seed(5))
@@ -325,6 +339,49 @@ CASES: list[tuple[str, Any, tuple, dict, type, str]] = [
      ATTN + (torch.tensor([0, 2], dtype=torch.int32),), {}, ValueError, "cu_seqlens_q"),
     ("prefill v_cache shape", kernels.paged_prefill_attention,
      (Q, K_CACHE, V_CACHE[:2], BLOCK_TABLES, SEQ_LENS, CU_SEQLENS), {}, ValueError, "v_cache"),
+    # ---- quantized pools (appendix A3): nothing written, no scale changed
+    ("write_kv unknown kv dtype", kernels.write_kv, (K_NEW, V_NEW, QK_CACHE, QV_CACHE, SLOTS),
+     Q_KW | {"kv_cache_dtype": "int3_per_block"}, ValueError, "kv_cache_dtype"),
+    ("write_kv scale shape", kernels.write_kv, (K_NEW, V_NEW, QK_CACHE, QV_CACHE, SLOTS),
+     Q_KW | {"k_scale": torch.zeros(4)}, ValueError, "k_scale"),
+    ("write_kv scale dtype", kernels.write_kv, (K_NEW, V_NEW, QK_CACHE, QV_CACHE, SLOTS),
+     Q_KW | {"v_scale": QV_SCALE.double()}, ValueError, "v_scale"),
+    ("write_kv scales without a format", kernels.write_kv, (K_NEW, V_NEW, K_CACHE, V_CACHE, SLOTS),
+     {"k_scale": QK_SCALE, "v_scale": QV_SCALE}, ValueError, "k_scale"),
+    ("write_kv int4 odd head_dim", kernels.write_kv, (K_NEW[..., :7], V_NEW[..., :7], K4_CACHE, V4_CACHE, SLOTS),
+     {"kv_cache_dtype": "int4_per_group", "k_scale": K4_SCALE, "v_scale": V4_SCALE}, ValueError, "head_dim"),
+    ("write_kv codes of another format", kernels.write_kv, (K_NEW, V_NEW, K4_CACHE, V4_CACHE, SLOTS),
+     Q_KW, ValueError, "k_cache"),
+    ("write_kv per-block gap", kernels.write_kv, (K_NEW, V_NEW, QK_CACHE, QV_CACHE, torch.tensor([0, 1, 3])),
+     Q_KW, ValueError, "slot_mapping"),
+    ("write_kv per-tensor scale 0", kernels.write_kv, (K_NEW, V_NEW, *quant.kv_quant("int8_per_tensor").empty_pool(
+        4, 16, 1, 8)[:1], quant.kv_quant("int8_per_tensor").empty_pool(4, 16, 1, 8)[0], SLOTS),
+     {"kv_cache_dtype": "int8_per_tensor", "k_scale": torch.zeros(1), "v_scale": torch.ones(1)}, ValueError,
+     "k_scale"),
+    ("decode unknown kv dtype", kernels.paged_decode_attention, (Q, QK_CACHE, QV_CACHE, BLOCK_TABLES, SEQ_LENS),
+     Q_KW | {"kv_cache_dtype": "fp8"}, ValueError, "kv_cache_dtype"),
+    ("decode scale shape", kernels.paged_decode_attention, (Q, QK_CACHE, QV_CACHE, BLOCK_TABLES, SEQ_LENS),
+     Q_KW | {"v_scale": QV_SCALE[:, :, None]}, ValueError, "v_scale"),
+    ("prefill scale missing", kernels.paged_prefill_attention,
+     (Q, QK_CACHE, QV_CACHE, BLOCK_TABLES, SEQ_LENS, CU_SEQLENS), Q_KW | {"k_scale": None}, ValueError, "k_scale"),
+    ("launch_settings quantized", kernels.launch_settings, ("decode", torch.float16, 64, (8, 0)),
+     {"quantized": "yes"}, ValueError, "quantized"),
+    ("KVPool unknown kv dtype", cache.KVPool, (tiny_config(), 4, 4), {"kv_cache_dtype": "int2"}, ValueError,
+     "kv_cache_dtype"),
+    ("KVPool.set_scales length", On(int8_pool, "set_scales"), ([0.1, 0.1], [0.1]), {}, ValueError, "k_scales"),
+    ("KVPool.set_scales nan", On(int8_pool, "set_scales"), ([0.1], [nan]), {}, ValueError, "v_scales"),
+    ("KVPool.set_scales per block", On(int8_block_pool, "set_scales"), ([0.1], [0.1]), {}, ValueError,
+     "kv_cache_dtype"),
+    ("kv_bytes_per_token dtype", capacity.kv_bytes_per_token, (TEACHING_MODEL, "int4"), {}, ValueError,
+     "kv_cache_dtype"),
+    ("kv_cache_bytes length", capacity.kv_cache_bytes, (TEACHING_MODEL, -1, "int8_per_block"), {}, ValueError,
+     "length"),
+    ("quant.kv_quant", quant.kv_quant, ("e4m3",), {}, ValueError, "kv_cache_dtype"),
+    ("KVQuant.bytes_per_token odd", On(lambda: quant.kv_quant("int4_per_tensor"), "bytes_per_token"), (2, 2, 9),
+     {}, ValueError, "head_dim"),
+    ("quant.greedy_agreement lengths", quant.greedy_agreement, ([[1]], [[1], [2]]), {}, ValueError, "references"),
+    ("quant.sample_text name", quant.sample_text, ("novel",), {}, ValueError, "name"),
+    ("quant.next_token_loss one token", quant.next_token_loss, (tiny_decoder(), [1]), {}, ValueError, "token_ids"),
     # ---- paging
     ("blocks_needed tokens", paging.blocks_needed, (-1, 16), {}, ValueError, "num_tokens"),
     ("blocks_needed block_size", paging.blocks_needed, (1, 0), {}, ValueError, "block_size"),
@@ -632,7 +689,7 @@ def test_the_table_is_large_and_covers_every_public_module():
         fn = call.factory if isinstance(call, On) else call
         modules.add(getattr(fn, "__module__", "") or "")
     covered = {m for m in modules if m.startswith("labkit.")}
-    for name in ("checks", "units", "capacity", "vllm", "kernels", "paging", "pool", "workloads", "costmodel",
+    for name in ("checks", "units", "capacity", "vllm", "kernels", "quant", "paging", "pool", "workloads", "costmodel",
                  "model", "cache", "prefix", "scheduler", "sim", "engine", "widgets.paging_stepper",
                  "widgets.load_explorer", "widgets.prefix_stepper", "diagrams", "show"):
         assert f"labkit.{name}" in covered, name

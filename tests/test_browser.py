@@ -34,6 +34,7 @@ import pytest
 
 from labkit import capacity
 from labkit.capacity import GiB
+from labkit.widgets.capacity_explorer import KV_DTYPES, PLAIN_BYTES
 
 ROOT = Path(__file__).resolve().parent.parent
 NOTEBOOK = ROOT / "chapters" / "02_cost_per_token.ipynb"
@@ -169,11 +170,14 @@ def test_capacity_explorer_in_chromium(jupyter_lab, tmp_path):
                                        "settings with `make setup` (jupyterlab-settings/kv-cache-labs.json5)")
 
             def expected_fit() -> int:
-                """What labkit.capacity says for the setting the sliders show now."""
-                per_token = capacity.bytes_per_token(
-                    int(readout_number(page, "layers")), int(readout_number(page, "KV heads")),
-                    int(readout_number(page, "head dim")), int(readout_number(page, "element size (bytes)")))
-                per_request = int(readout_number(page, "context length (tokens)")) * per_token
+                """What labkit.capacity says for the setting the controls show now."""
+                menu = page.locator(".widget-dropdown", has=page.locator(".widget-label", has_text="KV cache dtype"))
+                kv = dict(KV_DTYPES)[menu.locator("select").input_value()]  # the option shown: its label
+                shape = capacity.ModelShape("x", int(readout_number(page, "layers")),
+                                            int(readout_number(page, "KV heads")),
+                                            int(readout_number(page, "head dim")), PLAIN_BYTES.get(kv, 2))
+                per_request = capacity.kv_cache_bytes(shape, int(readout_number(page, "context length (tokens)")),
+                                                      "auto" if kv in PLAIN_BYTES else kv)
                 return capacity.sequences_that_fit(per_request, readout_number(page, "device memory (GiB)") * GiB,
                                                    readout_number(page, "set aside (GiB)") * GiB)
 

@@ -468,7 +468,7 @@ def test_explorer_warns_past_the_presets_context_limit():
     assert "capacity-context-warning" not in explorer.readout.value
     explorer.sliders["context_len"].value = limit + 512
     assert "capacity-context-warning" in explorer.readout.value and f"({limit:,})" in explorer.readout.value
-    explorer.sliders["dtype_bytes"].value = 1  # the same model with an 8-bit cache: same limit
+    explorer.kv_dtype.value = "fp8_per_tensor"  # the same model with an 8-bit cache: same limit
     assert explorer.setting.shape.max_position_embeddings == limit
     assert "capacity-context-warning" in explorer.readout.value
     explorer.sliders["num_layers"].value = 16  # a custom model: no known limit
@@ -512,3 +512,59 @@ def test_explorer_shows_what_vllm_would_print():
     explorer.sliders["context_len"].value = 131072
     assert explorer.setting.vllm_lines()[0].startswith("ValueError: To serve at least one request")
     assert "estimated maximum model length is" in explorer.readout.value
+
+
+def test_explorer_kv_dtype_menu_follows_the_formula_and_vllm():
+    """The KV cache dtype menu (appendix A3): bytes from capacity.kv_cache_bytes, scales included, and
+    vLLM's readout started with its nearest kv_cache_dtype, MLA's fp8 block and refusals included."""
+    from labkit import vllm
+    from labkit.widgets.capacity_explorer import KV_DTYPES, CapacityExplorer
+
+    explorer = CapacityExplorer()
+    assert explorer.kv_dtype.value == "bfloat16" and explorer.setting.bytes_per_token == 128 * 1024
+    fits = {}
+    for _, kv in KV_DTYPES:
+        explorer.kv_dtype.value = kv
+        s = explorer.setting
+        quantized = kv not in ("float32", "bfloat16")
+        want = capacity.kv_cache_bytes(TEACHING_MODEL, 8192, kv if quantized else "auto") if quantized else \
+            TEACHING_MODEL.with_dtype(kv).cache_bytes(8192)
+        assert s.bytes_per_request == want, kv
+        fit = re.search(r'class="capacity-fit">([\d,]+)<', explorer.readout.value).group(1)
+        fits[kv] = int(fit.replace(",", ""))
+        assert fits[kv] == capacity.sequences_that_fit(want, 24 * GiB, 17 * GiB)
+    # 7 GiB: 3 float32 sequences of 8,192 tokens, 7 bf16, 14 fp8, 13 int8 (its scales push one out), 22 int4
+    assert fits == {"float32": 3, "bfloat16": 7, "fp8_per_tensor": 14, "int8_per_block": 13, "int4_per_group": 22}
+    explorer.kv_dtype.value = "int4_per_group"
+    assert "kv_cache_dtype=int4_per_token_head" in explorer.readout.value
+    expected = vllm.kv_cache_report(TEACHING_MODEL, 7 * GiB, max_model_len=8192,
+                                    kv_cache_dtype="int4_per_token_head").log_lines()
+    assert explorer.setting.vllm_lines() == expected
+    explorer.preset.value = "DeepSeek-V3"  # MLA: fp8 on FlashMLA's 64-token blocks; int8/int4 refused
+    explorer.kv_dtype.value = "fp8_per_tensor"
+    assert explorer.setting.vllm_block_size == 64 and "block_size=64" in explorer.readout.value
+    explorer.kv_dtype.value = "int8_per_block"
+    assert explorer.setting.vllm_lines()[0].startswith("ValueError: kv_cache_dtype must be one of")
+    explorer.kv_dtype.value = "bfloat16"
+    assert explorer.setting.vllm_block_size == 16
+
+
+def test_kv_bytes_per_token_adds_the_scales():
+    """b = 1 or 0.5, plus float32 scales: per tensor none per token, per block 4 bytes per head and
+    block, per group 4 bytes per 32 elements."""
+    llama = PRESETS["Llama-3-8B"]  # 32 layers, 8 KV heads, head_dim 128
+    heads = 2 * 32 * 8
+    assert capacity.kv_bytes_per_token(llama) == 128 * 1024
+    assert capacity.kv_bytes_per_token(llama, "fp8_per_tensor") == capacity.kv_bytes_per_token(llama, "int8_per_tensor") \
+        == 64 * 1024
+    assert capacity.kv_bytes_per_token(llama, "int8_per_block") == 64 * 1024 + heads * 4 / 16
+    assert capacity.kv_bytes_per_token(llama, "int8_per_block", block_size=32) == 64 * 1024 + heads * 4 / 32
+    assert capacity.kv_bytes_per_token(llama, "int4_per_group") == 32 * 1024 + heads * 4 * 4
+    assert capacity.kv_bytes_per_token(llama, "int4_per_tensor") == 32 * 1024
+    # a sequence: whole blocks of per-block scales
+    assert capacity.kv_cache_bytes(llama, 17, "int8_per_block") == 17 * 64 * 1024 + 2 * heads * 4
+    assert capacity.kv_cache_bytes(llama, 17) == llama.cache_bytes(17)
+    mla = PRESETS["DeepSeek-V3"]  # one latent vector: no factor 2, and 576 / 32 = 18 groups
+    assert capacity.kv_bytes_per_token(mla, "int4_per_group") == 61 * (576 / 2 + 18 * 4)
+    with pytest.raises(ValueError, match="kv_cache_dtype must be one of"):
+        capacity.kv_bytes_per_token(llama, "int3")

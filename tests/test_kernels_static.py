@@ -42,7 +42,7 @@ def subset(tmp_path_factory) -> dict:
                           capture_output=True, text=True, env=env, timeout=600, cwd=ROOT)
     assert out.exists(), f"kernels_static.py wrote nothing:\n{proc.stdout[-3000:]}\n{proc.stderr[-3000:]}"
     doc = json.loads(out.read_text())
-    return {"meta": doc["meta"], "rows": rows_of(doc)}
+    return {"meta": doc["meta"], "rows": rows_of(doc), "fallbacks": doc["fallbacks"]}
 
 
 @pytest.mark.parametrize("gpu", GPUS)
@@ -59,7 +59,7 @@ def test_every_launch_compiles_fits_in_shared_memory_and_does_not_spill(subset, 
 
 def test_the_subset_reaches_every_kernel_and_both_launch_rules(subset):
     rows = subset["rows"]
-    assert {r["kernel"] for r in rows} == {"decode", "merge", "prefill", "write_kv"}
+    assert {r["kernel"] for r in rows} == {"decode", "merge", "prefill", "write_kv", "write_kv_quant"}
     for gpu in GPUS:
         decode = [r for r in rows if r["gpu"] == gpu and r["kernel"] in ("decode", "prefill")]
         assert {r["upcast"] for r in decode} == ({True} if gpu == "sm75" else {True, False}), gpu
@@ -72,9 +72,24 @@ def test_the_subset_reaches_every_kernel_and_both_launch_rules(subset):
         if r["kernel"] == "decode":
             kind, dtype, d, *_ = r["case"].split()
             want = launch_settings("decode", {"fp16": torch.float16, "bf16": torch.bfloat16, "fp32": torch.float32}[dtype],
-                                   int(d[1:]), tuple(subset["meta"]["gpus"][r["gpu"]]["capability"]))
+                                   int(d[1:]), tuple(subset["meta"]["gpus"][r["gpu"]]["capability"]),
+                                   quantized=kind not in ("decode", "decode_split"))
             assert (r["tiles"]["BLOCK_N"], r["num_warps"], r["num_stages"]) == \
                 (want.block_n, want.num_warps, want.num_stages), r["case"]
+
+
+def test_quantized_pools_compile_everywhere_but_fp8_before_sm89_which_names_its_fallback(subset):
+    """Appendix A3's launches: int8/int4 decode and write on every GPU; fp8 only on sm89 and sm90 (Triton
+    has no e4m3 below), and there the case is listed with the reference labkit runs instead."""
+    rows = subset["rows"]
+    for gpu in GPUS:
+        kinds = {r["case"].split()[0] for r in rows if r["gpu"] == gpu}
+        assert {"decode_int4_per_group", "write_kv_int8_per_block"} <= kinds, gpu
+        assert ("decode_fp8_per_block" in kinds) == (gpu in ("sm89", "sm90")), gpu
+    listed = {(f["gpu"], f["case"].split()[0]) for f in subset["fallbacks"]}
+    assert listed == {(gpu, "decode_fp8_per_block") for gpu in ("sm75", "sm80", "sm86")}
+    assert all("the PyTorch reference (dequantize, then attend) runs instead" in f["fallback"]
+               for f in subset["fallbacks"])
 
 
 def test_bf16_on_a_t4_runs_on_fp32_units_and_on_tensor_cores_from_sm80(subset):

@@ -199,6 +199,8 @@ def test_kv_cache_dtypes_of_full_attention():
     # TritonAttentionBackend.customize_spec: (128 + 128) × 1 B + 2 × 4 B scales per head and token.
     assert vllm.page_size_bytes(llama, 16, "fp8_per_token_head") == 16 * 8 * 264
     assert vllm.page_size_bytes(llama, 16, "int8_per_token_head") == 16 * 8 * 264
+    # int4 packs two codes per byte: 128 // 2 bytes per side, the same two float32 scales.
+    assert vllm.page_size_bytes(llama, 16, "int4_per_token_head") == 16 * 8 * (2 * 64 + 8)
     r = kv_cache_report("Llama-3-8B", 8 * GiB, max_model_len=8192, kv_cache_dtype="fp8")
     assert r.num_gpu_blocks == 8192 and r.max_concurrency == 16.0
     with pytest.raises(ValueError, match="kv_cache_dtype 'fp8_ds_mla' is for MLA models only"):
@@ -330,9 +332,11 @@ def test_max_model_len_above_the_derived_maximum_is_refused_unless_allowed():
 
 def test_mla_refuses_cache_dtypes_no_mla_backend_lists():
     # v1/attention/backends/mla/*: supported_kv_cache_dtypes never lists the *_per_token_head dtypes.
-    for dtype in ("fp8_per_token_head", "int8_per_token_head"):
+    for dtype in ("fp8_per_token_head", "int8_per_token_head", "int4_per_token_head"):
         with pytest.raises(ValueError, match=r"kv_cache_dtype must be one of .* for an MLA model"):
             kv_cache_report("DeepSeek-V3", 40 * GiB, max_model_len=4096, kv_cache_dtype=dtype)
+        if dtype == "int4_per_token_head":
+            continue
         assert kv_cache_report("Llama-3-8B", 8 * GiB, max_model_len=8192, kv_cache_dtype=dtype).page_size_bytes \
             == 16 * 8 * (2 * 128 + 8)  # full attention takes them: two float32 scales per head and token
     for dtype in vllm.MLA_KV_CACHE_DTYPES:

@@ -1,8 +1,11 @@
 """The capacity explorer of chapter 02: how many sequences fit on one device.
 
 A preset menu fills in a real model's shape; sliders change the layers, KV heads,
-head dim, element size, context length, concurrent sequences, device memory and
-the memory set aside for weights and workspace. The readout shows bytes per
+head dim, context length, concurrent sequences, device memory and the memory set aside
+for weights and workspace, and a menu the KV cache dtype: float32, bfloat16, or one of
+appendix A3's quantized caches (fp8 with one scale per layer, int8 with scales per block,
+int4 with scales per 32 elements; :func:`labkit.capacity.kv_bytes_per_token` counts their
+scales). The readout shows bytes per
 token, bytes per request and how many sequences fit; the plot shows how that
 number falls as the context grows. A preset knows the longest context its model
 was built for (``max_position_embeddings``): a context slider set past it gets a
@@ -13,7 +16,10 @@ Below the table, "vLLM would print" shows the start-up lines vLLM would log for 
 same device (:mod:`labkit.vllm`): the pool is ``ceil(device × gpu_memory_utilization)``
 minus the memory set aside, in 16-token blocks, with ``max_model_len`` = the context
 length; sliding windows are budgeted as vLLM budgets them. When one request would not
-fit, it shows vLLM's refusal instead.
+fit, it shows vLLM's refusal instead. A quantized dtype becomes vLLM's nearest
+``kv_cache_dtype`` (:data:`VLLM_KV_CACHE_DTYPES`): vLLM 0.33.0 keeps int8 and int4 with one
+float32 scale per token and head, not per block or per group. For an MLA model fp8 takes
+64-token blocks (FlashMLA, on Hopper) and int8/int4 are refused: no MLA backend lists them.
 
 Every number comes from :mod:`labkit.capacity`. The readout's elements carry CSS
 classes (``capacity-readout``, ``capacity-fit`` ...) so that a browser test can
@@ -43,7 +49,7 @@ LABELS = {
     "num_layers": "layers",
     "num_kv_heads": "KV heads",
     "head_dim": "head dim",
-    "dtype_bytes": "element size (bytes)",
+    "kv_cache_dtype": "KV cache dtype",
     "context_len": "context length (tokens)",
     "num_seqs": "concurrent sequences",
     "device_gib": "device memory (GiB)",
@@ -51,7 +57,17 @@ LABELS = {
     "gpu_memory_utilization": "gpu_memory_utilization",
 }
 VLLM_BLOCK_SIZE = 16
+MLA_FP8_BLOCK_SIZE = 64  # FlashMLA's block: what vLLM 0.33.0 picks for an fp8 MLA cache on Hopper (appendix A2)
 CONTEXTS = 2 ** np.arange(9, 18)  # 512 ... 131,072 tokens, the plot's x axis
+# The menu: (label, kv_cache_dtype). float32 and bfloat16 are plain caches of that element size.
+KV_DTYPES = [("float32 (4 bytes)", "float32"), ("bfloat16 (2 bytes)", "bfloat16"),
+             ("fp8 (1 byte, a scale per layer)", "fp8_per_tensor"),
+             ("int8 (1 byte, scales per block)", "int8_per_block"),
+             ("int4 (½ byte, scales per 32)", "int4_per_group")]
+PLAIN_BYTES = {"float32": 4, "bfloat16": 2}
+# What vLLM 0.33.0 would be started with for each: the scheme it has that comes closest.
+VLLM_KV_CACHE_DTYPES = {"float32": "auto", "bfloat16": "auto", "fp8_per_tensor": "fp8",
+                        "int8_per_block": "int8_per_token_head", "int4_per_group": "int4_per_token_head"}
 
 
 @dataclass(frozen=True)
@@ -65,11 +81,24 @@ class Setting:
     reserved_gib: float
     gpu_memory_utilization: float = 1.0
     vllm_shape: ModelShape | None = None  # the preset with its windows; None: use ``shape``
+    kv_cache_dtype: str = "bfloat16"  # a value of KV_DTYPES
+
+    @property
+    def quantization(self) -> str:
+        """labkit.quant's name of the cache's scheme: "auto" for a plain float32 or bfloat16 cache."""
+        return "auto" if self.kv_cache_dtype in PLAIN_BYTES else self.kv_cache_dtype
+
+    @property
+    def bytes_per_token(self) -> float:
+        return capacity.kv_bytes_per_token(self.shape, self.quantization)
+
+    def request_bytes(self, length: int) -> int:
+        """The article's formula (windows not applied), scales included for a quantized cache."""
+        return capacity.kv_cache_bytes(self.shape, length, self.quantization)
 
     @property
     def bytes_per_request(self) -> int:
-        """The article's formula: windows are not applied."""
-        return self.shape.cache_bytes(self.context_len, apply_window=False)
+        return self.request_bytes(self.context_len)
 
     @property
     def sequences_that_fit(self) -> int:
@@ -80,11 +109,20 @@ class Setting:
         available = vllm.available_kv_bytes(self.device_gib * GiB, self.gpu_memory_utilization,
                                             self.reserved_gib * GiB)
         try:
-            report = vllm.kv_cache_report(self.vllm_shape or self.shape, available,
-                                          block_size=VLLM_BLOCK_SIZE, max_model_len=self.context_len)
+            report = vllm.kv_cache_report(self.vllm_shape or self.shape, available, block_size=self.vllm_block_size,
+                                          max_model_len=self.context_len, kv_cache_dtype=self.vllm_kv_cache_dtype)
         except ValueError as refusal:
             return [f"ValueError: {refusal}"]
         return report.log_lines()
+
+    @property
+    def vllm_kv_cache_dtype(self) -> str:
+        return VLLM_KV_CACHE_DTYPES[self.kv_cache_dtype]
+
+    @property
+    def vllm_block_size(self) -> int:
+        """16, or 64 for an fp8 MLA cache (FlashMLA serves it on Hopper; appendix A2)."""
+        return MLA_FP8_BLOCK_SIZE if self.shape.latent and self.vllm_kv_cache_dtype == "fp8" else VLLM_BLOCK_SIZE
 
 
 def readout_html(s: Setting) -> str:
@@ -105,7 +143,7 @@ def readout_html(s: Setting) -> str:
     kind = "one latent vector (MLA, no factor 2)" if s.shape.latent else "K and V (factor 2)"
     rows = [
         ("bytes per token", "capacity-bytes-per-token",
-         f"{format_bytes(s.shape.bytes_per_token(), 'bytes')} = {format_bytes(s.shape.bytes_per_token())}"),
+         f"{format_bytes(s.bytes_per_token, 'bytes')} = {format_bytes(s.bytes_per_token)}"),
         (f"bytes per request ({s.context_len:,} tokens)", "capacity-bytes-per-request",
          format_bytes(s.bytes_per_request)),
         (f"{s.num_seqs} concurrent sequences need", "capacity-needed", format_bytes(needed)),
@@ -115,19 +153,23 @@ def readout_html(s: Setting) -> str:
     body = "".join(f'<tr><td style="padding-right:1em">{name}</td><td><b class="{cls}">{value}</b></td></tr>'
                    for name, cls, value in rows)
     lines = "<br>".join(html.escape(line) for line in s.vllm_lines())
+    vllm_dtype = "" if s.vllm_kv_cache_dtype == "auto" else f", kv_cache_dtype={s.vllm_kv_cache_dtype}"
     vllm_box = (f'<div>vLLM would print (gpu_memory_utilization={s.gpu_memory_utilization:g}, '
-                f'block_size={VLLM_BLOCK_SIZE}, max_model_len={s.context_len:,}):</div>'
+                f'block_size={s.vllm_block_size}, max_model_len={s.context_len:,}{vllm_dtype}):</div>'
                 f'<pre class="capacity-vllm" style="white-space:pre-wrap;margin:0">{lines}</pre>')
     return (f'<table>{body}</table>{context_note}<div class="capacity-verdict">{s.num_seqs} requested: {verdict}. '
             f'Cache stores {kind} per token and layer.</div>{vllm_box}')
 
 
-def draw(ax: plt.Axes, shape: ModelShape, pool_bytes: float, label: str | None = None, **style) -> None:
+def draw(ax: plt.Axes, shape: ModelShape, pool_bytes: float, label: str | None = None, kv_cache_dtype: str = "auto",
+         **style) -> None:
     """Sequences that fit in ``pool_bytes`` against context length (log-log; zero is not drawn).
 
     Lengths beyond the model's ``max_position_embeddings`` are drawn dotted and faint.
+    ``kv_cache_dtype``: a quantized cache of labkit.quant ("auto": ``shape.dtype_bytes`` per element).
     """
-    fits = np.array([pool_bytes // shape.cache_bytes(int(t), apply_window=False) for t in CONTEXTS], dtype=float)
+    fits = np.array([pool_bytes // capacity.kv_cache_bytes(shape, int(t), kv_cache_dtype) for t in CONTEXTS],
+                    dtype=float)
     fits[fits == 0] = np.nan
     within = np.array([not shape.beyond_context(int(t)) for t in CONTEXTS])
     (line,) = ax.plot(CONTEXTS[within], fits[within], marker=".", label=label, **style)
@@ -154,12 +196,12 @@ class CapacityExplorer:
 
         self.preset = widgets.Dropdown(options=list(capacity.PRESETS), value=preset, description="preset",
                                        style=style, layout=layout)
+        self.kv_dtype = widgets.Dropdown(options=KV_DTYPES, value="bfloat16", description=LABELS["kv_cache_dtype"],
+                                         style=style, layout=layout)
         self.sliders = {
             "num_layers": slider(widgets.IntSlider, "num_layers", 32, 1, 128, 1),
             "num_kv_heads": slider(widgets.IntSlider, "num_kv_heads", 8, 1, 128, 1),
             "head_dim": slider(widgets.IntSlider, "head_dim", 128, 16, 1024, 16),
-            "dtype_bytes": widgets.SelectionSlider(options=[1, 2, 4], value=2, description=LABELS["dtype_bytes"],
-                                                   style=style, layout=layout, continuous_update=False),
             "context_len": slider(widgets.IntSlider, "context_len", context_len, 512, 131072, 512),
             "num_seqs": slider(widgets.IntSlider, "num_seqs", num_seqs, 1, 256, 1),
             "device_gib": slider(widgets.IntSlider, "device_gib", device_gib, 1, 192, 1),
@@ -174,9 +216,9 @@ class CapacityExplorer:
         self._applying_preset = False
         self._apply_preset(preset)
         self.preset.observe(lambda change: self._apply_preset(change["new"]), names="value")
-        for s in self.sliders.values():
+        for s in [*self.sliders.values(), self.kv_dtype]:
             s.observe(lambda change: self._update(), names="value")
-        controls = widgets.VBox([self.preset, *self.sliders.values(), self.readout])
+        controls = widgets.VBox([self.preset, self.kv_dtype, *self.sliders.values(), self.readout])
         self.ui = widgets.HBox([controls, self.plot])
         self.ui.add_class("capacity-explorer")
         self._update()
@@ -185,23 +227,26 @@ class CapacityExplorer:
     def setting(self) -> Setting:
         """The shape and numbers the controls show now.
 
-        Changing only the element size keeps the preset's model (and its context
+        Changing only the KV cache dtype keeps the preset's model (and its context
         limit); changing layers, KV heads or head dim makes a "custom" model whose
-        context limit is unknown.
+        context limit is unknown. A quantized dtype keeps the shape's 2-byte element size
+        (what vLLM's "auto" would store); its own bytes come from ``kv_cache_dtype``.
         """
         v = {k: s.value for k, s in self.sliders.items()}
+        kv = self.kv_dtype.value
         preset = capacity.PRESETS[self.preset.value]
+        element = PLAIN_BYTES.get(kv, preset.dtype_bytes)
         if self._architecture_edited():
             name, limit = "custom", None
-        elif v["dtype_bytes"] != preset.dtype_bytes:
-            name, limit = f"{preset.name} ({v['dtype_bytes']}-byte cache)", preset.max_position_embeddings
+        elif kv != "bfloat16":
+            name, limit = f"{preset.name} ({kv} cache)", preset.max_position_embeddings
         else:
             name, limit = preset.name, preset.max_position_embeddings
         shape = ModelShape(name, v["num_layers"], 1 if self._latent else v["num_kv_heads"], v["head_dim"],
-                           v["dtype_bytes"], latent=self._latent, max_position_embeddings=limit)
-        windowed = None if self._architecture_edited() else replace(preset, dtype_bytes=v["dtype_bytes"])
+                           element, latent=self._latent, max_position_embeddings=limit)
+        windowed = None if self._architecture_edited() else replace(preset, dtype_bytes=element)
         return Setting(shape, v["context_len"], v["num_seqs"], v["device_gib"], v["reserved_gib"],
-                       v["gpu_memory_utilization"], windowed)
+                       v["gpu_memory_utilization"], windowed, kv)
 
     def _architecture_edited(self) -> bool:
         p = capacity.PRESETS[self.preset.value]
@@ -213,7 +258,7 @@ class CapacityExplorer:
         self._latent = p.latent
         self._applying_preset = True  # one redraw for the whole preset, not one per slider
         try:
-            for key in ("num_layers", "num_kv_heads", "head_dim", "dtype_bytes"):
+            for key in ("num_layers", "num_kv_heads", "head_dim"):
                 self.sliders[key].value = getattr(p, key)
         finally:
             self._applying_preset = False
@@ -232,7 +277,7 @@ class CapacityExplorer:
                 print("No memory left for the KV cache: lower 'set aside' or raise 'device memory'.")
                 return
             fig, ax = plt.subplots(figsize=(6, 3.5))
-            draw(ax, s.shape, pool, label=s.shape.name)
+            draw(ax, s.shape, pool, label=s.shape.name, kv_cache_dtype=s.quantization)
             ax.axhline(s.num_seqs, color="grey", linestyle="--", label=f"{s.num_seqs} requested")
             fit = s.sequences_that_fit
             if fit:
