@@ -234,9 +234,18 @@ def test_missing_or_unknown_tensors_are_named(checkpoints, tmp_path):
 
 
 def test_a_hub_id_offline_fails_fast_and_names_the_local_alternative(tmp_path):
-    """In a fresh process with HF_HUB_OFFLINE=1 and an empty cache: a clear error, no waiting on a network."""
+    """In a fresh process with HF_HUB_OFFLINE=1 and an empty cache: a clear error, and no connection tried.
+
+    Every name lookup and socket connection is counted (and refused) in that process, so the check does not depend on
+    how busy the machine is; the loose time bound only catches a wait on a network timeout.
+    """
     code = textwrap.dedent("""
-        import time
+        import socket, time
+        tried = []
+        def refuse(*args, **kwargs):
+            tried.append(args)
+            raise OSError("the test refuses name lookups and connections")
+        socket.getaddrinfo = socket.socket.connect = refuse
         from labkit.pretrained import from_pretrained, load_tokenizer
         for load in (from_pretrained, load_tokenizer):
             start = time.time()
@@ -244,16 +253,16 @@ def test_a_hub_id_offline_fails_fast_and_names_the_local_alternative(tmp_path):
                 load("HuggingFaceTB/SmolLM2-135M-Instruct")
             except ConnectionError as err:
                 print(type(err).__name__, round(time.time() - start, 1), err)
+        print("connections tried:", len(tried))
     """)
     env = {**os.environ, "HF_HUB_OFFLINE": "1", "HF_HOME": str(tmp_path / "hf")}
-    start = time.time()
     result = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True, timeout=120)
     lines = [line for line in result.stdout.splitlines() if line.startswith("ConnectionError")]
     assert len(lines) == 2, result.stdout + result.stderr
     for line in lines:
-        assert float(line.split()[1]) < 5  # seconds: the offline setting is honoured, nothing is tried
+        assert float(line.split()[1]) < 30  # seconds: no wait on a network timeout
         assert "HF_HUB_OFFLINE" in line and "local path" in line and "hf download" in line
-    assert time.time() - start < 60
+    assert "connections tried: 0" in result.stdout, result.stdout
 
 
 # ---------------------------------------------------------------- the tokenizer
