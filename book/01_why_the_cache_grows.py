@@ -22,6 +22,18 @@
 #   and what its cache costs per token, measured.
 
 # %%
+from labkit.diagrams import roadmap
+
+roadmap("01");  # the article's pipeline, this chapter's part highlighted
+
+# %% [markdown]
+# **You need:** nothing from earlier chapters: some Python, PyTorch tensors, and what attention
+# computes (queries, keys, values, a softmax), as any introduction to transformers explains it.
+# [00 · Start here](00_start_here.ipynb) checks your set-up.
+#
+# **Time:** about 35 minutes to read and run.
+
+# %%
 import time
 
 import matplotlib.pyplot as plt

@@ -28,6 +28,17 @@
 # - how many sequences fit on a device, with an explorer you can play with.
 
 # %%
+from labkit.diagrams import roadmap
+
+roadmap("02");  # the article's pipeline, this chapter's part highlighted
+
+# %% [markdown]
+# **You need:** chapter 01: the cache keeps one key and one value per layer, per KV head and per
+# token, and several query heads can share one KV head (GQA).
+#
+# **Time:** about 35 minutes to read and run.
+
+# %%
 import torch
 import matplotlib.pyplot as plt
 

@@ -21,6 +21,17 @@
 # - what labkit's tile sizes trade, and how to time the kernel when a GPU is present.
 
 # %%
+from labkit.diagrams import roadmap
+
+roadmap("A1");  # the article's pipeline, this appendix's part highlighted
+
+# %% [markdown]
+# **You need:** chapter 03, section 6: the paged-attention kernels in Triton. Knowing what a GPU's
+# registers and shared memory are helps, but each is explained where it is used.
+#
+# **Time:** about 20 minutes to read and run.
+
+# %%
 import json
 from pathlib import Path
 
