@@ -58,10 +58,10 @@ print(labkit.describe())
 # of those vectors has **D** elements (the head dimension), and each element takes **b** bytes.
 # The cache keeps all of them, so one token costs
 #
-# $$\text{bytes\_per\_token} = 2 \times L \times H_{kv} \times D \times b,$$
+# $$\mathrm{bytes\_per\_token} = 2 \times L \times H_{kv} \times D \times b,$$
 #
 # where the 2 counts K and V. A sequence whose cache holds **T** tokens costs
-# $M_{kv} = T \times \text{bytes\_per\_token}$. Nothing else in the model enters: not the hidden
+# $M_{kv} = T \times \mathrm{bytes\_per\_token}$. Nothing else in the model enters: not the hidden
 # size, not the vocabulary, not the number of parameters.
 #
 # The article's teaching model has 32 layers, 8 KV heads, head dimension 128 and 2-byte elements
