@@ -28,7 +28,80 @@
 # | A3 · fewer bytes per element (appendix to 02) | what does an fp8, int8 or int4 cache cost in quality? | a quantized paged cache, its Triton decode, a measurement on the real model |
 # | A4 · the real vLLM on your CPU (appendix to A2, 05, 06) | does the real vLLM do what the book predicts? | vLLM run beside labkit (optional: `make vllm`) |
 #
-# The chapters follow one article's six sections and build on each other; read them in order.
+# The six chapters follow one article's six sections and build on each other; read them in order.
+# Each appendix deepens the chapter it names and can be skipped on a first reading. Every chapter
+# and appendix opens with the same map, the article's pipeline, with its own part highlighted.
+
+# %% [markdown]
+# ## Words and symbols
+#
+# Each name below has one meaning throughout the book. The chapter in brackets is where it is built.
+#
+# **The model's shape** (chapter 02). One token costs 2 × L × Hkv × D × b bytes of cache:
+#
+# | symbol | meaning | teaching model |
+# |---|---|---|
+# | L | layers (`num_hidden_layers`) | 32 |
+# | Hkv | KV heads per layer (`num_key_value_heads`); with grouped-query attention (GQA) several query heads share one | 8 |
+# | D | elements per head (`head_dim`) | 128 |
+# | b | bytes per element (2 for bf16 or fp16, 1 for fp8 or int8) | 2 |
+# | T | tokens in a sequence's cache | |
+# | 2 | one key and one value | |
+#
+# **Memory** (chapter 03).
+#
+# - **block**: room for the K and V of `block_size` consecutive tokens of one sequence, in *every*
+#   layer, named by one *block id*. The book's blocks hold 16 tokens unless a cell says otherwise:
+#   2 MiB for the teaching model.
+# - **page**: one block of *one* layer. The word comes from vLLM's code (`page_size_bytes`,
+#   appendix A2): 64 KiB for the teaching model, and a block is one page in each of its 32 layers.
+#   Where chapter 03 speaks of "16-token pages" it means the article's sense, paging as an operating
+#   system does it: the 16-token blocks themselves. The two words count the same tokens; a page is
+#   a block's share of one layer.
+# - **slot**: the place of one token in the pool: `block_id × block_size + offset`.
+# - **slot mapping**: the slots of the tokens a step writes, in order; the kernel that stores new
+#   keys and values scatters them there.
+# - **block table**: one sequence's list of block ids, in the order of its tokens: entry *i* holds
+#   tokens *i* × `block_size` to (*i* + 1) × `block_size` − 1.
+#
+# **Serving** (chapters 04 to 06).
+#
+# - **hit**: prompt tokens whose K and V are found in the prefix cache and are not computed again;
+#   only full blocks hit, and never the prompt's last token, which is computed to give the first
+#   output (chapter 04).
+# - **step**: one iteration of the engine: the scheduler picks requests and a number of tokens for
+#   each, and the model computes all of them in one batched forward pass (chapter 05).
+# - **chunk**: the tokens of one request computed in one step: part or all of a prompt (prefill),
+#   or one token (decode). A prompt longer than the step's token budget is prefilled in several
+#   chunks (chapter 05).
+# - **preemption**: taking a running request's blocks back when a step cannot get the blocks it
+#   needs. The request returns to the front of the waiting queue and later recomputes what it lost
+#   (chapter 05).
+# - **TTFT**, time to first token: from a request's arrival to its first output token (chapter 06).
+# - **TPOT**, time per output token: for one request, (its end-to-end latency − its TTFT) / (its
+#   output tokens − 1); every request weighs the same (chapter 06).
+# - **ITL**, inter-token latency: each interval between two consecutive output tokens of a
+#   request, all requests' intervals pooled, so that long answers weigh more (chapter 06).
+#
+# Requests **A, B and C** are the article's three, of 8,192, 4,096 and 2,048 tokens (chapter 02).
+#
+# The words for memory, in code (chapter 03 builds these classes): a pool of 8 blocks, where an
+# earlier request holds 2 blocks, and a 37-token request in 16-token blocks.
+
+# %%
+# NBVAL_CHECK_OUTPUT
+from labkit.paging import BlockAllocator, BlockTable
+
+pool = BlockAllocator(num_blocks=8)
+earlier, request = BlockTable(block_size=16), BlockTable(block_size=16)
+earlier.append(20, pool)                  # 20 tokens: 2 blocks
+slot_mapping = request.append(37, pool)   # 37 tokens: 3 blocks, and the slots they are written to
+print(f"block table of the 37-token request: {request.block_ids}")
+print(f"token 0 -> slot {request.slot(0)}, token 16 -> slot {request.slot(16)}, token 36 -> slot {request.slot(36)}")
+print(f"slot mapping of its last 5 tokens: {slot_mapping[-5:]}; empty slots in its last block: {request.empty_slots}")
+assert request.slot(36) == request.block_ids[36 // 16] * 16 + 36 % 16 and request.empty_slots == 11
+assert slot_mapping == [b * 16 + i for b in request.block_ids for i in range(16)][:37]
+assert not set(request.block_ids) & set(earlier.block_ids)  # a block belongs to one sequence here
 
 # %% [markdown]
 # ## How the notebooks work
@@ -155,7 +228,9 @@ ex.check("Warm-up", bytes_per_gib, expected=2**30, hint="1 GiB = 1,024 MiB, 1 Mi
 # %% [markdown]
 # ## Summary
 #
-# - The book is six chapters, each a notebook built on `labkit`.
+# - The book is six chapters, one per section of the article, and appendices that deepen them;
+#   each is a notebook built on `labkit`.
+# - Each word of the glossary above has one meaning in every chapter.
 # - `import labkit` picks the device and, without a GPU, runs Triton kernels in the interpreter.
 # - Exercises have checkers; worked answers live in `solutions/`.
 

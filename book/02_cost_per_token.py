@@ -28,6 +28,17 @@
 # - how many sequences fit on a device, with an explorer you can play with.
 
 # %%
+from labkit.diagrams import roadmap
+
+roadmap("02");  # the article's pipeline, this chapter's part highlighted
+
+# %% [markdown]
+# **You need:** chapter 01: the cache keeps one key and one value per layer, per KV head and per
+# token, and several query heads can share one KV head (GQA).
+#
+# **Time:** about 35 minutes to read and run.
+
+# %%
 import torch
 import matplotlib.pyplot as plt
 
@@ -47,10 +58,10 @@ print(labkit.describe())
 # of those vectors has **D** elements (the head dimension), and each element takes **b** bytes.
 # The cache keeps all of them, so one token costs
 #
-# $$\text{bytes\_per\_token} = 2 \times L \times H_{kv} \times D \times b,$$
+# $$\mathrm{bytes\_per\_token} = 2 \times L \times H_{kv} \times D \times b,$$
 #
 # where the 2 counts K and V. A sequence whose cache holds **T** tokens costs
-# $M_{kv} = T \times \text{bytes\_per\_token}$. Nothing else in the model enters: not the hidden
+# $M_{kv} = T \times \mathrm{bytes\_per\_token}$. Nothing else in the model enters: not the hidden
 # size, not the vocabulary, not the number of parameters.
 #
 # The article's teaching model has 32 layers, 8 KV heads, head dimension 128 and 2-byte elements
@@ -75,18 +86,14 @@ for dtype in ["float32", "bfloat16", torch.float16, "fp8"]:
 # ## 2. Checking the formula against real caches
 #
 # A formula is only as good as its check, and the check must not be built from the formula. So we
-# run real models, prefill real prompts into chapter 01's `KVCache`, and add up the bytes of the
-# tensors the layers actually stored (`tensor.nbytes`), then compare with the formula.
+# run real models, prefill real prompts into chapter 01's `KVCache`, and read the bytes of the
+# tensors the layers actually stored, then compare with the formula. `KVCache.nbytes` adds them up,
+# tensor by tensor (elements × bytes per element), and knows nothing of layers, heads or the formula.
 #
 # First chapter 01's small random decoder. Its weights are float32, so its cache elements take
 # 4 bytes.
 
 # %%
-def stored_bytes(cache: KVCache) -> int:
-    """Bytes of every K and V tensor the layers stored, read off the tensors themselves."""
-    return sum(t.nbytes for t in cache.k + cache.v if t is not None)
-
-
 model = Decoder.random()
 cfg = model.config
 shape = capacity.ModelShape.from_config(cfg.to_dict(), name="chapter-01 decoder", dtype=torch.float32)
@@ -96,18 +103,18 @@ with torch.no_grad():
     logits = model(prompt, cache=cache)
 print(f"{shape.num_layers} layers; layer 0 stores K {tuple(cache.k[0].shape)} and V {tuple(cache.v[0].shape)}, "
       f"{cache.k[0].dtype}")
-print(f"after a 37-token prefill: {stored_bytes(cache):,} bytes stored; formula: {shape.cache_bytes(37):,}")
-assert stored_bytes(cache) == shape.cache_bytes(37)
+print(f"after a 37-token prefill: {cache.nbytes:,} bytes stored; formula: {shape.cache_bytes(37):,}")
+assert cache.nbytes == shape.cache_bytes(37)
 
 # %% [markdown]
 # One decode step feeds one token, and the stored tensors grow by exactly one token's worth:
 
 # %%
-before = stored_bytes(cache)
+before = cache.nbytes
 with torch.no_grad():
     model(logits[:, -1:].argmax(-1), cache=cache)
-print(f"one decode step added {stored_bytes(cache) - before:,} bytes; bytes_per_token: {shape.bytes_per_token():,}")
-assert stored_bytes(cache) - before == shape.bytes_per_token()
+print(f"one decode step added {cache.nbytes - before:,} bytes; bytes_per_token: {shape.bytes_per_token():,}")
+assert cache.nbytes - before == shape.bytes_per_token()
 
 # %% [markdown]
 # Now the teaching model's own cache shape: 32 layers, 32 query heads sharing 8 KV heads of
@@ -136,7 +143,7 @@ for length in [1, 3, 16, 37]:
         with torch.no_grad():
             m(ids, cache=c)
         assert all(k.dtype == torch.bfloat16 and k.shape == (1, length, 8, 128) for k in c.k + c.v)
-        stored.append(stored_bytes(c))
+        stored.append(c.nbytes)
     print(f"{length:>10}{stored[0]:>14,}{stored[1]:>14,}{TEACHING_MODEL.cache_bytes(length):>14,}")
     assert stored[0] == stored[1] == TEACHING_MODEL.cache_bytes(length)
 
@@ -227,8 +234,8 @@ assert a_wrong == 4 * a_right and fit_wrong * 4 == fit_right
 # %% [markdown]
 # ## 5. Real models side by side
 #
-# `capacity.PRESETS` holds shapes read from each model's `config.json`. The files cannot be
-# downloaded here, so `capacity.PRESET_CONFIGS` keeps an excerpt of each, transcribed by hand from
+# `capacity.PRESETS` holds shapes read from each model's `config.json`. So that the chapter runs
+# without a network, `capacity.PRESET_CONFIGS` keeps an excerpt of each, transcribed by hand from
 # the public file on the Hugging Face Hub, and every preset is built from its excerpt by
 # `ModelShape.from_config`, the same function that reads any Llama-style config dict (the files are
 # listed under References). Llama-3-8B's excerpt has no `head_dim`, so `from_config` derives it as

@@ -23,6 +23,17 @@
 # memory bandwidth) is the subject of appendix [A1 · under the compiler](A1_under_the_compiler.ipynb).
 
 # %%
+from labkit.diagrams import roadmap
+
+roadmap("03");  # the article's pipeline, this chapter's part highlighted
+
+# %% [markdown]
+# **You need:** chapter 02: bytes per token, and the teaching model's 128 KiB per token; chapter 01:
+# the decoder, its cache and greedy generation.
+#
+# **Time:** about 40 minutes to read and run.
+
+# %%
 import math
 
 import matplotlib.pyplot as plt

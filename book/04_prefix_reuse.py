@@ -31,6 +31,17 @@
 # - why a real chat model's shared system prompt hits the cache, and why one extra space in it does not.
 
 # %%
+from labkit.diagrams import roadmap
+
+roadmap("04");  # the article's pipeline, this chapter's part highlighted
+
+# %% [markdown]
+# **You need:** chapter 03: blocks, block tables and the block allocator; chapter 01: causal
+# attention, and the real model (SmolLM2-135M-Instruct) with its chat template.
+#
+# **Time:** about 35 minutes to read and run.
+
+# %%
 import zlib
 
 import matplotlib.pyplot as plt

@@ -35,6 +35,17 @@
 #   kernels), and a proof that batching, chunking, reuse and preemption change no token.
 
 # %%
+from labkit.diagrams import roadmap
+
+roadmap("05");  # the article's pipeline, this chapter's part highlighted
+
+# %% [markdown]
+# **You need:** chapters 03 and 04: free blocks, block tables, prefix hits and copy-on-write;
+# chapter 01: prefill and decode.
+#
+# **Time:** about 40 minutes to read and run.
+
+# %%
 import matplotlib.pyplot as plt
 import numpy as np
 import torch

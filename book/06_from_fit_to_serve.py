@@ -38,6 +38,17 @@
 # sliding windows) are in [appendix A2](A2_vllm_start_up.ipynb).
 
 # %%
+from labkit.diagrams import roadmap
+
+roadmap("06");  # the article's pipeline, this chapter's part highlighted
+
+# %% [markdown]
+# **You need:** chapter 02: bytes per token and capacity; chapter 05: steps, the token budget and
+# preemption; chapter 04: prefix hits.
+#
+# **Time:** about 40 minutes to read and run.
+
+# %%
 import matplotlib.pyplot as plt
 import numpy as np
 from matplotlib.ticker import NullFormatter

@@ -21,6 +21,17 @@
 # - what labkit's tile sizes trade, and how to time the kernel when a GPU is present.
 
 # %%
+from labkit.diagrams import roadmap
+
+roadmap("A1");  # the article's pipeline, this appendix's part highlighted
+
+# %% [markdown]
+# **You need:** chapter 03, section 6: the paged-attention kernels in Triton. Knowing what a GPU's
+# registers and shared memory are helps, but each is explained where it is used.
+#
+# **Time:** about 20 minutes to read and run.
+
+# %%
 import json
 from pathlib import Path
 
@@ -300,4 +311,69 @@ else:
 #   plus its block table. (The PagedAttention paper measured its own paged attention kernel 20–26%
 #   slower than a contiguous one, in the kernel alone.)
 #
+# ## What you can now do
+#
+# - Compile a Triton kernel for a GPU you do not have, and read its registers, shared memory and
+#   spills (`benchmarks/kernels_static.py`, `tests/test_kernels_static.py`).
+# - Say whether a GPU runs a kernel's products on tensor cores or on FP32 units, from its compute
+#   capability and the dtype.
+# - Work out how many programs share a multiprocessor, and which resource limits them.
+# - Place a kernel on a roofline from its FLOPs per byte, and tell whether memory or arithmetic
+#   bounds it.
+#
 # Back to [chapter 03](03_paging.ipynb), or on to [chapter 04](04_prefix_reuse.ipynb).
+
+# %% [markdown]
+# ## Exercise
+
+# %%
+from labkit.exercises import Exercises
+
+ex = Exercises("A1_under_the_compiler")
+
+# %%
+# SOLUTIONS ONLY
+ex.strict = True  # in solutions/ a failing checker fails the notebook tests
+
+# %% [markdown]
+# **Exercise 1.** Section 4 found decode attention far below the H100's ridge point even with 8
+# query heads per KV head. How many query heads would have to share one KV head (the GQA group `g`)
+# before bfloat16 decode attention reached the H100's ridge point, `h100.ridge_point` FLOP per byte?
+# Give the smallest whole `g`, computed from the ridge point and the intensity formula of section 4.
+
+# %%
+# BEGIN SOLUTION
+import math
+
+answer_1 = math.ceil(h100.ridge_point * 2 / 2)  # 2g / b >= ridge, with b = 2 bytes
+# END SOLUTION
+# BEGIN STUB
+answer_1 = None  # replace None with your expression
+# END STUB
+smallest_group = next(g for g in range(1, 10_000) if intensity(g) >= h100.ridge_point)
+ex.check("Exercise 1", answer_1, expected=smallest_group,
+         hint="decode does 2g / bytes_per_element FLOP per byte: solve 2g / 2 >= ridge point for g, and round up.")
+
+# %% [markdown]
+# SOLUTIONS ONLY
+# **Why this works.** Each K and V row read serves `g` queries, 4 × g × D FLOPs for 2 × D × b
+# bytes, so the intensity is 2g / b and grows only with the group. At b = 2 it equals g, so g must
+# reach the ridge point itself, hundreds of query heads per KV head, where real models share one KV
+# head among 4 to 8. No GQA group brings decode near the arithmetic roof: batching many sequences
+# does not help either, since each sequence reads its own cache.
+
+# %% [markdown]
+# ## References
+#
+# - Triton's ahead-of-time compiler: `triton.compile` with `triton.backends.compiler.GPUTarget`
+#   ([github.com/triton-lang/triton](https://github.com/triton-lang/triton), Triton 3.9); the
+#   resource report from NVIDIA's `cuobjdump --dump-resource-usage`, shipped in the triton wheel.
+# - NVIDIA, *CUDA C++ Programming Guide*, "Compute Capabilities": registers, shared memory per
+#   block and per multiprocessor, and resident warps for compute capabilities 7.5 to 9.0.
+# - NVIDIA T4 datasheet (16 GB GDDR6, 320 GB/s, 8.1 TFLOPS FP32) and NVIDIA H100 datasheet (the
+#   H100 SXM figures of `labkit.costmodel.DEVICES`).
+# - S. Williams, A. Waterman, D. Patterson, "Roofline: an insightful visual performance model for
+#   multicore architectures", *Communications of the ACM* 52(4), 2009: the roofline of section 4.
+# - W. Kwon et al., "Efficient Memory Management for Large Language Model Serving with
+#   PagedAttention", SOSP 2023 (arXiv 2309.06180): its kernel measured 20–26% slower than a
+#   contiguous one.

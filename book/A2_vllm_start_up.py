@@ -10,7 +10,6 @@
 #     name: python3
 # ---
 
-
 # %% [markdown]
 # # A2 · vLLM's start-up log, line by line
 #
@@ -29,6 +28,17 @@
 # - what tensor parallelism does to the cache when GPUs outnumber KV heads, and what MLA changes;
 # - where vLLM reserves more than the model needs (sliding-window layers), and why the batch size
 #   you run with changes the concurrency it promises.
+
+# %%
+from labkit.diagrams import roadmap
+
+roadmap("A2");  # the article's pipeline, this appendix's part highlighted
+
+# %% [markdown]
+# **You need:** chapter 02: bytes per token; chapter 06, its first section: a device's memory minus
+# weights, workspace and reserve becomes the KV pool.
+#
+# **Time:** about 20 minutes to read and run.
 
 # %%
 from labkit import vllm

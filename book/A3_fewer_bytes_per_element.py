@@ -10,7 +10,6 @@
 #     name: python3
 # ---
 
-
 # %% [markdown]
 # # A3 · Fewer bytes per element: an fp8, int8 or int4 KV cache
 #
@@ -30,6 +29,17 @@
 # - what each scheme costs on SmolLM2-135M: next-token loss on held-out text, and how long greedy
 #   decoding stays identical to a bfloat16 cache;
 # - which GPUs cannot run an fp8 kernel, and what labkit runs there instead.
+
+# %%
+from labkit.diagrams import roadmap
+
+roadmap("A3");  # the article's pipeline, this appendix's part highlighted
+
+# %% [markdown]
+# **You need:** chapter 02: the byte formula; chapter 03: the paged pool and its decode kernel;
+# chapter 01: the real model.
+#
+# **Time:** about 30 minutes to read and run.
 
 # %%
 import json

@@ -10,7 +10,6 @@
 #     name: python3
 # ---
 
-
 # %% [markdown]
 # # A4 · The real vLLM on your CPU
 #
@@ -32,10 +31,17 @@
 #   default vLLM can start from a different first step;
 # - how to calibrate chapter 06's simulator on a real server at one request rate and predict
 #   another, and where that prediction stops holding (deepens 06).
+
+# %%
+from labkit.diagrams import roadmap
+
+roadmap("A4");  # the article's pipeline, this appendix's part highlighted
+
+# %% [markdown]
+# **You need:** chapters 04 to 06 and appendix A2.
 #
-# **You need** chapters 04 to 06 and appendix A2. **Time:** about 25 minutes to read. With vLLM set
-# up, making a new real run takes about 5 minutes; otherwise the notebook runs in under a minute
-# on the record of the last real run.
+# **Time:** about 25 minutes to read. With vLLM set up, making a new real run takes about 5 minutes;
+# otherwise the notebook runs in under a minute on the record of the last real run.
 
 # %%
 import matplotlib.pyplot as plt

@@ -26,7 +26,9 @@ project = "KV Cache Labs"
 author = "the KV Cache Labs authors"
 copyright = "the KV Cache Labs authors, MIT licence"
 
-extensions = ["myst_nb", "kvlabs_site"]
+# sphinx-mathjax-offline (requirements/site.txt) copies MathJax 3.2.2 into _static/mathjax and points
+# the pages at it: maths renders with no CDN, so `make site` offline shows no raw TeX.
+extensions = ["myst_nb", "kvlabs_site", "sphinx.ext.mathjax", "sphinx-mathjax-offline"]
 exclude_patterns = ["_build", "**/.ipynb_checkpoints"]
 suppress_warnings = []  # `make site` runs with -W: a warning fails the build
 

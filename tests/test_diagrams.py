@@ -20,3 +20,29 @@ def test_the_cache_has_a_cell_per_layer_and_position():
     texts = [t.get_text() for t in fig.axes[0].texts]
     assert "prompt: 3 tokens" in texts and any("2 steps" in t for t in texts)
     assert any("3 layers × 5 positions" in t for t in texts)
+
+
+def test_the_roadmap_lights_exactly_the_chapters_parts():
+    import matplotlib.pyplot as plt
+    import pytest
+    from matplotlib.colors import to_rgba
+
+    from labkit.diagrams import HIGHLIGHT_COLOUR, ROADMAP_CHAPTERS, ROADMAP_PARTS, roadmap
+
+    assert {f"0{i}" for i in range(1, 7)} | {f"A{i}" for i in range(1, 7)} == set(ROADMAP_CHAPTERS)
+    for chapter, (name, parts) in ROADMAP_CHAPTERS.items():
+        fig = roadmap(chapter)
+        boxes = {p.get_gid(): p for p in fig.axes[0].patches if p.get_gid()}
+        assert set(boxes) == set(ROADMAP_PARTS), chapter
+        lit = {gid for gid, box in boxes.items() if box.get_facecolor()[:3] == to_rgba(HIGHLIGHT_COLOUR)[:3]}
+        assert lit == set(parts) and lit, chapter
+        assert name in fig.axes[0].get_title() and chapter in fig.axes[0].get_title()
+        texts = [t.get_text() for t in fig.axes[0].texts]
+        # under the KV blocks: every chapter that works on them, and only those
+        assert "  ".join(c for c, (_, p) in ROADMAP_CHAPTERS.items() if "cache" in p) in texts
+        plt.close(fig)
+    # every part of the pipeline is some chapter's subject
+    assert set().union(*(p for _, p in ROADMAP_CHAPTERS.values())) == set(ROADMAP_PARTS)
+    for bad in ["07", "3", 3, None, "A7"]:
+        with pytest.raises(ValueError, match="chapter must be one of"):
+            roadmap(bad)

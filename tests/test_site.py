@@ -199,6 +199,30 @@ def test_pages_show_the_stored_figures_and_no_widget_json(site):
         assert "widget-view+json" not in html and "widget-state+json" not in html, page_of(notebook)
 
 
+def script_sources(html: str) -> list[str]:
+    return re.findall(r"<script[^>]*\ssrc=\"([^\"]+)\"", html)
+
+
+@pytest.mark.browser  # builds the site: left out of `make test-fast`, as the browser tests are
+def test_maths_renders_with_the_mathjax_shipped_in_the_site(site):
+    """A page with maths loads MathJax from the site itself (sphinx-mathjax-offline), never from a CDN:
+    offline, a CDN's MathJax never arrives and the page shows raw TeX such as ``\\[ ... \\]``."""
+    with_maths = 0
+    for path in sorted(site.rglob("*.html")):
+        if "_static" in path.relative_to(site).parts:
+            continue
+        html = path.read_text()
+        remote = [s for s in script_sources(html) if s.startswith(("http:", "https:", "//"))]
+        assert not remote, f"{path.relative_to(site)} loads scripts from another host: {remote}"
+        if 'class="math' in html:
+            with_maths += 1
+            mathjax = [s for s in script_sources(html) if "mathjax" in s.lower()]
+            assert mathjax, f"{path.relative_to(site)} has maths and no MathJax"
+            for src in mathjax:
+                assert (path.parent / src.split("?")[0]).resolve().is_file(), f"{path.relative_to(site)}: {src} is missing"
+    assert with_maths, "no page has maths: the check above checked nothing"
+
+
 def test_prepare_notebook_replaces_widgets_and_keeps_the_rest():
     notebook = json.loads((ROOT / "chapters" / "03_paging.ipynb").read_text())
     shown = kvlabs_site.prepare_notebook(notebook, "chapters", "03_paging")
@@ -309,6 +333,20 @@ def test_site_in_chromium(site, served, tmp_path):
                 assert page.locator(".jupyter-widgets, .widget-subarea, script[type*='jupyter.widget']").count() == 0
                 content = page.content()
                 assert "widget-view+json" not in content and "model_id" not in content, rel
+
+                # Maths typeset by the site's own MathJax: no raw TeX is left in the prose.
+                if page.locator(".math").count():
+                    page.wait_for_function("() => window.MathJax && MathJax.startup && MathJax.startup.promise")
+                    page.evaluate("() => MathJax.startup.promise")
+                    assert page.locator("mjx-container").count() == page.locator(".math").count(), rel
+                    assert page.locator("mjx-merror").count() == 0, f"{rel}: MathJax could not read some TeX"
+                typeset = page.locator("mjx-container").evaluate_all("els => els.map(e => e.textContent)")
+                assert not [t for t in typeset if "\\" in t], f"{rel}: a TeX command was left as text: {typeset}"
+                prose = page.evaluate("() => { const a = document.querySelector('article').cloneNode(true); "
+                                      "a.querySelectorAll('pre, code, .cell_input, .cell_output').forEach(e => e.remove()); "
+                                      "return a.innerText; }")
+                raw = [tex for tex in ("\\[", "\\(", "$$") if tex in prose]
+                assert not raw, f"{rel}: raw TeX {raw} on the page"
 
                 # No internal link leads nowhere, anchors included.
                 hrefs = page.locator("a[href]").evaluate_all("links => links.map(a => a.href)")
