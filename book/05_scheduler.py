@@ -13,26 +13,24 @@
 # %% [markdown]
 # # 05 · Capacity in the scheduler
 #
-# Chapters 03 and 04 built the memory: a pool of fixed-size blocks, block tables, shared prefixes.
-# None of that says *which* request gets the next free block. A serving engine decides that once
-# per iteration (a *step*): it picks requests and a number of tokens for each, and the model
-# computes all of them in one batched forward pass. This chapter writes that decision down, runs
-# it, and then builds a small engine on top of it that ties the whole book together.
+# **The message.** Every step spends two budgets: tokens of compute and blocks of memory. The token
+# budget sets how much work one step does; the blocks set how many requests can run at once, and
+# when they run out, the scheduler preempts a running request and computes it again later.
+#
+# Chapters 03 and 04 built the memory; none of it says *which* request gets the next free block.
+# An engine decides that once per *step*: it picks requests and a number of tokens for each, and
+# the model computes them all in one batched forward pass. This chapter writes that decision down,
+# runs it, and builds a small engine on it that ties the book together.
 #
 # **What you will learn**
 #
-# - why every step has two budgets, tokens of compute and blocks of memory, and how the article's
-#   `plan_iteration` spends both;
-# - what `extra_blocks` counts: new blocks, a shared tail block copied before it is written, and
-#   cached blocks revived from the free queue;
-# - that the order of the candidates decides who gets memory first, and paging decides nothing
-#   about priority;
-# - what an engine does when blocks run out: preemption by recompute, and swapping as the
-#   alternative;
-# - why vLLM admits a waiting request only when its whole prompt fits, not just its first chunk,
-#   and how close labkit's scheduler comes to vLLM's own (step for step, on the same workloads);
-# - how chapters 01 to 04 become one engine (decoder, paged cache, prefix cache, scheduler, Triton
-#   kernels), and a proof that batching, chunking, reuse and preemption change no token.
+# - how the article's `plan_iteration` spends both budgets in one pass, and what `extra_blocks` counts;
+# - how to read a step: chunked prefill, decode tokens, skipped requests, the candidates' order;
+# - how the pool's size decides how many requests run, and what a preemption costs;
+# - how chapters 01 to 04 become one engine that changes no token.
+#
+# vLLM's admission rules, priority, swapping and a comparison with vLLM's scheduler are in
+# [appendix A5](A5_vllm_scheduler.ipynb).
 
 # %%
 from labkit.diagrams import roadmap
@@ -52,14 +50,13 @@ import torch
 from matplotlib.patches import Patch
 
 import labkit
-from labkit import capacity
 from labkit.cache import generate
 from labkit.engine import Engine
 from labkit.model import Decoder, DecoderConfig
 from labkit.paging import blocks_needed
 from labkit.priority import PriorityScheduler
 from labkit.scheduler import Request, Scheduler, extra_blocks, plan_iteration
-from labkit.units import format_bytes
+from labkit.show import excerpt
 
 torch.set_num_threads(2)
 print(labkit.describe())
@@ -67,20 +64,16 @@ print(labkit.describe())
 # %% [markdown]
 # ## Two budgets per step
 #
-# A step computes some tokens: a few hundred prompt tokens of a new request (prefill), one token
-# for each request that is already generating (decode), or both at once. Two things bound it.
+# A step computes prompt tokens of new requests (prefill), one token for each request already
+# generating (decode), or both. Two things bound it.
 #
-# - **Tokens.** The forward pass has a cost that grows with the number of tokens in it. Engines cap
-#   it with a *token budget* (vLLM calls it `max_num_batched_tokens`). A prompt longer than what is
-#   left of the budget is not refused: it is cut, and the rest waits for the next step. That is
-#   *chunked prefill*.
-# - **Blocks.** Every computed token leaves its keys and values in a slot of the pool, and the slot
-#   must belong to a block that the request holds *before* the pass writes it. So the step must
-#   also fit in the free blocks.
+# - **Tokens.** Engines cap the tokens of one forward pass with a *token budget* (vLLM's
+#   `max_num_batched_tokens`). A longer prompt is cut, and the rest waits: *chunked prefill*.
+# - **Blocks.** Every computed token's K/V need a slot in a block the request holds *before* the
+#   pass writes it.
 #
-# The article's §05 puts both budgets into one pass over the candidates. Here is its pseudocode,
-# quoted unchanged from the source article (`next_chunk` is what the request would compute next,
-# `reserve_blocks` takes the blocks from the pool):
+# The article's §05 spends both in one pass over the candidates (quoted unchanged; `next_chunk` is
+# what the request would compute next):
 #
 # ```python
 # def plan_iteration(candidates, free_blocks, token_budget, block_size):
@@ -99,90 +92,40 @@ print(labkit.describe())
 #     return plan
 # ```
 #
-# Fourteen lines, and both budgets are there: `token_budget` shrinks by the tokens each candidate
-# gets, `free_blocks` by the blocks it needs. `labkit.scheduler.plan_iteration` keeps that skeleton
-# and adds what a working scheduler needs around it. Its lines, a few at a time, read from the
-# installed labkit each time this cell runs. First the token budget:
+# `labkit.scheduler.plan_iteration` keeps that skeleton. Its lines, read from the installed labkit;
+# first the tokens each candidate asks for:
 
 # %%
-from labkit.show import excerpt
-
 excerpt(plan_iteration, "for request in candidates", "continue  # nothing to compute now")
 
 # %% [markdown]
-# The article's `next_chunk` is `num_new_tokens` here: the rest of the prompt while a request
-# prefills, one token while it decodes, and after a preemption its prompt *and* the outputs it had.
-# The one change is the `continue`: a request with nothing to compute *now* (its last token is
-# still being sampled) is passed over, where the article's `break` would end the pass for everyone
-# behind it with budget left. Next, the blocks (and a note of whether the request is still
-# waiting, which matters further down):
+# `num_new_tokens` is the rest of the prompt while a request prefills, one token while it decodes.
+# A request whose last token is still being sampled is passed over (`continue`), where the article's
+# `break` would end the pass for everyone behind it. Then the blocks those tokens take:
 
 # %%
-excerpt(plan_iteration, "waiting = request.status", "blocks = extra_blocks(")
+excerpt(plan_iteration, "if tokens == 0:", "blocks = extra_blocks(")
 
 # %% [markdown]
-# The article calls `extra_blocks(request, ...)` directly. labkit takes a `needed` hook instead,
-# because only the `Scheduler` knows what the count depends on: a prefix hit that revives cached
-# blocks, a tail block shared with a forked twin (chapter 04). Without the hook the request is
-# judged on its own, from the blocks it holds. Then the case the article leaves out, a *running*
-# request that does not fit:
+# The `needed` hook lets the `Scheduler` count what only it knows (a prefix hit, a shared tail).
+# Last, the decision and the two budgets it spends:
 
 # %%
-excerpt(plan_iteration, "preempted = False", "# a preempted twin")
+excerpt(plan_iteration, 'outcome = ("stop"', '"planned")')
+excerpt(plan_iteration, 'if outcome != "planned"', "token_budget -= tokens")
 
 # %% [markdown]
-# A running request cannot simply be skipped: it holds blocks and must grow to finish. The
-# `make_room` hook lets the scheduler preempt the newest running request (a section below) and
-# returns the free blocks after it; a waiting request is never given that power. The end of the
-# pass follows the article's lines, with two additions:
-
-# %%
-excerpt(plan_iteration, 'outcome = ("stop"', "token_budget -= tokens")
-
-# %% [markdown]
-# `break` when the budget is spent, `continue` when the blocks do not fit, then reserve, plan and
-# subtract both budgets, as in the article. The additions: every turn is written to `decisions` when
-# asked (the step tables below print them; they record, they decide nothing), and `reserve` is a
-# hook that may be absent: the `Scheduler` passes one that allocates the blocks, while this chapter
-# also calls `plan_iteration` without it, to ask "what *would* be planned?" without touching a pool.
-# The function also checks its arguments (`check_int`) before the loop. What is *not* in it is as
-# telling: vLLM's two admission rules for waiting requests (both in sections below) live in the
-# `Scheduler`, which decides which candidates to offer; the pass itself stays the article's.
+# So: each candidate asks for `min(num_new_tokens, token_budget)` tokens; when the budget is spent
+# the pass **stops** (`break`); a candidate whose blocks do not fit is **skipped** (`continue`), and
+# a later, smaller one may still get in. `"preempted"` is for running requests (below).
 #
-# Three rules follow from the code:
-#
-# 1. each candidate asks for `min(num_new_tokens, token_budget)` tokens, where `num_new_tokens` counts
-#    the tokens it still has to compute: the rest of its prompt while prefilling, one while decoding;
-# 2. when the token budget is spent (`tokens == 0`), the pass **stops** (a candidate with nothing
-#    to compute *now*, whose last token is still being sampled, is merely passed over);
-# 3. a candidate whose blocks do not fit is **skipped** (`continue`), and a later, smaller
-#    candidate may still get in.
-#
-# Rule 3 has a price, starvation, and labkit's `Scheduler` adds one refinement for *waiting*
-# requests to avoid it; a section below measures both.
-
-# %% [markdown]
 # ## What a step takes from the pool: `extra_blocks`
 #
-# How many free blocks does computing `tokens` more tokens of a request use? Positions
-# `num_computed_tokens ... num_computed_tokens + tokens - 1` need
-# `ceil((num_computed_tokens + tokens) / block_size)` blocks, and the request already holds some.
-# Two more cases add blocks:
-#
-# - **a shared tail.** If the block the next token goes into is partly filled *and* another request
-#   holds it too (chapter 04's fork: parallel sampling, beam search), writing into it would change
-#   the other request's history. The writer first gets a private copy: one more block
-#   (copy-on-write);
-# - **revived blocks.** A prefix hit (chapter 04) may point at cached blocks that no request holds
-#   any more. They sit in the free queue, and taking them back uses free blocks like new ones.
-#
-# `extra_blocks` is a pure function of what it is given: the tokens computed so far, the blocks
-# held, the tokens to compute, the block size, and the two facts the scheduler looks up just
-# before the request's turn (is the tail shared? how many hit blocks sit in the free queue?).
-#
-# The article's figure from chapter 03 is the first row below: a 37-token prompt in 16-token
-# blocks needs 3 blocks; decoding its 38th token needs none, since the tail block has 11 empty
-# slots.
+# Computing `tokens` more tokens needs `ceil((num_computed_tokens + tokens) / block_size)` blocks,
+# less those held. Two cases add blocks: a partly filled tail shared with another request (chapter
+# 04's fork) is first copied (copy-on-write); and cached blocks of a prefix hit that nobody holds
+# sit in the free queue, so reviving them uses free blocks. The first row is chapter 03's 37-token
+# prompt: 3 blocks of 16; its 38th token needs none (11 empty slots in the tail).
 
 # %%
 # NBVAL_CHECK_OUTPUT
@@ -207,13 +150,10 @@ assert needed == [3, 0, 1, 1, 1, 3]
 #
 # ## The pass, iteration by iteration
 #
-# Four requests arrive together in a small pool: 8 blocks of 4 tokens, a budget of 12 tokens per
-# step. A has a 10-token prompt, B 14, C 5 and D 3; they want 3, 2, 2 and 3 new tokens. The
-# `Scheduler` keeps a *running* list (admitted, holding blocks) and a *waiting* queue (first come,
-# first served), and offers the running requests first. Every `Step` records each candidate's turn
-# in the pass: what it asked for, what it needed, what was left, and the outcome. For this walk the
-# scheduler follows the article's pass to the letter (`head_of_line=False`; the default is
-# explained below).
+# Four requests arrive together: 8 blocks of 4 tokens, a budget of 12 tokens. W has a 10-token
+# prompt, X 14, Y 5 and Z 3; they want 3, 2, 2 and 3 new tokens. The `Scheduler` offers its
+# *running* requests first, then its *waiting* queue in arrival order; every `Step` records each
+# turn. Here it follows the article's pass to the letter (`head_of_line=False`; vLLM's default: A5).
 
 # %%
 def serve(scheduler, arrivals, max_steps=500):
@@ -253,7 +193,7 @@ def show_step(step):
 
 walk = Scheduler(num_blocks=8, block_size=4, max_num_batched_tokens=12, enable_prefix_caching=False,
                  head_of_line=False)
-walk_reqs = named_requests([("A", 10, 3), ("B", 14, 2), ("C", 5, 2), ("D", 3, 3)])
+walk_reqs = named_requests([("W", 10, 3), ("X", 14, 2), ("Y", 5, 2), ("Z", 3, 3)])
 walk_steps = serve(walk, {0: walk_reqs})
 
 # %%
@@ -264,20 +204,17 @@ for step in walk_steps:
 # %% [markdown]
 # Read it step by step:
 #
-# - **Step 1.** A takes all 10 prompt tokens and 3 blocks. B gets only the 2 tokens left in the
-#   budget: its prompt is split (chunked prefill). C's turn finds the budget spent: the pass stops.
-# - **Step 2.** Running requests first: A decodes 1 token, B continues its prompt with 11 more.
-#   The budget is spent again before C.
-# - **Step 3.** Only 1 block is free. C needs 2 for its 5 tokens: **skipped**. D needs 1: it gets
-#   in *ahead of* C, which arrived first. A reaches its 3 tokens and finishes; its blocks go back.
-# - **Steps 4 and 5.** With A's blocks free, C is admitted; everyone finishes and the pool is whole.
-#
-# The claims, checked:
+# - **Step 1.** W takes its 10 prompt tokens and 3 blocks; X gets the 2 tokens left (chunked
+#   prefill); at Y the budget is spent: stop.
+# - **Step 2.** W decodes 1 token, X continues with 11; the budget is spent again before Y.
+# - **Step 3.** 1 block is free. Y needs 2: **skipped**. Z needs 1 and gets in *ahead of* Y. W
+#   finishes; its blocks go back.
+# - **Steps 4 and 5.** Y is admitted; everyone finishes and the pool is whole.
 
 # %%
 budget = walk.max_num_batched_tokens
 assert all(s.num_tokens <= budget for s in walk_steps)
-assert [c.num_tokens for c in walk_steps[0].chunks] == [10, 2]            # B's prompt is cut to fit
+assert [c.num_tokens for c in walk_steps[0].chunks] == [10, 2]            # X's prompt is cut to fit
 assert [d.outcome for d in walk_steps[2].decisions] == ["planned", "planned", "skipped", "planned"]
 assert walk.allocator.num_free == walk.num_blocks                          # every block came back
 assert [len(r.output_token_ids) for r in walk_reqs] == [3, 2, 2, 3]
@@ -286,20 +223,15 @@ assert [len(r.output_token_ids) for r in walk_reqs] == [3, 2, 2, 3]
 # ## Who gets space first: the order, not the paging
 #
 # The allocator hands out whichever block is free; it has no idea which request matters more.
-# Priority lives entirely in the order of the candidates. The same three waiting requests, the same
-# 4 free blocks, two orders:
+# Priority lives in the order of the candidates. Three waiting requests, 4 free blocks, two orders:
 
 # %%
 # NBVAL_CHECK_OUTPUT
-def fresh_trio():
-    return named_requests([("L", 12, 4), ("S1", 4, 4), ("S2", 3, 4)])  # one long prompt, two short ones
-
-
 def planned(plan):
     return [(r.request_id, n) for r, n in plan]
 
 
-L, S1, S2 = fresh_trio()
+L, S1, S2 = named_requests([("L", 12, 4), ("S1", 4, 4), ("S2", 3, 4)])  # one long prompt, two short ones
 fcfs_plan = plan_iteration([L, S1, S2], free_blocks=4, token_budget=32, block_size=4)
 short_plan = plan_iteration(sorted([L, S1, S2], key=lambda r: r.num_new_tokens), free_blocks=4,
                             token_budget=32, block_size=4)
@@ -309,15 +241,16 @@ assert planned(fcfs_plan) == [("L", 12), ("S1", 4)]
 assert planned(short_plan) == [("S2", 3), ("S1", 4)]
 
 # %% [markdown]
-# Under first-come-first-served the long request L takes 3 of the 4 blocks and S2 waits; shortest
-# first admits both short ones and L waits. Same pool, same blocks, same `plan_iteration`: only
-# the order changed. Over a whole run the choice moves waiting time between requests.
-# `PriorityScheduler` (`labkit.priority`, a variant beside the core) re-sorts its waiting queue by a
-# `priority` key before each step; here is a run of ten requests with
-# mixed lengths under both orders, measured in steps until each one's first token (1 means it got
-# its first token in the step it arrived):
+# First come, first served gives L 3 of the 4 blocks and S2 waits; shortest first admits both short
+# ones and L waits. Only the order changed (over a whole run: appendix A5).
+#
+# ## The blocks decide how many run
+#
+# Ten requests with prompts of 3 to 30 tokens arrive two per step, with a 16-token budget, in pools
+# of several sizes. How many requests run (hold blocks) in each step?
 
 # %%
+# NBVAL_CHECK_OUTPUT
 def workload():
     rng = np.random.default_rng(5)
     specs = [(f"R{i}", int(rng.integers(3, 31)), int(rng.integers(2, 9))) for i in range(10)]
@@ -328,129 +261,31 @@ def workload():
     return reqs, arrivals
 
 
-def first_token_waits(priority):
+def run_pool(num_blocks):
     reqs, arrivals = workload()
-    cls, key = (Scheduler, {}) if priority is None else (PriorityScheduler, {"priority": priority})
-    sched = cls(num_blocks=16, block_size=4, max_num_batched_tokens=16, enable_prefix_caching=False, **key)
-    steps = serve(sched, arrivals)
-    arrived = {r.request_id: t for t, rs in arrivals.items() for r in rs}
-    first = {}
-    for step in steps:
-        for c in step.sampling_chunks:
-            first.setdefault(c.request.request_id, step.index)
-    return reqs, steps, sched, {name: first[name] - arrived[name] for name in arrived}
+    sched = Scheduler(num_blocks=num_blocks, block_size=4, max_num_batched_tokens=16, enable_prefix_caching=False)
+    return reqs, arrivals, sched, serve(sched, arrivals)
 
 
-reqs_f, steps_f, sched_f, waits_fcfs = first_token_waits(None)
-reqs_s, steps_s, sched_s, waits_short = first_token_waits(lambda r: len(r.prompt_token_ids))
-
-# %%
-# NBVAL_CHECK_OUTPUT
-names = list(waits_fcfs)
-prompt_len = {r.request_id: len(r.prompt_token_ids) for r in reqs_f}
-print(f"{'request':<8}{'prompt':>7}{'FCFS wait':>11}{'shortest-first wait':>21}")
-for n in names:
-    print(f"{n:<8}{prompt_len[n]:>7}{waits_fcfs[n]:>11}{waits_short[n]:>21}")
-mean_f, mean_s = np.mean(list(waits_fcfs.values())), np.mean(list(waits_short.values()))
-longest = max(names, key=prompt_len.get)
-print(f"mean wait: FCFS {mean_f:.2f} steps, shortest-first {mean_s:.2f} steps; "
-      f"longest prompt {longest}: {waits_fcfs[longest]} vs {waits_short[longest]} steps")
-assert mean_s < mean_f  # shortest first lowers the mean wait...
-assert waits_short[longest] >= waits_fcfs[longest]  # the long request pays for the short ones
-
-# %%
-fig, ax = plt.subplots(figsize=(7, 3.5))
-x = np.arange(len(names))
-ax.bar(x - 0.2, [waits_fcfs[n] for n in names], 0.4, label="first come, first served")
-ax.bar(x + 0.2, [waits_short[n] for n in names], 0.4, label="shortest prompt first")
-ax.set_xticks(x, [f"{n}\n({prompt_len[n]})" for n in names])
-ax.set_xlabel("request (prompt length in tokens)")
-ax.set_ylabel("steps until first token")
-ax.set_title("The candidate order, not paging, decides who waits (scheduler only, no model)")
-ax.legend()
-fig.tight_layout()
-plt.show()
+pools = {n: run_pool(n) for n in (10, 12, 16, 24, 32, 64)}
+print(f"{'pool (blocks)':>13}{'most running':>14}{'mean running':>14}{'preemptions':>13}{'tokens computed':>17}"
+      f"{'steps':>7}")
+rows = {}
+for n, (_, _, _, steps) in pools.items():
+    running = [s.stats.num_running for s in steps]
+    rows[n] = (max(running), float(np.mean(running)), sum(s.stats.preemptions for s in steps),
+               sum(s.num_tokens for s in steps), len(steps))
+    print(f"{n:>13}{rows[n][0]:>14}{rows[n][1]:>14.2f}{rows[n][2]:>13}{rows[n][3]:>17}{rows[n][4]:>7}")
+means = [rows[n][1] for n in pools]
+assert means == sorted(means) and rows[10][1] < rows[32][1] / 2  # more blocks, more requests at once
+assert rows[10][2] > 0 and rows[32][2] == 0 and rows[10][3] > rows[32][3]  # a small pool preempts, recomputes
+assert rows[10][4] == max(r[4] for r in rows.values())  # and takes the most steps
+assert rows[32] == rows[64]  # past 32 blocks the token budget and the arrivals decide, not the pool
 
 # %% [markdown]
-# ## Skipping, and the starvation it allows
-#
-# Rule 3 keeps the pool busy: blocks a large request cannot use yet go to smaller ones behind it.
-# But it also lets small requests overtake a large one again and again. With a finite set of
-# requests everyone finishes eventually. Under a never-ending stream of small requests, every block
-# that frees up may be taken by a newcomer before the large request ever sees enough of them free.
-#
-# vLLM's scheduler therefore stops admitting at the first *waiting* request that does not fit, and
-# labkit's `Scheduler` does the same by default (`head_of_line=True`): once a waiting request is
-# skipped, the requests queued behind it are not offered in that step. `plan_iteration` itself is
-# unchanged (running requests keep the article's rule); the scheduler simply stops handing it
-# waiting candidates. Here is the stream: 8 blocks of 4 tokens, a small request (3 prompt tokens,
-# 7 new ones) every other step, and at step 6 a large one (20 + 4 tokens) that needs 5 blocks to
-# start.
-
-# %%
-# NBVAL_CHECK_OUTPUT
-def small_stream(head_of_line, steps=200):
-    """Returns the step that admits the large request (None: never), the small requests'
-    mean wait for their first token, and the output tokens produced in `steps` steps."""
-    sched = Scheduler(num_blocks=8, block_size=4, max_num_batched_tokens=64, enable_prefix_caching=False,
-                      head_of_line=head_of_line)
-    big, admitted, arrived, first, small = None, None, {}, {}, []
-    for t in range(steps):
-        if t % 2 == 0:
-            small.append(sched.add_request([1 + t % 30] * 3, 7))
-            arrived[small[-1].request_id] = t
-        if t == 6:
-            big = sched.add_request(list(range(1, 21)), 4)
-        step = sched.schedule()
-        for c in step.sampling_chunks:
-            first.setdefault(c.request.request_id, t)
-        if admitted is None and any(c.request is big for c in step.chunks):
-            admitted = t
-        sched.postprocess(step, [0] * len(step.sampling_chunks))
-    waits = [first[i] - t0 for i, t0 in arrived.items() if i in first]
-    small_outputs = sum(len(r.output_token_ids) for r in small)
-    return admitted, float(np.mean(waits)), small_outputs, len(big.output_token_ids)
-
-
-article_rule, head_of_line = small_stream(False), small_stream(True)
-for label, (admitted, wait, small_out, big_out) in [("article's rule (skip)", article_rule),
-                                                    ("head of line (vLLM)", head_of_line)]:
-    big_wait = "never admitted" if admitted is None else f"admitted after {admitted - 6} steps"
-    print(f"{label:<22}: large request {big_wait:<22} small requests wait {wait:.2f} steps on average; "
-          f"output tokens in 200 steps: {small_out} small + {big_out} large")
-assert article_rule[0] is None                   # starved for all 200 steps
-assert head_of_line[0] is not None and head_of_line[0] - 6 <= 1 + 7  # at most one small request's life
-assert head_of_line[1] > article_rule[1]         # the small ones pay for it
-assert head_of_line[2] == article_rule[2] and head_of_line[3] == 4 and article_rule[3] == 0
-
-# %% [markdown]
-# Under the article's rule the large request never runs: at no step of the 200 are 5 blocks free
-# when its turn comes, because small requests took each freed block first. With the head-of-line
-# rule it waits only until the small requests already running finish, and the small ones behind it
-# wait a little longer for their first token while the pool drains. Neither rule is free: skipping
-# puts free blocks to use at once and keeps small requests moving; the head-of-line rule guarantees
-# that every request is served, in arrival order, and sometimes leaves blocks idle. The token
-# counts explain why head of line produces *more* tokens in 200 steps: the small requests produce
-# the same number under both rules, and head of line adds the large request's 4, which the
-# article's rule never produced. The stream is light enough that the small requests lose only
-# waiting time, not output; under a heavier one, the idle blocks would cost output too. The walk from
-# the start of the chapter shows that cost: with the head-of-line rule, D stays behind C in step 3
-# and the four requests need one step more.
-
-# %%
-hol_walk = Scheduler(num_blocks=8, block_size=4, max_num_batched_tokens=12, enable_prefix_caching=False)
-hol_walk_steps = serve(hol_walk, {0: named_requests([("A", 10, 3), ("B", 14, 2), ("C", 5, 2), ("D", 3, 3)])})
-print("step 3, article's rule:", [(d.request.request_id, d.outcome) for d in walk_steps[2].decisions])
-print("step 3, head of line:  ", [(d.request.request_id, d.outcome) for d in hol_walk_steps[2].decisions])
-print(f"steps to serve all four: {len(walk_steps)} (article's rule), {len(hol_walk_steps)} (head of line)")
-assert [d.outcome for d in hol_walk_steps[2].decisions] == ["planned", "planned", "skipped"]
-assert len(hol_walk_steps) == len(walk_steps) + 1
-
-# %% [markdown]
-# ## A chart of iterations
-#
-# The same ten requests under first-come-first-served, step by step: which requests got tokens
-# (a prompt chunk or a decode token), which were waiting, and how many blocks were in use.
+# The smallest pool runs fewer than half as many requests at once, on average, as 32 blocks; it
+# preempts, computes tokens twice, and takes the most steps. Past 32 blocks nothing changes: the
+# token budget and the arrivals are the limit then. The 16-block run, step by step:
 
 # %%
 def iteration_grid(reqs, arrivals, steps):
@@ -469,7 +304,7 @@ def iteration_grid(reqs, arrivals, steps):
     return codes
 
 
-_, arrivals_f = workload()
+reqs_f, arrivals_f, sched_f, steps_f = pools[16]
 codes = iteration_grid(reqs_f, arrivals_f, steps_f)
 colors = ["white", "#dddddd", "tab:blue", "tab:orange", "tab:red"]
 labels = ["", "waiting", "decode token", "prompt chunk", "preempted"]
@@ -496,10 +331,8 @@ assert max(used) <= sched_f.num_blocks and sched_f.allocator.num_free == sched_f
 assert any(s.preempted for s in steps_f) and (codes == 3).any() and (codes == 2).any()
 
 # %% [markdown]
-# Patterns to look for: orange cells (prompt chunks) share steps with blue ones (decode tokens),
-# since a step mixes prefill and decode; grey cells are requests kept waiting; and red cells mark
-# requests that lost their blocks, the subject of the next section. What keeps the grey ones
-# waiting? Both budgets do, and the step records tell which one ended each step's admissions:
+# Prompt chunks share steps with decode tokens; grey cells are requests kept waiting; red marks a
+# request that lost its blocks (next section). Which budget kept the grey ones waiting?
 
 # %%
 # NBVAL_CHECK_OUTPUT
@@ -524,28 +357,33 @@ print(reasons_f)
 assert reasons_f["token budget spent"] > 0 and reasons_f["blocks did not fit"] > 0
 
 # %% [markdown]
-# Both budgets keep requests waiting here: in some steps the 16-token budget is spent before a
-# waiting request's turn comes, in others its blocks do not fit in the pool.
+# Both: in some steps the token budget is spent before a waiting request's turn, in others its
+# blocks do not fit.
 #
 # ## When blocks run out: preemption
 #
-# A request that is already running holds blocks and needs one more every `block_size` tokens.
-# Skipping it is not enough: if every running request waited for a block that only another
-# running request could free, none would ever move. Engines **preempt**. When a running request's
-# turn comes and its blocks do not fit, the *newest* running request gives back all its blocks and
-# goes to the *front* of the waiting queue, again until the request fits or was itself the newest
-# (the `make_room` hook of `plan_iteration`; its turn is then recorded as `preempted`). The victim's
-# K/V are simply dropped: when it comes back, its prompt and the tokens it had already generated
-# are computed again (**recompute**, what vLLM does). In the same step no waiting request is
-# admitted, so the freed blocks go to the requests that needed them. The whole rule is one loop of
-# `Scheduler._make_room`:
+# A running request needs one more block every `block_size` tokens. Skipping it is not enough: if
+# each running request waited for a block only another could free, none would move. Engines
+# **preempt**: when a running request does not fit, `plan_iteration` asks the scheduler to make room:
+
+# %%
+excerpt(plan_iteration, "if blocks > free_blocks and make_room", "preempted = request.status")
+
+# %% [markdown]
+# The `Scheduler` takes all the blocks of the *newest* running request and puts it at the *front*
+# of the waiting queue, until the request fits or was itself the newest. The victim's K/V are
+# dropped: its prompt and outputs are computed again later (**recompute**, as in vLLM v1). No
+# waiting request is admitted in that step. The rule is one loop:
 
 # %%
 excerpt(Scheduler._make_room, "while self._extra_blocks", "return self.allocator.num_free")
 
 # %% [markdown]
 # Three requests, 6 blocks of 4 tokens: A and B (6-token prompts, 6 new tokens each) need 3 blocks
-# apiece at full length, so C (3 + 4 tokens) cannot stay.
+# apiece, so C (3 + 4 tokens) cannot stay. This scheduler keeps vLLM's defaults: it admits a waiting
+# request only when blocks for all the tokens it knows so far (its prompt plus the outputs it had
+# before a preemption, at most `max_model_len`) are free, and nobody passes it in the queue
+# ([appendix A5](A5_vllm_scheduler.ipynb) measures both rules).
 
 # %%
 # NBVAL_CHECK_OUTPUT
@@ -567,192 +405,10 @@ assert computed_by_C == (3 + 3) + 4
 assert all(r.is_finished for r in pre_reqs) and pre.allocator.num_free == 6
 
 # %% [markdown]
-# In step 4, A and B each need a new block and only one is free: C, the newest, is preempted and
-# both fit. C waits at the head of the queue (skipped while its 5 tokens need 2 blocks) until A and
-# B finish, then computes its 3 prompt tokens *and both earlier outputs* in one 5-token chunk. With
-# prefix caching on, the full blocks of a preempted request often survive in the cache, and the
-# recompute shrinks to a prefix hit.
-#
-# **Swapping** is the other way out: copy the victim's blocks to CPU memory and copy them back
-# later, instead of recomputing. It trades compute for transfers. For the article's teaching model
-# the bytes are easy to count, and chapter 06's roofline cost model prices both ways out. A swap
-# moves the bytes out and back over PCIe 4.0 x16 (16 GT/s on 16 lanes with 128b/130b encoding:
-# 31.5 GB/s each way, the link of an RTX 4090; a datasheet peak, as the cost model's are); a
-# recompute is one prefill of the same tokens on the RTX 4090 of the cost model (the teaching
-# model with Llama-3-8B's weights).
-
-# %%
-# NBVAL_CHECK_OUTPUT
-from labkit.costmodel import CostModel
-
-per_token = capacity.TEACHING_MODEL.bytes_per_token()
-PCIE4_X16 = 16e9 * 16 / 8 * 128 / 130  # bytes/s each way
-rtx4090 = CostModel("teaching model", "RTX 4090 (24 GiB)")
-print(f"{'tokens':>7} {'K/V bytes':>10} {'swap out + in':>14} {'recompute (prefill)':>20}")
-ratios = []
-for tokens in (2_048, 8_192, 32_768):
-    swap_s = 2 * tokens * per_token / PCIE4_X16
-    recompute_s = rtx4090.prefill_time(tokens)
-    print(f"{tokens:>7,} {format_bytes(tokens * per_token):>10} {swap_s * 1e3:>11.0f} ms {recompute_s * 1e3:>17.0f} ms")
-    ratios.append(swap_s / recompute_s)
-assert all(r < 0.1 for r in ratios) and ratios == sorted(ratios, reverse=True)  # "about a tenth", then less
-assert 8_192 * per_token == 2**30 and round(PCIE4_X16 / 1e9, 1) == 31.5
-
-# %% [markdown]
-# On these datasheet figures a swap takes under a tenth of the recompute's time, and the gap grows
-# with the length, since attention makes a prefill grow faster than linearly while the bytes grow
-# linearly. The swap has other costs: it holds that much CPU memory, competes for the link with
-# everything else the server moves, and its copies must be scheduled around the steps. vLLM's v1
-# engine recomputes: `Scheduler._preempt_request` (`vllm/v1/core/sched/scheduler.py`, vLLM 0.33.0)
-# frees the request's blocks and sets its `num_computed_tokens` to 0. Either way, preemption is a
-# cost the pool size decides: chapter 06 measures it.
-#
-# ## Admitting a whole prompt: vLLM's gate
-#
-# The article's pass asks a waiting request only for the blocks of the chunk it computes *now*.
-# With chunked prefill and a tight pool that invites trouble: a 600-token prompt admitted with a
-# 256-token chunk takes 16 blocks, the next step 16 more, and when the pool runs dry halfway
-# through its prompt, someone is preempted, and the chunks already computed for it are thrown
-# away. vLLM refuses to start what it cannot finish: `SchedulerConfig.scheduler_reserve_full_isl`
-# (`vllm/config/scheduler.py`, vLLM 0.33.0) is `True` by default, and the scheduler's waiting loop
-# passes it to `KVCacheManager.allocate_slots` as `full_sequence_must_fit`
-# (`vllm/v1/core/kv_cache_manager.py`). A waiting request is then admitted only when the blocks for
-# its whole known sequence (its prompt, and for a preempted request the outputs it had, less its
-# prefix hit) are free; otherwise admission stops for the step. Only the first chunk is allocated:
-# the gate checks, it does not reserve. labkit's `Scheduler` does the same by default
-# (`full_sequence_must_fit=True`); `False` is the article's chunk-only rule.
-#
-# The same workload both ways: 24 prompts of 300 to 700 tokens arriving 0 to 2 steps apart, 8 to
-# 63 new tokens each, a pool of 64 blocks of 16 tokens (1,024 slots), prefix caching off, and two
-# token budgets. Each step is timed with chapter 06's roofline model of the teaching model on an
-# RTX 4090 (`rtx4090` above), so that the first-token times (TTFT) count what the steps computed,
-# recomputed tokens included.
-
-# %%
-# NBVAL_CHECK_OUTPUT
-def long_prompts(seed=0, n=24):
-    """{arrival step: [Request]}: long prompts, a few short answers."""
-    rng = np.random.default_rng(seed)
-    arrivals, t = {}, 0
-    for i in range(n):
-        prompt = rng.integers(0, 1000, int(rng.integers(300, 700))).tolist()
-        arrivals.setdefault(t, []).append(Request(prompt, int(rng.integers(8, 64)), request_id=f"R{i}"))
-        t += int(rng.integers(0, 3))
-    return arrivals
-
-
-def gate_run(gate, budget):
-    """Serve long_prompts() with or without the gate; time every step with the cost model."""
-    arrivals = long_prompts()
-    sched = Scheduler(num_blocks=64, block_size=16, max_num_batched_tokens=budget, enable_prefix_caching=False,
-                      full_sequence_must_fit=gate)
-    clock, t, arrived, first, timeline = 0.0, 0, {}, {}, []
-    while sched.has_unfinished() or any(k >= t for k in arrivals):
-        for r in arrivals.get(t, []):
-            sched.add_request(r)
-            arrived[r.request_id] = clock
-        t += 1
-        step = sched.schedule()
-        if step.chunks:
-            clock += rtx4090.step([(c.start, c.num_tokens) for c in step.chunks]).time_s
-        for c in step.sampling_chunks:
-            first.setdefault(c.request.request_id, clock)
-        sched.postprocess(step, [0] * len(step.sampling_chunks))
-        timeline.append((clock, step.stats.used_blocks, len(step.preempted), step.num_tokens))
-    reqs = [r for rs in arrivals.values() for r in rs]
-    useful = sum(len(r.prompt_token_ids) + len(r.output_token_ids) - 1 for r in reqs)  # each computed once
-    ttft = np.array([first[r.request_id] - arrived[r.request_id] for r in reqs])
-    return dict(preemptions=sum(p for *_, p, _ in timeline), recomputed=sum(n for *_, n in timeline) - useful,
-                ttft=ttft, makespan=clock, timeline=np.array(timeline))
-
-
-gate_runs = {(gate, budget): gate_run(gate, budget) for budget in (256, 64) for gate in (True, False)}
-print(f"{'budget':>6}  {'admission':<22}{'preemptions':>12}{'recomputed':>11}{'TTFT p50':>10}{'TTFT p90':>10}"
-      f"{'all served':>11}")
-for (gate, budget), g in gate_runs.items():
-    print(f"{budget:>6}  {'whole sequence (vLLM)' if gate else 'chunk only':<22}{g['preemptions']:>12}"
-          f"{g['recomputed']:>11,}{np.percentile(g['ttft'], 50):>9.2f}s{np.percentile(g['ttft'], 90):>9.2f}s"
-          f"{g['makespan']:>10.2f}s")
-on, off = gate_runs[True, 256], gate_runs[False, 256]
-assert on["preemptions"] == on["recomputed"] == 0 and off["preemptions"] > 100 and off["recomputed"] > 30_000
-assert np.percentile(on["ttft"], 50) < np.percentile(off["ttft"], 50) and on["makespan"] < off["makespan"]
-on64, off64 = gate_runs[True, 64], gate_runs[False, 64]
-assert on64["preemptions"] == 0 and off64["preemptions"] > 50 and off64["recomputed"] > 10_000
-assert off64["makespan"] < on64["makespan"] and np.percentile(off64["ttft"], 50) < np.percentile(on64["ttft"], 50)
-
-# %%
-fig, (ax1, ax2) = plt.subplots(1, 2, figsize=(10, 3.6))
-for (gate, budget), g in gate_runs.items():
-    if budget != 256:
-        continue
-    tl, label = g["timeline"], "whole sequence (vLLM)" if gate else "chunk only"
-    ax1.step(tl[:, 0], np.cumsum(tl[:, 2]), where="post", label=label)
-    ax2.plot(np.sort(g["ttft"]), np.arange(1, len(g["ttft"]) + 1) / len(g["ttft"]), drawstyle="steps-post", label=label)
-ax1.set_xlabel("time (s, roofline model)")
-ax1.set_ylabel("preemptions so far")
-ax1.set_title("Preemptions, budget 256 (roofline)")
-ax2.set_xlabel("time to first token (s, roofline model)")
-ax2.set_ylabel("share of requests")
-ax2.set_title("TTFT, budget 256 (roofline)")
-for ax in (ax1, ax2):
-    ax.legend(fontsize=8)
-fig.tight_layout()
-plt.show()
-
-# %% [markdown]
-# With a budget of 256 tokens, the chunk-only rule admits prompt after prompt piece by piece, runs
-# the pool dry, and preempts over and over: the preemptions and the tens of thousands of tokens
-# computed twice in the table. The gate keeps a prompt in the queue until all its blocks are free:
-# no request is preempted, nothing is computed twice, and the first tokens come *earlier*, because
-# the steps no longer carry work that is thrown away. That is the over-admission and "KV cache
-# thrashing with chunked prefill" that vLLM's docstring names as the reason for the default.
-#
-# The gate is not free in every regime. With a budget of 64 tokens the waste still happens without
-# the gate (the second pair of rows), but it costs less time: a 64-token chunk adds little to a step
-# that reads all the weights anyway, and the chunk-only rule keeps more requests decoding at once,
-# so there its first tokens come sooner and it serves the whole workload sooner. The gate buys
-# predictability, and saves compute whenever the steps are not almost free: an admitted
-# request is not preempted for want of its own prompt's blocks. It is not a reservation of the
-# *answer*: the outputs a request will produce are not counted, so a request can still be
-# preempted while it decodes (chapter 06 sees it happen).
-#
-# ### labkit's scheduler against vLLM's own
-#
-# How close are the two schedulers, rule for rule? `benchmarks/vllm_scheduler.py` serves the same
-# random workloads (shared system prompts, exact repeats, long documents, stop tokens, caching on
-# and off, `max_num_seqs` 4 to 256, budgets 64 to 2,048, pools that preempt) with labkit's
-# `Scheduler` and with vLLM 0.33.0's real v1 `Scheduler`, built as vLLM's own tests build it
-# (`tests/v1/core/utils.py: create_scheduler`, async scheduling off, a fake model runner whose
-# output tokens are fixed by request and position), and compares every step. Its table ships with
-# the repository (command: `python benchmarks/vllm_scheduler.py --vllm-src /tmp/vllm_src`, with
-# vLLM's unzipped wheel; vLLM is never a dependency of labkit):
-
-# %%
-# NBVAL_CHECK_OUTPUT
-from pathlib import Path
-
-CONFORMANCE = next((p / "benchmarks" / "results" / "vllm_scheduler_2026-11-30.md"
-                    for p in (Path.cwd(), *Path.cwd().parents)
-                    if (p / "benchmarks" / "results" / "vllm_scheduler_2026-11-30.md").exists()), None)
-if CONFORMANCE is None:  # a pip install (Colab) has labkit but not the repository's benchmarks/
-    print("benchmarks/results/vllm_scheduler_2026-11-30.md ships with the repository: clone it to see this table.")
-else:
-    tables = CONFORMANCE.read_text().split("```")[1::2]  # this labkit, then the commit before issue 19
-    for label, table in zip(["labkit now", "labkit before (chunk-only admission)"], tables):
-        rows = table.strip().splitlines()
-        print(f"{label}:\n{rows[0]}\n{rows[-1]}")
-    assert "100.0%" in tables[0].strip().splitlines()[-1]
-
-# %% [markdown]
-# Every step schedules the same requests with the same token counts, every admission finds the same
-# prefix hit, the same requests are preempted in the same steps, and every request finishes in the
-# same step as in vLLM. Before the gate, labkit preempted about five times as often as vLLM on the
-# same workloads (the second pair of lines), and agreed on fewer than two steps in three. Switching
-# the gate off (`full_sequence_must_fit=False`) brings that older table back cell for cell: on these
-# workloads the gate is the whole difference. What the comparison leaves out is what
-# `create_scheduler` leaves off: multimodal inputs, LoRA, speculative decoding, KV connectors,
-# structured output, asynchronous scheduling, and vLLM's priority policy (labkit's `priority` key
-# reorders the queue, but still preempts the newest request).
+# In step 4, A and B each need a new block and one is free: C, the newest, is preempted. It waits
+# (its 5 known tokens need 2 blocks) until A and B finish, then computes its 3 prompt tokens *and
+# both earlier outputs* in one chunk. With prefix caching on, its full blocks often survive in the
+# cache and the recompute shrinks to a hit. Swapping to CPU memory is the other way out (A5).
 #
 # ## A small engine
 #
@@ -969,38 +625,19 @@ print("engine == transformers' generate, token for token, for all four requests"
 # %% [markdown]
 # ## Summary
 #
-# - A step has two budgets: tokens (compute) and free blocks (memory). `plan_iteration` gives each
-#   candidate `min(num_new_tokens, budget)` tokens, stops when the budget is spent, and skips a
-#   candidate whose `extra_blocks` do not fit.
-# - Skipping lets small requests overtake a large one, forever under a steady stream. labkit's
-#   `Scheduler`, like vLLM, stops admitting at the first waiting request that does not fit:
-#   no starvation, at the cost of a longer wait for the small ones.
-# - `extra_blocks` counts the new blocks for the slots, a private copy of a shared, partly filled
-#   tail (copy-on-write), and cached blocks revived from the free queue by a prefix hit.
-# - Long prompts are split across steps (chunked prefill), and one step mixes prompt chunks with
-#   decode tokens.
-# - A full block gets its prefix-cache name when a step schedules it, as in vLLM, so a request
-#   admitted in the same step already shares it; finished requests release their blocks, and
-#   blocks still shared, or cached, stay.
+# - A step has two budgets: tokens and free blocks. `plan_iteration` gives each candidate
+#   `min(num_new_tokens, budget)` tokens, stops when the budget is spent, and skips a candidate whose
+#   `extra_blocks` do not fit; prompts are chunked, and a step mixes prefill and decode.
+# - `extra_blocks` counts new blocks, a copy of a shared, partly filled tail, and revived cached blocks.
 # - The candidate order decides who gets memory first; paging has no notion of priority.
-# - A waiting request is admitted only when blocks for its whole known sequence are free, as in
-#   vLLM (`scheduler_reserve_full_isl`, on by default): with chunked prefill and a tight pool,
-#   admitting by the first chunk alone preempts over and over and computes prompts twice.
-# - On the same workloads, labkit's `Scheduler` and vLLM 0.33.0's own v1 `Scheduler` schedule the
-#   same tokens for the same requests in every step, with the same hits, preemptions and finishes
-#   (`benchmarks/vllm_scheduler.py`).
-# - When a running request cannot grow, the newest is preempted and recomputed later (vLLM v1 does
-#   the same). With caching off the recompute shows in the tokens computed; with caching on, the
-#   prefix cache absorbs most of it. Swapping to CPU memory is the alternative: on datasheet figures
-#   it takes under a tenth of the recompute's time for the teaching model, but holds CPU memory.
-# - The engine built from chapters 01 to 05 gives exactly the tokens of generating each prompt
-#   alone, with batching, chunking, prefix reuse and preemption all at work.
-# - The same engine serves a real model (SmolLM2-135M-Instruct, `from_pretrained`) unchanged, in a
-#   pool tight enough to preempt, stops each reply at the model's end-of-turn token, and gives
-#   transformers' greedy tokens, token for token.
+# - The blocks decide how many requests run at once; a pool too small preempts and recomputes.
+# - A running request that cannot grow preempts the newest, which is recomputed later (vLLM v1);
+#   with prefix caching on, the cache absorbs most of that recompute.
+# - The engine built from chapters 01 to 05 gives exactly the tokens of generating each prompt alone,
+#   and serves a real model with transformers' greedy tokens.
 #
-# Chapter 06 drives this same `Scheduler` with synthetic requests and a cost model to ask the next
-# question: fitting in memory is one thing; serving fast enough is another.
+# [Appendix A5](A5_vllm_scheduler.ipynb) follows vLLM's scheduler further. Chapter 06 drives this
+# `Scheduler` with a cost model: fitting in memory is one thing; serving fast enough is another.
 
 # %% [markdown]
 # ## Exercises
@@ -1227,32 +864,25 @@ ex.check_behaviour("Exercise 4", shortest_prompt_first, check_policy,
 # %% [markdown]
 # ## What you can now do
 #
-# - Plan one scheduler step by hand: give each candidate its tokens and blocks within the token
-#   budget and the free blocks, and say which turns stop the pass and which are skipped.
-# - Count the free blocks a step takes from the pool, new slots, a copy-on-write of a shared tail
-#   and revived cached blocks included.
-# - Predict what a preemption by recompute costs, and compare it with swapping on a link's datasheet
-#   bandwidth.
-# - Choose an admission rule (skip, head of line, whole-sequence gate) and a priority order, and
-#   measure what each does to waiting times, starvation and recomputed tokens.
-# - Serve real prompts through an engine built from the book's parts, and prove that batching,
-#   chunking, reuse and preemption leave every token unchanged.
+# - Plan one step by hand: each candidate's tokens and blocks, which turns stop, which are skipped.
+# - Count the free blocks a step takes, copy-on-write and revived cached blocks included.
+# - Say how a pool's size limits the requests that run at once, and what a preemption recomputes.
+# - Serve prompts through an engine built from the book's parts, and prove no token changed.
 
 
 # %% [markdown]
 # ## References
 #
 # - The source article: *长上下文推理中的 KV Cache：容量、分页与复用边界* ("The KV cache in
-#   long-context inference: capacity, paging and the limits of reuse"), a Chinese essay in six
-#   sections; the copy the book follows gives no author or link. Its §05 pass over the candidates
-#   (`plan_iteration`, `extra_blocks`) carries over into this chapter; its sentences do not.
+#   long-context inference: capacity, paging and the limits of reuse"), no author or link in the
+#   copy the book follows. Its §05 pass (`plan_iteration`, `extra_blocks`) carries over; its
+#   sentences do not.
 # - Woosuk Kwon, Zhuohan Li, et al., *Efficient Memory Management for Large Language Model Serving
 #   with PagedAttention*, SOSP 2023, [arXiv:2309.06180](https://arxiv.org/abs/2309.06180):
-#   scheduling and preemption by swapping or recomputation.
-# - vLLM, the serving engine the book compares itself with: documentation at
-#   [docs.vllm.ai](https://docs.vllm.ai/), code at
-#   [github.com/vllm-project/vllm](https://github.com/vllm-project/vllm). This chapter read vLLM
-#   0.33.0: `vllm/v1/core/sched/scheduler.py` (`Scheduler._preempt_request`) and
+#   scheduling and preemption.
+# - vLLM 0.33.0 ([docs.vllm.ai](https://docs.vllm.ai/),
+#   [github.com/vllm-project/vllm](https://github.com/vllm-project/vllm)):
+#   `vllm/v1/core/sched/scheduler.py` (`Scheduler._preempt_request`) and
 #   `vllm/v1/core/kv_cache_manager.py` (`KVCacheManager.allocate_slots`).
 # - Gyeong-In Yu et al., *Orca: A Distributed Serving System for Transformer-Based Generative
 #   Models*, OSDI 2022: iteration-level scheduling, the step-by-step batching this chapter builds.
