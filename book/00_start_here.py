@@ -27,6 +27,7 @@
 # | A2 · vLLM's start-up log (appendix to 06) | what will vLLM print, and why may it refuse to start? | vLLM 0.33.0's KV-cache arithmetic |
 # | A3 · fewer bytes per element (appendix to 02) | what does an fp8, int8 or int4 cache cost in quality? | a quantized paged cache, its Triton decode, a measurement on the real model |
 # | A4 · the real vLLM on your CPU (appendix to A2, 05, 06) | does the real vLLM do what the book predicts? | vLLM run beside labkit (optional: `make vllm`) |
+# | A6 · measuring a server (appendix to 06) | is a simulated result a measurement? | rate sweeps over several draws, the paper's headline, the simulator calibrated on the real engine |
 #
 # The chapters follow one article's six sections and build on each other; read them in order.
 
