@@ -28,6 +28,7 @@
 # | A3 · fewer bytes per element (appendix to 02) | what does an fp8, int8 or int4 cache cost in quality? | a quantized paged cache, its Triton decode, a measurement on the real model |
 # | A4 · the real vLLM on your CPU (appendix to A2, 05, 06) | does the real vLLM do what the book predicts? | vLLM run beside labkit (optional: `make vllm`) |
 # | A5 · vLLM's scheduler, step by step (appendix to 05) | which waiting requests does vLLM admit, and why? | admission rules (head of line, the whole-sequence gate), priority, recompute or swap, a step-by-step comparison with vLLM |
+# | A6 · measuring a server (appendix to 06) | is a simulated result a measurement? | rate sweeps over several draws, the paper's headline, the simulator calibrated on the real engine |
 #
 # The six chapters follow one article's six sections and build on each other; read them in order.
 # Each appendix deepens the chapter it names and can be skipped on a first reading. Every chapter

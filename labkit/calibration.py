@@ -1,4 +1,4 @@
-"""The simulator against a measured engine (chapter 06).
+"""The simulator against a measured engine (appendix A6; the simulator is chapter 06's).
 
 Chapter 06's simulator times each step with a roofline (``labkit.costmodel``) and datasheet
 figures, so its latencies are a model's. This module checks the model against a real

@@ -146,7 +146,7 @@ def test_measured_steps_record_their_requests(model):
 
 @pytest.mark.parametrize("budgets", [(16, 64)])
 def test_the_simulator_predicts_a_budget_comparison_on_the_real_model(budgets):
-    """Chapter 06's claim: the fitted simulator is right in its comparisons. Budget 16 against 64 tokens per
+    """Appendix A6's claim: the fitted simulator is right in its comparisons. Budget 16 against 64 tokens per
     step, six chat requests on the real model: the simulated ratio of the two run times lands within 25% of the
     measured one. Each run is measured twice, back to back, and the faster kept (a busy machine only slows).
     A busy machine can still bend one attempt, so there are up to three, each calibrated afresh."""
