@@ -11,7 +11,6 @@ small models or pools, so it runs only when its exercise is checked.
 
 from __future__ import annotations
 
-import math
 from typing import Any, Callable
 
 __all__ = ["expected", "EXERCISES"]
@@ -78,7 +77,7 @@ def _three_requests_04() -> tuple[Any, float]:
 
 
 def _recompute_05() -> tuple[Any, float]:
-    """Chapter 05, Exercise 3: the chunk that brings back a preempted request with 3 prompt tokens and 3 outputs."""
+    """Chapter 05's quiz: the chunk that brings back a preempted request with 3 prompt tokens and 3 outputs."""
     from .request import Request
 
     request = Request([1, 2, 3], 8)
@@ -92,16 +91,9 @@ def _pool_32_06() -> tuple[Any, float]:
     return plan_pool(block_size=32).sequences_after_management, 0.0
 
 
-def _breakeven_06() -> tuple[Any, float]:
-    from .costmodel import CostModel
-
-    return CostModel("teaching model", "RTX 4090 (24 GiB)").breakeven_batch(4096), 1e-9
-
-
 def _concurrency_a2() -> tuple[Any, float]:
     from . import vllm
-    from .capacity import TEACHING_MODEL
-    from .units import GiB
+    from .capacity import GiB, TEACHING_MODEL
 
     report = vllm.kv_cache_report(TEACHING_MODEL, vllm.available_kv_bytes(24 * GiB, 0.92, 17 * GiB),
                                   max_model_len=4096)
@@ -128,9 +120,7 @@ EXERCISES: dict[tuple[str, str], Callable[[], tuple[Any, float]]] = {
     ("02_cost_per_token", "Exercise 4"): _sharded_gemma_02,
     ("03_paging", "Exercise 2"): _tail_bytes_03,
     ("04_prefix_reuse", "Exercise 3"): _three_requests_04,
-    ("05_scheduler", "Exercise 3"): _recompute_05,
     ("06_from_fit_to_serve", "Exercise 1"): _pool_32_06,
-    ("06_from_fit_to_serve", "Exercise 4"): _breakeven_06,
     ("A2_vllm_start_up", "Exercise 1"): _concurrency_a2,
     ("A4_real_vllm_on_cpu", "Exercise 1 (blocks)"): lambda: (_cpu_report_a4().num_gpu_blocks, 0.0),
     ("A4_real_vllm_on_cpu", "Exercise 1 (concurrency)"): lambda: (_cpu_report_a4().max_concurrency, 1e-9),
