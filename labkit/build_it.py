@@ -128,12 +128,12 @@ def _pager_scenario(rng) -> tuple[int, int, list[tuple]]:
     """A pool and a random sequence of operations, with labkit's outcome of each.
 
     Operations: ``("append", seq, n, ok, free_after)`` and ``("free", seq, None, True, free_after)``.
-    It always includes an empty append, a tail filled exactly, the pool filled exactly, an append one
-    block over what is free (refused, nothing changes), and frees that make room again.
+    It always includes an empty append, a tail filled exactly, the pool filled exactly, appends one
+    token and one block over what is free (refused, nothing changes), and frees that make room again.
     """
     from .paging import BlockAllocator, BlockTable, OutOfBlocksError
 
-    block_size, num_blocks = rng.randint(2, 8), rng.randint(4, 12)
+    block_size, num_blocks = rng.randint(2, 8), rng.randint(6, 12)
     allocator, tables, ops = BlockAllocator(num_blocks), {}, []
 
     def append(seq: str, n: int) -> None:
@@ -152,10 +152,11 @@ def _pager_scenario(rng) -> tuple[int, int, list[tuple]]:
     append("a", 0)  # an empty sequence takes no block
     append("a", rng.randint(1, 2 * block_size))
     append("a", -tables["a"].num_tokens % block_size or block_size)  # fill its tail exactly
-    append("b", rng.randint(1, block_size))
+    append("b", rng.randint(1, block_size - 1))  # a partly filled block
     append("c", allocator.num_free * block_size)  # the pool exactly full
     append("d", 1)  # one over: refused
     free("b")
+    append("e", (allocator.num_free + 1) * block_size)  # one block more than is free: refused, nothing taken
     append("d", rng.randint(1, block_size))  # b's block, reused
     free("a")
     for _ in range(6):  # then at random, sometimes past what is free
@@ -333,6 +334,8 @@ def _plan_scenarios(rng) -> list[tuple]:
     scenarios.append(([("a", 2 * bs, 2, 1), ("b", bs, 1, 1)], [("w", bs)], 1, 64, bs))
     # The newest preempts itself: one running request with no room to grow.
     scenarios.append(([("a", bs, 1, 1)], [("w", 1)], 0, 64, bs))
+    # A waiting request that does not fit is skipped; a smaller one behind it fits.
+    scenarios.append(([], [("big", 3 * bs), ("small", 1)], 1, 64, bs))
     # The budget binds: a long prompt is chunked, the one behind it gets nothing.
     scenarios.append(([], [("p", 5 * bs), ("q", 3)], 20, 2 * bs + 1, bs))
     for _ in range(8):
