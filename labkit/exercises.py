@@ -5,7 +5,9 @@ yet" and names the notebook in solutions/ that holds the answer. In solutions/
 the notebook sets ``ex.strict = True``, and there a checker that does not pass
 raises, so the notebook tests (nbval) fail.
 
-Expected values are always computed, usually with labkit itself, never typed in.
+Expected values are always computed, usually with labkit itself, never typed in, and never in
+the reader's cell: a value exercise's is looked up by its name (``labkit.answers``), the hidden
+cases of a "build it" exercise come from ``labkit.build_it``, a quiz's answers from ``labkit.quizzes``.
 
 The rules that keep a checker honest, each tried against answers written to game it
 (``tests/test_exercise_checkers.py``):
