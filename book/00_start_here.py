@@ -225,7 +225,7 @@ bytes_per_gib = 1024**3
 # BEGIN STUB
 bytes_per_gib = None  # replace None with an expression
 # END STUB
-ex.check("Warm-up", bytes_per_gib, expected=2**30, hint="1 GiB = 1,024 MiB, 1 MiB = 1,024 KiB, 1 KiB = 1,024 bytes.")
+ex.check("Warm-up", bytes_per_gib, hint="1 GiB = 1,024 MiB, 1 MiB = 1,024 KiB, 1 KiB = 1,024 bytes.")
 
 # %% [markdown]
 # ## Summary

@@ -576,7 +576,7 @@ answer_1 = 20 + 5 - 1  # prefill stores 20; decode steps feed generated tokens 1
 # BEGIN STUB
 answer_1 = None  # replace None with a number
 # END STUB
-ex.check("Exercise 1", answer_1, expected=generate(model, list(range(20)), 5).cache_tokens)
+ex.check("Exercise 1", answer_1)
 
 # %% [markdown]
 # SOLUTIONS ONLY
@@ -632,6 +632,60 @@ ex.check_function("Exercise 2", kv_cache_bytes, ex2_cases(),
 # vector of `head_dim` numbers per KV head per token, and every number takes `bytes_per_element`
 # bytes. The product of the five factors and the 2 is the whole size; query heads do not appear,
 # because grouped-query attention stores only the KV heads.
+
+# %% [markdown]
+# **Exercise 3 (build it).** Write one decode step of one layer: `decode_step(k_cache, v_cache, q, k, v)`
+# appends the new token's `k`, `v` (`[Hkv, D]`) to the caches (`[T, Hkv, D]`, `T` = 0 at first), attends
+# with `q` (`[Hq, D]`, GQA: query head `h` reads KV head `h // (Hq // Hkv)`) over every cached position,
+# its own included, and returns `(k_cache, v_cache, out)`. The checker runs whole sequences of random
+# shapes from an empty cache and compares every step with attention recomputed over all tokens.
+
+# %%
+def decode_step(k_cache: torch.Tensor, v_cache: torch.Tensor, q: torch.Tensor, k: torch.Tensor,
+                v: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    # BEGIN SOLUTION
+    k_cache = torch.cat([k_cache, k[None]])  # append first: the new token attends to itself
+    v_cache = torch.cat([v_cache, v[None]])
+    group = q.shape[0] // k_cache.shape[1]  # query heads per KV head
+    keys = k_cache.repeat_interleave(group, dim=1)  # [T + 1, Hq, D]: head h reads KV head h // group
+    values = v_cache.repeat_interleave(group, dim=1)
+    scores = torch.einsum("hd,thd->ht", q, keys) / q.shape[-1] ** 0.5
+    out = torch.einsum("ht,thd->hd", scores.softmax(dim=-1), values)
+    return k_cache, v_cache, out
+    # END SOLUTION
+
+
+from labkit import build_it
+from labkit.model import causal_attention
+
+ex.check_behaviour("Exercise 3", decode_step, build_it.decode_step_check(),
+                   forbid=[causal_attention, KVCache],
+                   hint="append, then softmax(q·Kᵀ / sqrt(D)) V over all T + 1 positions; repeat_interleave the KV heads.")
+
+# %% [markdown]
+# SOLUTIONS ONLY
+# **Why this works.** It mirrors `labkit/model.py: causal_attention` (the `repeat_interleave` of
+# the KV heads, the 1/sqrt(D) scale, the softmax) for one query, after `KVCache.attend`'s
+# append (`torch.cat` along the positions). A decode token is the last position, so no mask is
+# needed: it may see every cached key.
+
+# %% [markdown]
+# **Quiz.** Answer with a letter or a number.
+# 1. A decode step attends over (a) the new token's K/V only; (b) every cached position and its
+#    own; (c) the prompt only.
+# 2. Caching changes no output because (a) attention is causal; (b) the weights are frozen;
+#    (c) softmax is exact.
+# 3. How many positions do you plan for a 1,000-token prompt with a limit of 200 new tokens?
+# 4. Quantizing the weights to 4 bits changes the cache per token by (a) 4× less; (b) nothing; (c) 2× less.
+
+# %%
+# BEGIN SOLUTION
+quiz = {1: "b", 2: "a", 3: 1200, 4: "b"}
+# END SOLUTION
+# BEGIN STUB
+quiz = {1: None, 2: None, 3: None, 4: None}  # a letter or a number each
+# END STUB
+ex.quiz(quiz)
 
 # %% [markdown]
 # ## What you can now do

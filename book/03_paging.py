@@ -800,8 +800,7 @@ answer_2 = int(sum(blocks_and_tail(int(n), 32)[1] for n in lengths)) * per_token
 # BEGIN STUB
 answer_2 = None  # replace None with your expression
 # END STUB
-ex.check("Exercise 2", answer_2,
-         expected=int(((-(-lengths // 32)) * 32 - lengths).sum()) * per_token)
+ex.check("Exercise 2", answer_2)
 
 # %% [markdown]
 # SOLUTIONS ONLY
@@ -999,6 +998,75 @@ ex.check_behaviour("Exercise 4", window_decode_kernel, check_window_kernel,
 # the existing `pos < seq_len` mask still handles the last, partly filled tile. It also reads only
 # `window` positions instead of `seq_len`: in a memory-bound decode, a sliding window saves
 # bandwidth, not just arithmetic.
+
+# %% [markdown]
+# **Exercise 5 (build it).** Write the bookkeeping of paging: `Pager(num_blocks, block_size)` with
+# `append(seq_id, n)`, which makes room for `n` more tokens of a sequence (new or not) and returns
+# their slots, or returns `None` and changes nothing when too few blocks are free; `free(seq_id)`,
+# which returns its blocks; and `num_free()`. The checker replays random operations, the pool filled
+# exactly and one token over included, against labkit's `BlockAllocator` and `BlockTable`.
+
+# %%
+class Pager:
+    def __init__(self, num_blocks: int, block_size: int):
+        # BEGIN SOLUTION
+        self.block_size = block_size
+        self.free_ids = list(range(num_blocks))  # any free block will do
+        self.tables: dict = {}  # seq_id -> (block ids, tokens)
+        # END SOLUTION
+
+    def num_free(self) -> int:
+        # BEGIN SOLUTION
+        return len(self.free_ids)
+        # END SOLUTION
+
+    def append(self, seq_id, n: int) -> list[int] | None:
+        # BEGIN SOLUTION
+        blocks, tokens = self.tables.get(seq_id, ([], 0))
+        bs = self.block_size
+        new = -(-(tokens + n) // bs) - len(blocks)  # ceil: the blocks it will hold, less those it holds
+        if new > len(self.free_ids):
+            return None  # all or nothing: nothing taken yet
+        blocks = blocks + [self.free_ids.pop() for _ in range(new)]
+        self.tables[seq_id] = (blocks, tokens + n)
+        return [blocks[p // bs] * bs + p % bs for p in range(tokens, tokens + n)]
+        # END SOLUTION
+
+    def free(self, seq_id) -> None:
+        # BEGIN SOLUTION
+        blocks, _ = self.tables.pop(seq_id)
+        self.free_ids.extend(blocks)
+        # END SOLUTION
+
+
+from labkit import build_it
+
+ex.check_behaviour("Exercise 5", Pager, build_it.pager_check(), forbid=[BlockAllocator, BlockTable, blocks_needed],
+                   hint="new blocks = ceil((tokens + n) / block_size) - blocks held; slot = block * block_size + offset.")
+
+# %% [markdown]
+# SOLUTIONS ONLY
+# **Why this works.** It mirrors `labkit/paging.py`: `BlockTable.new_blocks_for` (the ceiling),
+# `BlockAllocator.allocate_many` (refuse before taking anything), `BlockTable.slot`, and
+# `BlockTable.release`. Which free block comes next does not matter; the offset does.
+
+# %% [markdown]
+# **Quiz.** Answer with a letter or a number.
+# 1. Paging changes (a) the bytes per token; (b) where K/V sit and how much is held; (c) which
+#    positions attention reads.
+# 2. How many slots does a 33-token request leave empty with 16-token blocks?
+# 3. Bigger blocks mean (a) more tail waste, fewer table entries; (b) less waste, more entries.
+# 4. First fit refuses a request while enough memory is free in total because (a) the free memory
+#    is split into holes; (b) its block table is full.
+
+# %%
+# BEGIN SOLUTION
+quiz = {1: "b", 2: 15, 3: "a", 4: "a"}
+# END SOLUTION
+# BEGIN STUB
+quiz = {1: None, 2: None, 3: None, 4: None}  # a letter or a number each
+# END STUB
+ex.quiz(quiz)
 
 # %% [markdown]
 # ## What you can now do

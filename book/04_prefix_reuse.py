@@ -652,50 +652,41 @@ ex = Exercises("04_prefix_reuse")
 ex.strict = True  # in solutions/, every checker must pass
 
 # %% [markdown]
-# **Exercise 1.** Write `my_hash_chain(token_ids, block_size, key)`: the names of every full block,
-# using `block_hash(parent_hash, block_tokens, key)` (the first block's parent is `None`). The
-# checker compares it with labkit on ragged prompts and block sizes drawn afresh on every run, and
-# refuses `hash_chain` and the prefix cache that names blocks with it.
+# **Exercise 1 (build it).** Write `cached_tokens(token_ids, block_size, key, cached)`: how many
+# leading prompt tokens a cache holding the block names `cached` (a set) serves. Name the full blocks
+# with `block_hash(parent_hash, block_tokens, key)` (the first block's parent is `None`), stop at the
+# first name not in `cached`, and leave at least one prompt token to compute. The checker compares
+# with `PrefixCache.match` on prompts drawn afresh: served whole, one token longer, changed midway,
+# under another key, shorter than a block.
 
 # %%
-def my_hash_chain(token_ids: list[int], block_size: int, key: CacheKey) -> list[str]:
+def cached_tokens(token_ids: list[int], block_size: int, key: CacheKey, cached: set[str]) -> int:
     # BEGIN SOLUTION
-    names, parent = [], None
-    for start in range(0, len(token_ids) // block_size * block_size, block_size):
-        parent = block_hash(parent, token_ids[start:start + block_size], key)
-        names.append(parent)
-    return names
+    parent, hit = None, 0
+    usable = (len(token_ids) - 1) // block_size  # full blocks before the last token: it must be computed
+    for i in range(usable):
+        parent = block_hash(parent, token_ids[i * block_size:(i + 1) * block_size], key)
+        if parent not in cached:
+            break  # every later name depends on this one: no later block can hit
+        hit += block_size
+    return hit
     # END SOLUTION
 
 
-from labkit.prefix import CachedBlockTable
+from labkit import build_it
+from labkit.prefix import BlockHashIndex, CachedBlockTable
 
-
-def ex1_cases() -> list:
-    """Ragged prompts drawn afresh: empty, shorter than a block, whole blocks, a partial last block,
-    and one-token blocks, each under a random key."""
-    rng = hidden_rng()
-    cases = []
-    for kind in ("empty", "short", "whole", "partial", "whole", "partial", "one-token blocks"):
-        bs = 1 if kind == "one-token blocks" else rng.choice([2, 4, 16])
-        n = 0 if kind == "empty" else rng.randint(1, bs - 1) if kind == "short" else bs * rng.randint(1, 4)
-        if kind == "partial":
-            n += rng.randint(1, bs - 1)
-        tokens = [rng.randrange(50_000) for _ in range(n)]
-        key = CacheKey(adapter=rng.choice([None, "a", "b"]), salt=rng.choice([None, "tenant-1"]))
-        cases.append(((tokens, bs, key), hash_chain(tokens, bs, key)))
-    return cases
-
-
-ex.check_function("Exercise 1", my_hash_chain, ex1_cases(),
-                  forbid=[hash_chain, PrefixCache, CachedBlockTable, PrefixKVCache],
-                  hint="walk the full blocks from the first; each name's parent is the name just made.")
+ex.check_function("Exercise 1", cached_tokens, build_it.cached_tokens_cases(),
+                  forbid=[hash_chain, PrefixCache, CachedBlockTable, BlockHashIndex, PrefixKVCache],
+                  hint="walk full blocks from the first, each name made from the one before; stop at a miss; "
+                       "at most (len - 1) // block_size blocks.")
 
 # %% [markdown]
 # SOLUTIONS ONLY
-# **Why this works.** Each name is `block_hash` of the previous name, so block `i`'s name depends on
-# every token before it as well as its own, which is what makes a hit safe. The loop stops at the
-# last *full* block (`len // block_size` of them): a partly filled block has no name yet.
+# **Why this works.** It mirrors `labkit/prefix.py`: `hash_chain` (each name from its parent) and
+# `PrefixCache.match`, whose loop runs over `(len(tokens) - 1) // block_size` blocks (vLLM's
+# `max_cache_hit_length = num_tokens - 1`) and breaks at the first miss. The key enters every name,
+# so another adapter or salt misses from the first block.
 
 # %% [markdown]
 # **Exercise 2 (decide who may share).** A service hosts several tenants; some requests use an
@@ -776,18 +767,30 @@ answer_3 = (4096 + 3 * 4096) * capacity.bytes_per_token(32, 8, 128, 2)
 # BEGIN STUB
 answer_3 = None  # a number of bytes
 # END STUB
-three = PrefixCache(BlockAllocator(2048), block_size=16)
-for r in range(3):
-    tbl, _ = three.allocate(report_tokens + [(r + 1) * 100_000 + i for i in range(4096)])
-    three.cache_full_blocks(tbl)
-ex.check("Exercise 3", answer_3, expected=three.allocator.num_used * block_bytes,
-         hint="one copy of the shared prefix, one private suffix per request")
+ex.check("Exercise 3", answer_3, hint="one copy of the shared prefix, one private suffix per request")
 
 # %% [markdown]
 # SOLUTIONS ONLY
 # **Why this works.** The 4,096 shared tokens fill 256 whole blocks, stored once with a reference
 # count of 3; each request adds its own 4,096 tokens. That is 16,384 tokens at 128 KiB each, 2 GiB,
 # against 3 GiB without sharing.
+
+# %% [markdown]
+# **Quiz.** Answer with a letter or a number.
+# 1. A 64-token prompt is wholly cached (16-token blocks). How many tokens are reused?
+# 2. Changing one token in block 3 renames (a) block 3 only; (b) block 3 and every later block;
+#    (c) every block.
+# 3. Reuse saves (a) prefill work and memory; (b) decode steps; (c) both.
+# 4. The same tokens four positions later: reusable? (a) yes; (b) no.
+
+# %%
+# BEGIN SOLUTION
+quiz = {1: 48, 2: "b", 3: "a", 4: "b"}
+# END SOLUTION
+# BEGIN STUB
+quiz = {1: None, 2: None, 3: None, 4: None}  # a letter or a number each
+# END STUB
+ex.quiz(quiz)
 
 # %% [markdown]
 # ## What you can now do

@@ -711,89 +711,66 @@ ex.check_function("Exercise 1", blocks_to_take, ex1_cases(),
 # someone else holds (`num_computed % block_size != 0`); a full shared block is never written again.
 
 # %% [markdown]
-# **Exercise 2.** One iteration by hand. Blocks hold 4 tokens; 3 blocks are free; the token budget
-# is 10. The candidates, in order:
-#
-# | request | computed | blocks held | num_new_tokens | shared tail |
-# |---|---|---|---|---|
-# | P | 7 | 2 | 1 | yes |
-# | Q | 8 | 2 | 1 | no |
-# | R | 0 | 0 | 9 | no |
-# | S | 0 | 0 | 4 | no |
-# | T | 0 | 0 | 2 | no |
-#
-# Which requests get tokens this step, and how many? Answer as a list of `(name, tokens)` pairs in
-# the order `plan_iteration` plans them.
+# **Exercise 2 (build it).** Write the pass: `plan_step(running, waiting, free_blocks, token_budget,
+# block_size)`, with `running` as `(name, computed, held, new_tokens)` oldest first and `waiting` as
+# `(name, prompt_len)`. Visit the running, then, unless one was preempted, the waiting; give each
+# `min(new_tokens, budget)` tokens and stop when the budget is spent. Its blocks (Exercise 1, nothing
+# shared) not free: skip a waiting one; a running one preempts the newest running request (its blocks
+# return) until it fits or has preempted itself. Return `([(name, tokens)], [names preempted])`.
 
 # %%
-# BEGIN SOLUTION
-# P: 1 token, tail shared and partly filled (7 % 4 = 3) -> 1 copy; free 2, budget 9
-# Q: 1 token at position 8 -> a new block; free 1, budget 8
-# R: min(9, 8) = 8 tokens -> 2 blocks > 1 free: skipped
-# S: 4 tokens -> 1 block; free 0, budget 4
-# T: 2 tokens -> 1 block > 0 free: skipped
-answer_2 = [("P", 1), ("Q", 1), ("S", 4)]
-# END SOLUTION
-# BEGIN STUB
-answer_2 = None  # e.g. [("P", 1), ...]
-# END STUB
-ex2_rows = {"P": (7, 2, 1, True), "Q": (8, 2, 1, False), "R": (0, 0, 9, False), "S": (0, 0, 4, False),
-            "T": (0, 0, 2, False)}  # name: (computed, blocks held, num_new_tokens, shared tail), as in the table
-ex2 = named_requests([(name, computed + chunk, 8) for name, (computed, _, chunk, _) in ex2_rows.items()])
-for r in ex2:
-    r.num_computed_tokens = ex2_rows[r.request_id][0]
+def plan_step(running, waiting, free_blocks, token_budget, block_size):
+    # BEGIN SOLUTION
+    planned, preempted, live = [], [], list(running)
+
+    def blocks(computed, held, tokens):  # Exercise 1, nothing shared
+        return max(0, -(-(computed + tokens) // block_size) - held)
+
+    i = 0
+    while i < len(live) and token_budget:  # running first, oldest first
+        name, computed, held, new = live[i]
+        tokens = min(new, token_budget)
+        while blocks(computed, held, tokens) > free_blocks:
+            victim = live.pop()  # the newest running request gives its blocks back
+            free_blocks += victim[2]
+            preempted.append(victim[0])
+            if victim[0] == name:
+                break
+        if name not in preempted:
+            planned.append((name, tokens))
+            free_blocks -= blocks(computed, held, tokens)
+            token_budget -= tokens
+        i += 1
+    for name, prompt_len in [] if preempted else waiting:
+        tokens = min(prompt_len, token_budget)
+        if tokens == 0:
+            break  # the budget is spent: stop
+        if blocks(0, 0, tokens) <= free_blocks:  # else skipped: a smaller one behind may fit
+            planned.append((name, tokens))
+            free_blocks -= blocks(0, 0, tokens)
+            token_budget -= tokens
+    return planned, preempted
+    # END SOLUTION
 
 
-def ex2_needed(r, tokens):
-    computed, held, _, shared = ex2_rows[r.request_id]
-    return extra_blocks(computed, held, tokens, 4, shared_tail=shared)
+from labkit import build_it
 
-
-ex.check("Exercise 2", answer_2, expected=planned(plan_iteration(ex2, 3, 10, 4, needed=ex2_needed)),
-         hint="Work through the candidates in order, keeping the free blocks and the budget left.")
+ex.check_behaviour("Exercise 2", plan_step, build_it.plan_step_check(),
+                   forbid=[plan_iteration, Scheduler, extra_blocks, _extra_blocks, blocks_needed, PrefixCache],
+                   hint="two running totals; a waiting request that does not fit is skipped, a running one "
+                        "preempts from the end of the running list.")
 
 # %% [markdown]
 # SOLUTIONS ONLY
-# **Why this works.** The pass keeps two running totals and visits the candidates once, in order.
-# R loses to the blocks while budget remains (its 8 tokens need 2 blocks, 1 is free), so it is
-# skipped, not a stop, and S behind it still fits; T, with budget left too, then finds no block.
+# **Why this works.** It is `labkit/scheduler.py: plan_iteration` (the budget, the skip, the stop)
+# with `Scheduler._make_room` (pop the newest running request until the candidate fits) and
+# `Scheduler._candidates` (no waiting request in a step that preempted), on plain rows.
 
 # %% [markdown]
-# **Exercise 3.** In the preemption example above, suppose C had produced 3 tokens (not 2) before it
-# was preempted. How many tokens must it compute in the chunk that brings it back (prefix caching
-# off)? Answer with a number.
-
-# %%
-# BEGIN SOLUTION
-answer_3 = 3 + 3  # its prompt and every output: the last output's K/V were never computed either
-# END SOLUTION
-# BEGIN STUB
-answer_3 = None  # replace None with your answer
-# END STUB
-ex3 = Request([1, 2, 3], 8)  # a preempted request holds nothing and has computed nothing
-ex3.output_token_ids = [7, 7, 7]
-ex.check("Exercise 3", answer_3, expected=ex3.num_new_tokens,
-         hint="After a preemption nothing is computed: num_new_tokens = prompt + outputs.")
-
-# %% [markdown]
-# SOLUTIONS ONLY
-# **Why this works.** Recompute drops every block, so `num_computed_tokens` falls to 0 and the
-# request must compute all its known tokens again: the 3 prompt tokens and the 3 outputs. The last
-# output's K/V did not exist before the preemption either (a sampled token is fed to the model in
-# the step after), so it belongs in the chunk like the others, and the chunk that ends at it samples
-# the next token.
-
-# %% [markdown]
-# **Exercise 4 (a scheduling policy).** The `PriorityScheduler` takes a `priority`: a key function of a
-# `Request`, used to sort the waiting queue before every step (smaller first). Write
-# `shortest_prompt_first(request)` so that requests with shorter prompts are admitted first. The
-# checker serves nine requests of consecutive prompt lengths (between 8 and 22 tokens, random
-# token ids, drawn afresh on every run) that all arrive at once, in a pool with room for all of
-# them but a token budget of only 20 tokens per step, so that the prompts start about one per step
-# and their order shows. It does so for two arrival orders (longest first, and shuffled), records
-# the order in which the requests are admitted (their first chunk), and checks that it is the
-# order of prompt length, token for token; and, for longest first, that the mean step of the first
-# tokens comes sooner than first come, first served.
+# **Exercise 3 (a scheduling policy).** The `PriorityScheduler` sorts its waiting queue before every
+# step by a key function of a `Request` (smaller first). Write `shortest_prompt_first(request)` so
+# that shorter prompts are admitted first. The checker serves nine prompts of consecutive lengths,
+# all arriving at once, 20 tokens per step, in two arrival orders, and checks the order of admission.
 
 # %%
 def shortest_prompt_first(request: Request):
@@ -850,16 +827,31 @@ def check_policy(fn) -> list[str]:
     return problems
 
 
-ex.check_behaviour("Exercise 4", shortest_prompt_first, check_policy,
+ex.check_behaviour("Exercise 3", shortest_prompt_first, check_policy,
                    hint="the key is compared with < : return something that grows with the prompt's length, "
                         "one token at a time.")
 
 # %% [markdown]
 # SOLUTIONS ONLY
-# **Why this works.** The scheduler sorts its waiting queue by the key before every step, and the
-# prompt length in tokens orders every pair of these requests, even two that differ by one token.
-# A coarser key (tens of tokens, say) ties them, the sort keeps their arrival order, and the
-# checker sees that order in the admissions.
+# **Why this works.** The prompt length in tokens orders every pair of these requests, even two
+# that differ by one token; a coarser key ties them, and the sort keeps their arrival order.
+
+# %% [markdown]
+# **Quiz.** Answer with a letter or a number.
+# 1. A candidate's blocks do not fit, budget remains: the pass (a) stops; (b) skips it.
+# 2. A running request cannot grow: preempt (a) the oldest; (b) the newest; (c) the longest.
+# 3. Preempted after 3 outputs of a 3-token prompt, caching off: how many tokens come back?
+# 4. Admitting only when the whole sequence fits (a) avoids preempting a long prompt halfway;
+#    (b) saves compute on every request.
+
+# %%
+# BEGIN SOLUTION
+quiz = {1: "b", 2: "b", 3: 6, 4: "a"}
+# END SOLUTION
+# BEGIN STUB
+quiz = {1: None, 2: None, 3: None, 4: None}  # a letter or a number each
+# END STUB
+ex.quiz(quiz)
 
 # %% [markdown]
 # ## What you can now do

@@ -653,8 +653,7 @@ answer_1 = blocks_left // blocks_per_seq
 # BEGIN STUB
 answer_1 = None  # replace None with your computation
 # END STUB
-ex.check("Exercise 1", answer_1, expected=plan_pool(block_size=32).sequences_after_management,
-         hint="Whole blocks: floor((pool - bookkeeping) / block bytes); a sequence needs 8,192 / 32 blocks.")
+ex.check("Exercise 1", answer_1, hint="Whole blocks: floor((pool - bookkeeping) / block bytes); a sequence needs 8,192 / 32 blocks.")
 
 # %% [markdown]
 # SOLUTIONS ONLY
@@ -701,65 +700,47 @@ ex.check_function("Exercise 2", decode_ms, ex2_cases(),
 # arithmetic, set the time, so bytes over bandwidth is the step (the cost model's memory side).
 
 # %% [markdown]
-# **Exercise 3.** One request with a 100-token prompt and a 60-token answer. Under the *oracle*
-# policy it reserves exactly 160 slots for its whole life. Over its 60 decode steps (after step t
-# it holds 100 + t live tokens), what share of the reserved slots holds live tokens? Then do the
-# same for 16-token pages. Answer as a pair `(oracle_share, paged_share)`.
+# **Exercise 3 (build it).** Write `latencies(arrivals, steps)`: request `i` arrives at `arrivals[i]`;
+# each step is `(start, end, sampled)`, and every request in `sampled` gets a token at `end`. Return
+# `(ttft, tpot, itl)`: per request its TTFT and TPOT (the mean interval between its tokens; `None`
+# for one token), and every interval between two tokens of one request, sorted. The checker builds
+# traces with the simulator, a late arrival and a one-token request included.
 
 # %%
-# BEGIN SOLUTION
-live = sum(100 + t for t in range(1, 61))
-oracle_share = live / (60 * 160)
-paged_share = live / sum(-(-(100 + t) // 16) * 16 for t in range(1, 61))
-answer_3 = (oracle_share, paged_share)
-# END SOLUTION
-# BEGIN STUB
-answer_3 = None  # replace None with (oracle_share, paged_share)
-# END STUB
-one = reservation_shares([workloads.RequestSpec(0, 0.0, [1] * 100, 60)], max_len=2048, block_size=16)
-ex.check("Exercise 3 (oracle)", None if answer_3 is None else answer_3[0],
-         expected=one["reserve exact length (oracle)"], rel_tol=1e-9)
-ex.check("Exercise 3 (paged)", None if answer_3 is None else answer_3[1],
-         expected=one["paged, 16-token blocks"], rel_tol=1e-9)
+def latencies(arrivals: list[float], steps: list[tuple[float, float, list[int]]]):
+    # BEGIN SOLUTION
+    first, last, count, itl = {}, {}, {}, []
+    for _, end, sampled in steps:  # walk the clock: each token lands at its step's end
+        for i in sampled:
+            if i in first:
+                itl.append(end - last[i])  # an interval between two of its tokens
+            else:
+                first[i] = end
+            last[i], count[i] = end, count.get(i, 0) + 1
+    ttft = [first[i] - arrival for i, arrival in enumerate(arrivals)]  # queueing included
+    tpot = [None if count[i] == 1 else (last[i] - first[i]) / (count[i] - 1) for i in range(len(arrivals))]
+    return ttft, tpot, sorted(itl)
+    # END SOLUTION
+
+
+from labkit import build_it
+from labkit.sim import SimResult
+
+ex.check_behaviour("Exercise 3", latencies, build_it.latencies_check(), forbid=[Simulator, SimResult],
+                   hint="TTFT counts from the arrival; TPOT divides by the token count less one; ITL pools intervals.")
 
 # %% [markdown]
 # SOLUTIONS ONLY
-# **Why this works.** The oracle holds all 160 slots from the start while only 100 + t are live after
-# step t; paging holds only the blocks the current length needs, so at most 15 slots of the last
-# block are empty. Averaging live over held slots step by step is what `reservation_shares` does.
+# **Why this works.** It mirrors `labkit/sim.py: _Run._record_step` (the first token's step end,
+# then one interval per later token) and `SimResult.ttft`; TPOT is the mean of a request's intervals.
 
 # %% [markdown]
-# **Exercise 4.** Every sequence in a decode step reads its own history; the weights are read once.
-# For the teaching model with 4,096-token contexts, how many sequences make the history read as
-# large as the weight read? (A float: the crossover point of the concurrency figure.)
-
-# %%
-# BEGIN SOLUTION
-answer_4 = MODEL_COSTS["teaching model"].weight_bytes / (4096 * TEACHING_MODEL.bytes_per_token())
-# END SOLUTION
-# BEGIN STUB
-answer_4 = None  # replace None with your expression
-# END STUB
-ex.check("Exercise 4", answer_4, expected=cost.breakeven_batch(4096), rel_tol=1e-9,
-         hint="weights in bytes / (4,096 tokens × 131,072 bytes per token)")
-
-# %% [markdown]
-# SOLUTIONS ONLY
-# **Why this works.** The weight read is the same for every batch size, while the history read grows
-# by 4,096 × 131,072 bytes with each sequence: setting the two equal and solving for the batch gives
-# the crossover, about 30 sequences.
-
-# %% [markdown]
-# **Exercise 5 (a search through the simulator).** An operator promises a TTFT p99 under 1 s and
-# asks how much traffic one card takes. `ttft_p99(rate)` below serves 100 ShareGPT-like requests at
-# `rate` per second in a 2 GiB pool and returns the TTFT p99 in seconds; each call is one
-# simulation, so calls are what the search costs. Write `find_rate(curve, target_s, lo, hi, tol)`:
-# given a function `curve` that rises with the rate and `curve(lo) <= target_s < curve(hi)`,
-# return a pair `(a, b)` with `lo <= a < b <= hi`, `b - a <= tol`, `curve(a) <= target_s` and
-# `curve(b) > target_s`, using at most 10 calls of `curve`. The checker hands your search two
-# made-up curves whose threshold it draws afresh on every run, then `ttft_p99` on a workload drawn
-# for the run (its `seed`), with a target of 1 s; it counts the calls and checks both ends of each
-# interval itself.
+# **Exercise 4 (a search through the simulator).** `ttft_p99(rate)` below serves 100 ShareGPT-like
+# requests at `rate` per second in a 2 GiB pool; each call is one simulation. Write
+# `find_rate(curve, target_s, lo, hi, tol)`: for a rising `curve` with `curve(lo) <= target_s <
+# curve(hi)`, return `(a, b)`, `lo <= a < b <= hi`, `b - a <= tol`, `curve(a) <= target_s <
+# curve(b)`, in at most 10 calls. The checker tries two made-up curves and `ttft_p99` on a fresh
+# workload, and counts the calls.
 
 # %%
 def ttft_p99(rate: float, seed: int = 5) -> float:
@@ -828,16 +809,31 @@ def check_search(fn, limit: int = 10) -> list[str]:
     return []
 
 
-ex.check_behaviour("Exercise 5", find_rate, check_search,
+ex.check_behaviour("Exercise 4", find_rate, check_search,
                    hint="bisect the curve you are given: keep lo at or under the target and hi above it, "
                         "halve the interval with each call.")
 
 # %% [markdown]
 # SOLUTIONS ONLY
 # **Why this works.** Each call halves the interval while keeping `curve(lo) <= target_s <
-# curve(hi)`, so after n calls it is 15 / 2ⁿ requests/s wide: six calls bring it under 0.25. The
-# search uses nothing but the curve it is given, and needs nothing of it but that it rises with the
-# rate.
+# curve(hi)`: after n calls it is 15 / 2ⁿ wide, so six calls bring it under 0.25.
+
+# %% [markdown]
+# **Quiz.** Answer with a letter or a number.
+# 1. One request stalls once: which shows it? (a) TPOT p99; (b) ITL p99.
+# 2. In a decode step, the batch shares (a) the weight read; (b) each history read.
+# 3. About how many 4,096-token sequences make the teaching model's history read equal its weight read?
+# 4. Paging beats reserving the maximum mainly because (a) more sequences fit, so batches grow;
+#    (b) attention gets faster.
+
+# %%
+# BEGIN SOLUTION
+quiz = {1: "b", 2: "a", 3: 30, 4: "a"}
+# END SOLUTION
+# BEGIN STUB
+quiz = {1: None, 2: None, 3: None, 4: None}  # a letter or a number each
+# END STUB
+ex.quiz(quiz)
 
 
 # %% [markdown]

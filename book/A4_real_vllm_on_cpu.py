@@ -558,7 +558,5 @@ answer_concurrency = answer_blocks / (4096 // 64)
 answer_blocks = None  # replace None with your expression
 answer_concurrency = None
 # END STUB
-expected = vllm.kv_cache_report(cost.shape, vllm.cpu_kv_cache_bytes(3), block_size=64, max_model_len=4096,
-                                device_type="cpu")
-ex.check("Exercise 1 (blocks)", answer_blocks, expected=expected.num_gpu_blocks)
-ex.check("Exercise 1 (concurrency)", answer_concurrency, expected=expected.max_concurrency, rel_tol=1e-9)
+ex.check("Exercise 1 (blocks)", answer_blocks)
+ex.check("Exercise 1 (concurrency)", answer_concurrency)

@@ -5,7 +5,9 @@ yet" and names the notebook in solutions/ that holds the answer. In solutions/
 the notebook sets ``ex.strict = True``, and there a checker that does not pass
 raises, so the notebook tests (nbval) fail.
 
-Expected values are always computed, usually with labkit itself, never typed in.
+Expected values are always computed, usually with labkit itself, never typed in, and never in
+the reader's cell: a value exercise's is looked up by its name (``labkit.answers``), the hidden
+cases of a "build it" exercise come from ``labkit.build_it``, a quiz's answers from ``labkit.quizzes``.
 
 The rules that keep a checker honest, each tried against answers written to game it
 (``tests/test_exercise_checkers.py``):
@@ -534,8 +536,19 @@ def _error_text(err: BaseException) -> str:
     return f"{type(err).__name__}: {text}" if text else type(err).__name__
 
 
+def _short(value: Any) -> str:
+    """A value for a verdict line: tensors by shape and first numbers, long reprs cut."""
+    if isinstance(value, torch.Tensor):
+        return f"<tensor {tuple(value.shape)} {value.flatten()[:4].tolist()}...>"
+    text = repr(value)
+    return text if len(text) <= 200 else text[:200] + "..."
+
+
 def _shown(args: tuple) -> str:
     return ", ".join(f"<tensor {tuple(a.shape)}>" if isinstance(a, torch.Tensor) else repr(a) for a in args)
+
+
+_BY_NAME = object()  # ``check`` without ``expected``: look the value up by the exercise's name
 
 
 class Exercises:
@@ -578,10 +591,21 @@ class Exercises:
                     return True
         return False
 
-    def check(self, name: str, answer: Any, expected: Any, *, rel_tol: float = 0.0, hint: str = "") -> None:
-        """Compare a value the reader computed with the expected one."""
+    def check(self, name: str, answer: Any, expected: Any = _BY_NAME, *, rel_tol: float | None = None,
+              hint: str = "") -> None:
+        """Compare a value the reader computed with the expected one.
+
+        A chapter's cell gives no ``expected``: the value is computed out of the reader's sight, from the
+        chapter and the exercise's name (``labkit.answers``), with that exercise's tolerance.
+        """
         if answer is None or answer is Ellipsis:
             return self._not_solved(name)
+        if expected is _BY_NAME:
+            from . import answers
+
+            expected, tol = answers.expected(self.chapter, name)
+            rel_tol = tol if rel_tol is None else rel_tol
+        rel_tol = 0.0 if rel_tol is None else rel_tol
         try:
             got = _plain(answer)
         except _NotPlain as err:
@@ -625,7 +649,8 @@ class Exercises:
             if got is None or got is Ellipsis:
                 return self._not_solved(name)
             if not _close(got, _plain(expected), rel_tol):
-                return self._wrong(name, f"{getattr(fn, '__name__', 'fn')}({_shown(args)}) gave {got!r}.", hint)
+                return self._wrong(name, f"{getattr(fn, '__name__', 'fn')}({_shown(args)}) gave {_short(got)}, "
+                                         f"expected {_short(_plain(expected))}.", hint)
         print(f"✅ {name}: correct on all {len(cases)} cases.")
 
     def check_behaviour(self, name: str, solution: Any, verify: Callable[[Any], list[str]], *,
@@ -664,3 +689,17 @@ class Exercises:
             shown = "; ".join(problems[:3]) + (f" (and {len(problems) - 3} more)" if len(problems) > 3 else "")
             return self._wrong(name, shown + ".", hint)
         print(f"✅ {name}: the behaviour is right.")
+
+    def quiz(self, answers: dict[int, Any]) -> None:
+        """Check the chapter's quiz: one line per question, with its feedback (``labkit.quizzes``).
+
+        ``answers`` maps the question's number to a letter (multiple choice) or a number. A question
+        left at ``None`` is not answered yet; in solutions/ (``strict``) every answer must be right.
+        """
+        from . import quizzes
+
+        lines, wrong, open_ = quizzes.verdicts(self.chapter, answers)
+        for line in lines:
+            print(line)
+        if self.strict and (wrong or open_):
+            raise AssertionError(f"quiz: {wrong} wrong, {open_} not answered")

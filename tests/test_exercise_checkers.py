@@ -99,7 +99,7 @@ def exercise_namespace(stem: str, numbers: list[int], side: str = "solutions") -
         first = next(i for i, c in enumerate(cells) if c.cell_type == "markdown"
                      and c.source.lstrip().startswith(f"**Exercise {n}"))
         for c in cells[first + 1:]:
-            if c.cell_type == "markdown" and c.source.lstrip().startswith(("**Exercise", "## ")):
+            if c.cell_type == "markdown" and c.source.lstrip().startswith(("**Exercise", "**Quiz", "## ")):
                 break
             if c.cell_type == "code":
                 wanted.append(c.source)
@@ -134,8 +134,8 @@ def exercise_namespace(stem: str, numbers: list[int], side: str = "solutions") -
     return ns, ex
 
 
-_CHAPTERS = {"01_why_the_cache_grows": [2], "03_paging": [1, 3, 4], "04_prefix_reuse": [1, 2],
-             "05_scheduler": [1, 4], "06_from_fit_to_serve": [2, 5]}
+_CHAPTERS = {"01_why_the_cache_grows": [2, 3], "02_cost_per_token": [5], "03_paging": [1, 3, 4, 5],
+             "04_prefix_reuse": [1, 2], "05_scheduler": [1, 2, 3], "06_from_fit_to_serve": [2, 3, 4]}
 _LOADED: dict[str, tuple[dict[str, Any], Recorder]] = {}
 
 
@@ -415,15 +415,15 @@ ROWS: list[tuple[str, str, str, Callable, str]] = [
     ("an answer equal to everything", "03_paging", "Exercise 1", always_equal_03, "plain value"),
     ("a rewritten request and one shared CacheKey", "04_prefix_reuse", "Exercise 2", rewrites_request_04,
      "reused"),
-    ("key = the prompt list", "05_scheduler", "Exercise 4", key_prompt_list_05, "admitted in the order"),
-    ("key = the largest token id", "05_scheduler", "Exercise 4", key_largest_id_05, "admitted in the order"),
-    ("key = the sum of the token ids", "05_scheduler", "Exercise 4", key_sum_05, "admitted in the order"),
+    ("key = the prompt list", "05_scheduler", "Exercise 3", key_prompt_list_05, "admitted in the order"),
+    ("key = the largest token id", "05_scheduler", "Exercise 3", key_largest_id_05, "admitted in the order"),
+    ("key = the sum of the token ids", "05_scheduler", "Exercise 3", key_sum_05, "admitted in the order"),
     ("held ignored", "05_scheduler", "Exercise 1", ignores_held_05, "gave"),
-    ("call counter reset through the closure", "06_from_fit_to_serve", "Exercise 5", reset_counter_06,
+    ("call counter reset through the closure", "06_from_fit_to_serve", "Exercise 4", reset_counter_06,
      "__closure__"),
-    ("uncounted curve read through the closure", "06_from_fit_to_serve", "Exercise 5", uncounted_curve_06,
+    ("uncounted curve read through the closure", "06_from_fit_to_serve", "Exercise 4", uncounted_curve_06,
      "__closure__"),
-    ("pasted intervals", "06_from_fit_to_serve", "Exercise 5", pasted_intervals_06, "bracket"),
+    ("pasted intervals", "06_from_fit_to_serve", "Exercise 4", pasted_intervals_06, "bracket"),
     ("a KernelInterface that computes in PyTorch", "03_paging", "Exercise 4", pytorch_kernel_03, "triton.jit"),
     ("a @triton.jit kernel whose run computes in PyTorch", "03_paging", "Exercise 4", replaced_run_03,
      "triton.jit"),
