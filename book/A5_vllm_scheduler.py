@@ -10,7 +10,6 @@
 #     name: python3
 # ---
 
-
 # %% [markdown]
 # # A5 · vLLM's scheduler, step by step
 #
@@ -30,6 +29,17 @@
 # - what vLLM's admission gate checks, why it is on by default, and the regime where it costs time;
 # - what a preemption costs by recompute and by swapping to CPU memory;
 # - how closely labkit's `Scheduler` follows vLLM 0.33.0's, measured on the same workloads.
+
+# %%
+from labkit.diagrams import roadmap
+
+roadmap("A5");  # the article's pipeline, this appendix's part highlighted
+
+# %% [markdown]
+# **You need:** chapter 05: the two budgets of a step, `extra_blocks`, the budget pass and
+# preemption; chapter 04: prefix hits.
+#
+# **Time:** about 25 minutes to read and run.
 
 # %%
 import matplotlib.pyplot as plt

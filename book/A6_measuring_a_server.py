@@ -31,6 +31,17 @@
 #   against the wall clock.
 
 # %%
+from labkit.diagrams import roadmap
+
+roadmap("A6");  # the article's pipeline, this appendix's part highlighted
+
+# %% [markdown]
+# **You need:** chapter 06: the simulator, its workloads, occupancy and TTFT/TPOT/ITL; chapter 03:
+# reservation against paging (the paper's Fig. 2); chapter 05: the engine.
+#
+# **Time:** about 30 minutes to read and run (the calibration measures the real model for about two minutes).
+
+# %%
 import matplotlib.pyplot as plt
 import numpy as np
 
