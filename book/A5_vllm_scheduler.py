@@ -48,8 +48,6 @@ import numpy as np
 import labkit  # noqa: F401  (first: Triton's interpreter without a GPU)
 from labkit import capacity
 from labkit.costmodel import CostModel
-from labkit.paging import BlockAllocator, blocks_needed
-from labkit.prefix import PrefixCache
 from labkit.priority import PriorityScheduler
 from labkit.scheduler import Request, Scheduler
 from labkit.sim import Simulator
@@ -469,20 +467,7 @@ answer_1 = -(-(600 + 14) // 16) - 256 // 16  # blocks for every known token, les
 answer_1 = None  # replace None with your answer
 # END STUB
 
-
-def gate_blocks(prompt_len: int, outputs: int, hit_tokens: int, block_size: int) -> int:
-    """The free blocks the gate asks of this request, from a real PrefixCache: another request holds the
-    hit's blocks, and the request's known tokens (prompt and outputs) are matched against the cache."""
-    cache = PrefixCache(BlockAllocator(256), block_size)
-    tokens = list(range(1, prompt_len + outputs + 1))
-    holder, _ = cache.allocate(tokens[:hit_tokens + 1])  # the other request: the hit's blocks and one more token
-    cache.cache_full_blocks(holder)
-    hit = cache.match(tokens)
-    assert hit.num_cached_tokens == hit_tokens
-    return cache.hit_extra_blocks(hit, len(tokens) - hit.num_cached_tokens)
-
-
-ex.check("Exercise 1", answer_1, expected=gate_blocks(600, 14, 256, 16),
+ex.check("Exercise 1", answer_1,
          hint="the gate counts the prompt and the outputs so far, in blocks, less the blocks of the prefix hit.")
 
 # %% [markdown]

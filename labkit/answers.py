@@ -112,6 +112,45 @@ def _cpu_report_a4() -> Any:
                                 device_type="cpu")
 
 
+def _smallest_group_a1() -> tuple[Any, float]:
+    """Appendix A1, Exercise 1: the smallest GQA group whose decode intensity (2g / b FLOP per byte of
+    K and V, b = 2) reaches the H100's ridge point."""
+    from .costmodel import DEVICES
+
+    ridge = DEVICES["H100 SXM"].ridge_point
+    return next(g for g in range(1, 100_000) if 2 * g / 2 >= ridge), 0.0
+
+
+def _gate_blocks_a5() -> tuple[Any, float]:
+    """Appendix A5, Exercise 1: the free blocks vLLM's gate asks of a request with a 600-token prompt and
+    14 outputs, whose first 256 tokens another running request holds (blocks of 16), from a real
+    PrefixCache."""
+    from .paging import BlockAllocator
+    from .prefix import PrefixCache
+
+    cache = PrefixCache(BlockAllocator(256), 16)
+    tokens = list(range(1, 600 + 14 + 1))
+    holder, _ = cache.allocate(tokens[:256 + 1])  # the other request: the hit's blocks and one more token
+    cache.cache_full_blocks(holder)
+    hit = cache.match(tokens)
+    return cache.hit_extra_blocks(hit, len(tokens) - hit.num_cached_tokens), 0.0
+
+
+def _recomputed_share_a6() -> tuple[Any, float]:
+    """Appendix A6, Exercise 1: the share of the paged headline run's computed tokens that were
+    recomputations (the run of A6's headline section: 300 ShareGPT-like requests at 20/s, 2 GiB)."""
+    from . import workloads
+    from .capacity import GiB
+    from .costmodel import CostModel
+    from .sim import Simulator
+
+    cost = CostModel("teaching model", "RTX 4090 (24 GiB)")
+    run = Simulator(cost, pool_bytes=2 * GiB, max_num_batched_tokens=2048, enable_prefix_caching=False,
+                    allocation="paged", max_model_len=2048).run(
+        workloads.sharegpt_like(300, arrival_rate=20.0, seed=1))
+    return float(run.recomputed_tokens / run.step_tokens.sum()), 1e-9
+
+
 EXERCISES: dict[tuple[str, str], Callable[[], tuple[Any, float]]] = {
     ("00_start_here", "Warm-up"): _warm_up,
     ("01_why_the_cache_grows", "Exercise 1"): _cache_positions_01,
@@ -121,9 +160,13 @@ EXERCISES: dict[tuple[str, str], Callable[[], tuple[Any, float]]] = {
     ("03_paging", "Exercise 2"): _tail_bytes_03,
     ("04_prefix_reuse", "Exercise 3"): _three_requests_04,
     ("06_from_fit_to_serve", "Exercise 1"): _pool_32_06,
+    ("A1_under_the_compiler", "Exercise 1"): _smallest_group_a1,
     ("A2_vllm_start_up", "Exercise 1"): _concurrency_a2,
     ("A4_real_vllm_on_cpu", "Exercise 1 (blocks)"): lambda: (_cpu_report_a4().num_gpu_blocks, 0.0),
     ("A4_real_vllm_on_cpu", "Exercise 1 (concurrency)"): lambda: (_cpu_report_a4().max_concurrency, 1e-9),
+    ("A5_vllm_scheduler", "Exercise 1"): _gate_blocks_a5,
+    ("A6_measuring_a_server", "Exercise 1 (oracle)"): lambda: (0.0, 0.0),
+    ("A6_measuring_a_server", "Exercise 1 (paged)"): _recomputed_share_a6,
 }
 
 
