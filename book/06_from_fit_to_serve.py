@@ -56,7 +56,7 @@ from labkit import workloads
 from labkit.capacity import GiB, TEACHING_MODEL, format_bytes
 from labkit.costmodel import DEVICES, MODEL_COSTS, CostModel
 from labkit.paging import blocks_needed
-from labkit.pool import plan_pool, reservation_shares
+from labkit.pool import plan_pool
 from labkit.sim import Simulator
 
 print(labkit.describe())
