@@ -55,13 +55,10 @@ ON_GPU = labkit.RUNTIME.triton_mode == "compiled"
 # ## 1. A block of the teaching model
 #
 # A *block* holds the K and V of `block_size` consecutive tokens of one sequence, in every layer.
-# With the article's teaching model (32 layers, 8 KV heads, head dimension 128, 2-byte elements),
-# one token costs 128 KiB, so a 16-token block costs 2 MiB. A request takes whole blocks: a
-# 37-token request needs ceil(37 / 16) = 3 of them, and its last block has empty slots.
-#
-# The pool below has 8 blocks and has already served traffic: three earlier requests took two
-# blocks each, and the first and the third have finished. Free blocks are now scattered, as they
-# are in any pool that has run for a while.
+# With the teaching model (128 KiB per token) a 16-token block is 2 MiB, and a 37-token request
+# needs ceil(37 / 16) = 3 blocks, the last partly empty. The pool below has 8 blocks and has served
+# traffic: three earlier requests took two blocks each, and the first and third have finished, so
+# the free blocks are scattered, as in any pool that has run for a while.
 
 # %%
 # NBVAL_CHECK_OUTPUT
@@ -91,10 +88,48 @@ assert per_block == 2 * 2**20 and len(request.block_ids) == blocks_needed(37, 16
 assert request.empty_slots == 11 and tail_bytes == 1.375 * 2**20
 
 # %% [markdown]
-# The allocator handed out three *physical* blocks, the first three of its free queue (the most
-# recently freed first). The request's **block table** lists them in *logical* order: token `p`
-# lives in logical block `p // 16`, at offset `p % 16`. Numbering every token position of the pool
-# gives the **slot**: `block_id * block_size + offset`. Kernels write and read K and V by slot.
+# That is all of paging's bookkeeping, and it fits on a page of `labkit.paging`. The allocator keeps
+# the free blocks in one queue and hands out its front; the block's reference count (how many block
+# tables hold it) becomes 1:
+
+# %%
+from labkit.show import excerpt
+
+excerpt(BlockAllocator.allocate, "if not self._free", "self.ref_counts[block_id] = 1")
+
+# %% [markdown]
+# A request asks for all its new blocks at once and gets all or none, so a refusal leaves nothing
+# half-allocated for a scheduler (chapter 05) to clean up:
+
+# %%
+excerpt(BlockAllocator.allocate_many, "if n > self.num_free", "return")
+
+# %% [markdown]
+# A sequence's block table grows by whole blocks, only when its new tokens no longer fit the last
+# one, and returns their *slot mapping*, the pool slots the kernels will write their K and V to:
+
+# %%
+excerpt(BlockTable.append, "new = allocator", "return self.slots")
+
+# %% [markdown]
+# A slot numbers every token position of the pool: token `p` lives in logical block
+# `p // block_size`, at offset `p % block_size`, and the table turns the logical block into a
+# physical one:
+
+# %%
+excerpt(BlockTable.slot, "return self.block_ids")
+
+# %% [markdown]
+# When a sequence finishes, each of its blocks loses one reference; a block that no table holds
+# any more returns to the free queue, at the front, to be reused first (a block that chapter 04 has
+# *named* goes to the back instead, so that its K/V can still be found):
+
+# %%
+excerpt(BlockAllocator.free_blocks, "for b in block_ids:", "return unnamed + named")
+
+# %% [markdown]
+# Our request got the front of the free queue, the most recently freed blocks first, so its block
+# table is not in pool order:
 
 # %%
 print("block table:", request.block_ids)
@@ -103,14 +138,12 @@ for p in (0, 15, 16, 36):
 assert request.slot(36) == request.block_ids[2] * BLOCK + 4
 # Logical order is not physical order: the blocks are not consecutive, and slot != position.
 assert request.block_ids != sorted(request.block_ids) and any(request.slot(p) != p for p in range(37))
+assert request.block_ids[1] < request.block_ids[0] and request.slot(0) == 80  # quoted below
 
 # %% [markdown]
-# Logical block 1 (tokens 16 to 31) sits *before* logical block 0 in the pool, and token 0 lives
-# in slot 80: the block table alone knows the order.
-
-# %% [markdown]
-# When the pool runs out, the allocator refuses the whole request and changes nothing: a
-# scheduler (chapter 05) can then wait or preempt, without half-allocated requests to clean up.
+# Logical block 1 sits *before* logical block 0 in the pool, and token 0 lives in slot 80: only the
+# block table knows the order. When the pool runs short, the whole request is refused and nothing
+# changes:
 
 # %%
 other = BlockTable(BLOCK)
@@ -128,30 +161,20 @@ assert allocator.num_free == 8
 # %% [markdown]
 # ## 2. Reserving the maximum against paging
 #
-# Before paging, serving systems gave each request one contiguous region. The final length of a
-# request is unknown when it starts (it stops when the model emits its end token), so the region
-# had to be sized for the longest allowed sequence, or some guess of it. Everything beyond the
-# tokens actually produced is reserved but never used.
+# Before paging, a serving system gave each request one contiguous region. A request's final length
+# is unknown when it starts, so the region was sized for the longest allowed sequence, or a guess of
+# it, and whatever the request never filled was wasted.
 #
 # ### How much reserved memory holds tokens
 #
-# Let's measure that on a realistic mix: chapter 06's ShareGPT-like workload
-# (`labkit.workloads.sharegpt_like(10_000, arrival_rate=4.0, seed=0)`), 10,000 requests with
-# log-normal prompt and output lengths whose means are those of the ShareGPT conversations used in
-# the PagedAttention paper (161 prompt tokens and 338 output tokens), each side capped at 1,024
-# tokens, so no request exceeds a 2,048-token limit. Each request is looked at during every
-# decode step of its life: after step `t` it holds `prompt + t` live tokens.
-# `labkit.pool.reservation_shares` divides the live tokens by what the request has reserved
-# meanwhile, summed over all requests and steps, under the four policies of the paper's Figure 2:
-#
-# - **reserve max length**: every request reserves the 2,048-token limit (the paper's Orca (Max));
-# - **reserve power of two**: its final length rounded up to a power of two, a length known
-#   within a factor of 2 (Orca (Pow2));
-# - **reserve exact length (oracle)**: exactly its final length, as if the end were known
-#   (Orca (Oracle));
-# - **paged**: only the 16-token blocks its live tokens occupy (vLLM).
-#
-# This is the book's one computation of that figure; chapter 06 builds on it.
+# We measure that on chapter 06's ShareGPT-like workload: 10,000 requests whose prompt and output
+# lengths are log-normal with the means of the ShareGPT conversations in the PagedAttention paper
+# (161 and 338 tokens), each capped at 1,024 tokens. After decode step `t` a request holds
+# `prompt + t` live tokens. `labkit.pool.reservation_shares` divides the live tokens by what the
+# requests reserved, summed over all requests and steps, under the four policies of the paper's
+# Figure 2: reserve the 2,048-token limit (Orca (Max)); reserve the final length rounded up to a
+# power of two (Orca (Pow2)); reserve exactly the final length, as if it were known (Orca (Oracle));
+# or hold only the 16-token blocks the live tokens fill (vLLM).
 
 # %%
 # NBVAL_CHECK_OUTPUT
@@ -191,39 +214,30 @@ fig.tight_layout()
 plt.show()
 
 # %% [markdown]
-# Reserving the maximum leaves most of the memory empty; even an oracle that knows every final
-# length wastes the slots a request has reserved but not yet filled; paging holds live tokens in
-# almost all of it, wasting at most the tail of one block per request. The order and the big
-# picture are the paper's. Our three reservation policies come out higher than its measurements
-# (printed side by side above). Three things differ between this count and the paper's
-# measurement; the first alone pushes ours up, whatever the workload:
+# Reserving the maximum leaves most of the memory empty; even the oracle wastes what a request has
+# reserved but not yet filled; paging wastes at most the tail of one block per request, so its share
+# is close to the paper's 96.3% whatever the allocator. Our reservation shares come out higher than
+# the paper's, for four reasons:
 #
-# - **External fragmentation is not counted.** The paper measured real allocators, where
-#   contiguous reservations of different sizes leave holes between them that no new request fits
-#   into; its Figure 2 counts them as waste. `reservation_shares` counts each
-#   request's own reservation only, so its three reservation shares are upper bounds. The next
-#   subsection shows those holes.
-# - **Lengths.** Our lengths are synthetic log-normals with the paper's means, not the ShareGPT
-#   trace; the spread and the tail change how far the power of two and the oracle overshoot.
-# - **Weighting.** We weight every request by its decode steps, as if it ran from its first step
-#   to its last; the paper sampled a running system, whose mix of old and new requests depends on
-#   its load and its queue.
-#
-# The paged share is close to the paper's 96.3% for vLLM, as it should be whatever the allocator:
-# paging leaves only the tail block, and no holes between requests.
+# - **Holes between reservations are not counted.** The paper measured allocators, in which
+#   reservations of different sizes leave free holes that no request fits into (next subsection).
+#   `reservation_shares` counts each request's own reservation only, so its shares are upper bounds.
+# - **Power-of-two rounding.** The paper's Orca is not the Orca system itself but the authors' own
+#   reimplementation, with an assumed buddy allocator (§6.5), which hands out regions in powers of
+#   two. Rounding the oracle's exact lengths up to powers of two is the table's second row: 61.3%
+#   falls to 40.3%.
+# - **Lengths.** Ours are synthetic log-normals with the paper's means, not the ShareGPT trace.
+# - **Weighting.** We weight every request by its decode steps; the paper sampled a running system.
 #
 # ### External fragmentation: free memory in pieces too small
 #
 # A contiguous reservation needs one run of free slots. As requests of different lengths come and
-# go, the free memory breaks into holes, and a request can be refused while the free slots add up
-# to far more than it needs. This is the *external fragmentation* that paging removes in an
-# operating system, and it is the point of the analogy. Below, a first-fit allocator (each request
-# takes the first hole large enough for its exact final length, the oracle's best case) serves the
-# first 2,000 of the same requests (enough for the pool to reach a steady state; all 10,000 tell
-# the same story, more slowly) over a pool of 16,384 slots: a request arrives every 16 steps and holds its slots
-# for as many steps as it has output tokens (one token per step), so on average the live requests
-# ask for a little less than the whole pool (printed below). A request that does not fit is refused. A paged allocator with 16-token blocks serves the same
-# stream on 1,024 blocks (the same slots).
+# go, the free memory breaks into holes, and a request can be refused while the free slots add up to
+# far more than it needs. Below, a first-fit allocator (a deliberate reduction written here, not
+# labkit: each request takes the first hole that holds its exact final length, the oracle's best
+# case) and labkit's paged allocator serve the first 2,000 of the same requests on the same 16,384
+# slots. A request arrives every 16 steps and holds its slots for as many steps as it has output
+# tokens; on average, the live requests ask for a little less than the whole pool (printed below).
 
 # %%
 def first_fit(holes: list[list[int]], size: int) -> int | None:
@@ -292,35 +306,24 @@ assert refused["first fit", True] + refused["first fit", False] > refused["paged
 assert refused["first fit", False] == 0  # "every request first fit refused", below
 
 # %% [markdown]
-# Every request first fit refused came while the pool had enough free slots for it; at the worst
-# moment printed above, several thousand slots were free but no hole was larger than about a
-# thousand. The paged allocator, on the same slots and the same stream, refused fewer, and only
-# when too few blocks were free in total: any free block can take any logical block, so a request
-# fits whenever enough blocks are free. With paging the only waste left is the tail of each
-# request's last block: less than one block per request, whatever its length.
+# Every refusal of first fit came while enough slots were free in total; at the worst one, the free
+# slots added up to more than four times the largest hole. The paged allocator refused fewer, and
+# only when too few blocks were free: any free block can take any logical block.
 #
 # ## 3. Choosing the block size
 #
-# Smaller blocks waste less in the tail (about half a block per request on average), but a
-# request then needs more blocks: longer block tables, more entries for the kernel to look up,
-# and smaller pieces of memory for it to read. Larger blocks waste more. We expect them to read
-# faster on a GPU too (fewer lookups, longer contiguous runs per lookup), but that is a hypothesis
-# this book has not measured: `python benchmarks/paged_attention.py --block-sizes 16 32 64 128` on a
-# GPU is the experiment that would test it.
+# Smaller blocks waste less in the tail, but a request then needs more of them: longer block tables
+# and more lookups for the kernel. `reservation_shares` counts the paged share for any block size;
+# what it misses is the tail waste:
 
 # %%
 block_sizes = [1, 2, 4, 8, 16, 32, 64, 128, 256]
-# Every live length each request passes through (prompt + 1 .. prompt + output), all requests at once:
-# the same count as reservation_shares's paged policy, for every block size without redoing the rest.
-prompt_lens = np.array([r.prompt_len for r in requests])
-output_lens = np.array([r.output_len for r in requests])
-live = (np.repeat(prompt_lens, output_lens) + 1 + np.arange(output_lens.sum())
-        - np.repeat(np.cumsum(output_lens) - output_lens, output_lens))
-tail_waste = [1 - live.sum() / (-(-live // bs) * bs).sum() for bs in block_sizes]
-assert math.isclose(1 - tail_waste[block_sizes.index(16)], shares["paged, 16-token blocks"])
-entries = [(-(-lengths // bs)).mean() for bs in block_sizes]
+paged_share = {bs: list(reservation_shares(requests, max_len=MAX_LEN, block_size=bs).values())[-1] for bs in block_sizes}
+tail_waste = [1 - paged_share[bs] for bs in block_sizes]
+entries = [np.mean([blocks_needed(int(n), bs) for n in lengths]) for bs in block_sizes]
 for bs, waste, n in zip(block_sizes, tail_waste, entries):
     print(f"block {bs:3d}: tail waste {waste:6.2%}, block-table entries per request {n:7.1f}")
+assert paged_share[16] == shares["paged, 16-token blocks"]
 assert all(a <= b for a, b in zip(tail_waste, tail_waste[1:]))  # waste grows with the block size
 assert all(a >= b for a, b in zip(entries, entries[1:]))  # entries shrink with it
 
@@ -341,19 +344,16 @@ fig.tight_layout()
 plt.show()
 
 # %% [markdown]
-# The paper found 16 to 128 tokens worked best on ShareGPT, 16 to 32 on Alpaca (shorter requests,
-# so the tail matters more), and used 16 as its default.
+# The paper found 16 to 128 tokens best on ShareGPT and 16 to 32 on Alpaca (shorter requests, so
+# the tail matters more), and uses 16 by default. That bigger blocks also read faster on a GPU is a
+# hypothesis this book has not measured (`python benchmarks/paged_attention.py --block-sizes 16 32
+# 64 128` on a GPU would).
 #
 # ## 4. What paging does not change
 #
-# Paging changes where K and V live and how memory is handed out. It does not change the numbers:
-# every element is stored at full precision (no compression), and attention still reads every
-# position of the sequence (nothing becomes sparse). A paged cache holds exactly the bytes of a
-# contiguous one, plus the empty tail slots and a small block table.
-#
-# We can check both claims. Scatter a sequence's keys into shuffled blocks of a pool, then gather
-# them back through the block table: the result is bit-identical to the contiguous keys, and
-# attention over it equals attention over the contiguous tensor.
+# Paging changes where K and V live, not what they are: no element is compressed, and attention
+# still reads every position (nothing becomes sparse). Scatter a sequence's keys into shuffled
+# blocks, gather them back through the block table, and attend over them:
 
 # %%
 gen = torch.Generator().manual_seed(0)
@@ -381,13 +381,10 @@ assert torch.allclose(paged_out.float(), dense_out.float(), atol=2e-3)
 # %% [markdown]
 # ## 5. Block tables in a running system
 #
-# Requests arrive, grow by one token per step and finish, all on one pool. Because every request
-# takes its next block wherever one is free, a request's blocks end up scattered across the pool,
-# interleaved with other requests'. The block table is what keeps its order.
-#
-# `labkit.widgets.paging_stepper.simulate` runs a small scripted workload on a real
-# `BlockAllocator` (5 requests, a pool of 16 blocks of 4 tokens) and records the pool after every
-# step. Here is the mapping at step 7:
+# Requests arrive, grow by one token per step and finish on one pool. Each takes its next block
+# wherever one is free, so its blocks end up scattered and interleaved with other requests'.
+# `labkit.widgets.paging_stepper.simulate` runs five requests on a real `BlockAllocator` (16 blocks
+# of 4 tokens) and records the pool after every step. Step 7:
 
 # %%
 from labkit.widgets.paging_stepper import DEFAULT_WORKLOAD, PagingStepper, draw_block_tables, simulate, static_figure
@@ -412,9 +409,8 @@ ax.set_title("Logical blocks in order, physical blocks wherever they were free (
 plt.show()
 
 # %% [markdown]
-# Step through the whole run. Each box is a physical block; its thin cells are its token slots,
-# coloured when they hold a token. Watch a request take a new block only when its last one is
-# full, and a finished request's blocks become free for the next one.
+# Step through the whole run. Each box is a physical block, its thin cells token slots, coloured
+# when they hold a token: a request takes a new block only when its last one is full.
 
 # %%
 PagingStepper(num_blocks=16, block_size=STEP_BLOCK).widget
@@ -436,9 +432,9 @@ for s, empty in zip(snapshots, tail):
 # %% [markdown]
 # ## 6. The kernels, step by step
 #
-# Paging moves the problem into the attention kernel: the keys of a sequence are no longer one
-# tensor but blocks scattered over a pool. `labkit.kernels` holds three Triton kernels, each with
-# a PyTorch reference that defines it:
+# Paging moves the problem into the attention kernel: a sequence's keys are no longer one tensor
+# but blocks scattered over a pool. `labkit.kernels` holds three Triton kernels, each defined by a
+# PyTorch reference:
 #
 # | function | what it does |
 # |---|---|
@@ -446,16 +442,10 @@ for s, empty in zip(snapshots, tail):
 # | `paged_decode_attention(q, k_cache, v_cache, block_tables, seq_lens)` | one new query per sequence |
 # | `paged_prefill_attention(..., cu_seqlens_q)` | many new queries per sequence, causal |
 #
-# The cache layout follows vLLM: `k_cache` and `v_cache` are `[num_blocks, block_size,
-# num_kv_heads, head_dim]`, `block_tables` is int32 `[num_seqs, max_blocks_per_seq]` and
-# `seq_lens` is int32 `[num_seqs]`. A caveat on "follows vLLM": vLLM's design document on paged
-# attention ("vLLM Paged Attention" on docs.vllm.ai) explains one kernel, its original CUDA kernel
-# `csrc/attention/attention_kernels.cu`, with a layout of its own. It does not fix the layout of
-# every current backend: in vLLM 0.33.0 the FlashInfer backend, for one, keeps blocks as `NHD`
-# (tokens before heads) or `HND` (heads before tokens), chosen with `VLLM_KV_CACHE_LAYOUT`
-# (`vllm/v1/attention/backends/flashinfer.py`). Blocks, block tables and slots carry over to every
-# backend; the order of the axes inside a block is each backend's choice. On this machine the kernels run
-# as follows:
+# The layout is that of vLLM's flash-attention backend: pools `[num_blocks, block_size,
+# num_kv_heads, head_dim]`, int32 `block_tables` `[num_seqs, max_blocks_per_seq]` and `seq_lens`
+# `[num_seqs]`. Other backends order the axes inside a block their own way (vLLM 0.33.0's FlashInfer
+# backend offers `NHD` and `HND`); blocks, tables and slots carry over. On this machine:
 
 # %%
 print(labkit.RUNTIME.reason)
@@ -465,41 +455,32 @@ print("float32 kernels:", "Triton" if why is None else f"PyTorch reference, beca
 # %% [markdown]
 # ### The reference: gather, then attend
 #
-# The reference decode is short, and it is the definition the kernel must meet. `gather_kv` takes
-# the first `ceil(seq_len / block_size)` ids of the sequence's block table, indexes the pool with
-# them in one go (the blocks come out in logical order, wherever they lie), lays them end to end
-# and cuts off the empty tail of the last one:
+# The reference is the definition the kernel must meet. `gather_kv` indexes the pool with the first
+# `ceil(seq_len / block_size)` ids of the block table (the blocks come out in logical order,
+# wherever they lie), lays them end to end and cuts off the empty tail:
 
 # %%
-from labkit.show import excerpt
-
 excerpt(kernels.gather_kv, "block_size = cache.shape[1]", "return")
 
 # %% [markdown]
-# `paged_decode_attention_ref` then runs chapter 01's textbook attention for each sequence, over
-# its gathered K and V (each KV head repeated for its group of query heads, GQA), in float32:
+# `paged_decode_attention_ref` then runs chapter 01's attention over each sequence's gathered K and
+# V, each KV head repeated for its group of query heads (GQA), in float32:
 
 # %%
 excerpt(kernels.paged_decode_attention_ref, "for i, n in", "out[i] =")
 
 # %% [markdown]
-# Gathering copies every key and value once more before attention reads them: fine for a
-# definition, wasteful for a kernel. The Triton kernel never builds the contiguous tensor. It
-# reads each block where it lies.
+# Gathering copies every key and value once more before attention reads them; the Triton kernel
+# reads each block where it lies instead.
 #
 # ### One program of the decode kernel, by hand
 #
-# The kernel launches one *program* per (sequence, KV head). A program loads the query heads that
-# share its KV head (a GQA group), then walks the sequence's positions `BLOCK_N` at a time:
-#
-# 1. for each position, find its physical block in the block table and its row in the pool;
-# 2. load those K rows and compute the scores `q @ K^T * scale`, masking positions past `seq_len`;
-# 3. update an **online softmax**: a running maximum `m`, a running denominator `l` and an
-#    unnormalised output `acc`, rescaled by `exp(m_old - m_new)` whenever the maximum grows;
-# 4. at the end, write `acc / l`.
-#
-# Here are those steps in plain PyTorch for one program, printing what it does at each step.
-# The kernel below does the same thing in Triton.
+# The kernel launches one *program* per (sequence, KV head). It loads the query heads of that KV
+# head's group and walks the positions `BLOCK_N` at a time: find each position's physical block and
+# row, load K, compute the scores `q @ K^T * scale` (masking positions past `seq_len`), and update an
+# **online softmax**, a running maximum `m`, denominator `l` and unnormalised output `acc`, rescaled
+# by `exp(m_old - m_new)` when the maximum grows. At the end it writes `acc / l`. Here is one
+# program in plain PyTorch, printing each step:
 
 # %%
 gen = torch.Generator().manual_seed(1)
@@ -551,38 +532,32 @@ assert torch.allclose(by_hand.double(), reference[0, 2:4], atol=1e-5)
 # %% [markdown]
 # ### The Triton kernel
 #
-# Now the real kernel, `_paged_decode_kernel` in `labkit/kernels.py` (read it whole there: its
-# docstring lists the four steps above). Each line of its loop corresponds to a line of
-# `one_program`. Two details differ: Triton works with whole tiles (the GQA group padded to a
-# power of two, head dimensions like 80 padded to 128 with a mask), and it uses `exp2` with the
-# scale folded into `log2(e)`, the cheaper instruction on a GPU. Three excerpts carry the idea.
-#
-# **The paging.** For a tile of `BLOCK_N` positions, the kernel reads each position's physical
-# block id from the block table (`pos // block_size` is the logical block), turns block and
-# offset into a row of the pool, and loads the K and V rows from wherever they lie. There is no
-# contiguous copy; a masked load (`valid` is false past the sequence's end) reads nothing.
+# `_paged_decode_kernel` in `labkit/kernels.py` does the same with whole tiles (the GQA group and
+# head dimension padded to powers of two, with masks) and with `exp2`, the scale folded into
+# `log2(e)`. **The paging:** each position's physical block from the block table, its row in the
+# pool, and masked loads of K and V from wherever they lie, with no contiguous copy:
 
 # %%
 excerpt(kernels._paged_decode_kernel, "# The paging:", "v = tl.load")
 
 # %% [markdown]
-# **The mask and the online softmax.** Positions past the end get a score of `-inf`, so they weigh
-# nothing. The running maximum `m_i` may grow with each tile; what was summed under the old
-# maximum is then rescaled by `alpha = 2^(m_old - m_new)` before the tile's own terms are added.
+# **The mask and the online softmax:** positions past the end score `-inf`; what was summed under
+# an older, smaller maximum is rescaled by `alpha = 2^(m_old - m_new)` before the tile's terms are
+# added:
 
 # %%
 excerpt(kernels._paged_decode_kernel, "s = tl.where(valid", "m_i = m_new")
 
 # %% [markdown]
-# **The end.** After the last tile, the unnormalised output is divided by the denominator and
-# stored in the output's dtype (without a split; the split case comes below):
+# **The end:** the output is divided by the denominator and stored in the output's dtype:
 
 # %%
 excerpt(kernels._paged_decode_kernel, "o = acc / l_i[:, None]", "o.to(out_ptr")
 
 # %% [markdown]
-# Run it on the example above and compare with the float64 reference. On a CPU Triton interprets
-# the kernel: the same code, one program after another, in NumPy.
+# On the example, against the float64 reference (on a CPU Triton interprets the kernel in NumPy; on
+# a GPU it compiles it, and appendix [A1 · under the compiler](A1_under_the_compiler.ipynb) shows
+# what a GPU makes of it, and how long contexts are split over more programs):
 
 # %%
 out = kernels.paged_decode_attention(q, k_cache, v_cache, block_tables, seq_lens)
@@ -591,82 +566,26 @@ print(f"Triton decode vs float64 reference: max error {err:.1e}")
 assert err < 1e-5
 
 # %% [markdown]
-# On a GPU the same source is compiled instead. What the compiled kernel asks of a GPU (registers,
-# shared memory, how many programs share a multiprocessor, tensor cores or not), and why decode
-# waits on memory rather than on arithmetic, is the subject of appendix
-# [A1 · under the compiler](A1_under_the_compiler.ipynb), which also times the kernel on a GPU.
-
-# %% [markdown]
-# ### Long contexts: split-K (flash-decoding)
-#
-# One program per (sequence, KV head) is plenty of parallel work with 64 sequences × 8 KV heads.
-# With one sequence of 32k tokens it is 8 programs, and most of a GPU's multiprocessors sit idle
-# while each walks 32k positions. The fix: cut the positions into chunks, run one program per
-# chunk, and merge. Each chunk returns its normalised output `o_k` and its log-sum-exp
-# `lse_k = m_k + log l_k`; the exact result is the average of the `o_k` weighted by `exp(lse_k)`.
-# Check the merge rule on the example in plain PyTorch:
-
-# %%
-def partial(qg, k, v):
-    """Normalised attention output and log-sum-exp of queries qg [G, D] over keys k, v [n, D]."""
-    s = qg @ k.T / math.sqrt(qg.shape[-1])
-    return torch.softmax(s, dim=-1) @ v, torch.logsumexp(s, dim=-1)
-
-
-keys = kernels.gather_kv(k_cache, block_tables[0], lens[0])[:, 0].double()  # KV head 0 of sequence 0
-values = kernels.gather_kv(v_cache, block_tables[0], lens[0])[:, 0].double()
-qg = q[0, 0:2].double()
-o1, lse1 = partial(qg, keys[:12], values[:12])  # chunk 1: positions 0..11
-o2, lse2 = partial(qg, keys[12:], values[12:])  # chunk 2: positions 12..20
-w = torch.softmax(torch.stack([lse1, lse2]), dim=0)  # exp(lse_k) / sum
-merged = w[0, :, None] * o1 + w[1, :, None] * o2
-print("merged chunks equal one pass:", torch.allclose(merged, reference[0, 0:2]))
-assert torch.allclose(merged, reference[0, 0:2])
-
-# %% [markdown]
-# `paged_decode_attention` chooses the number of chunks itself (`choose_num_splits`): only when
-# there are fewer programs than multiprocessors and the context is long enough for each chunk to
-# hold at least `MIN_TOKENS_PER_SPLIT` positions. Here is its plan for a GPU with 132
-# multiprocessors (an H100 SXM), then a forced split on our example, which gives the same answer:
-
-# %%
-# NBVAL_CHECK_OUTPUT
-for shape in [(1, 8, 32768), (4, 8, 32768), (16, 8, 8192), (64, 8, 4096)]:
-    splits, per_split = kernels.choose_num_splits(*shape, target_programs=132)
-    print(f"{shape[0]:3d} sequences x {shape[1]} KV heads x {shape[2]:6,d} tokens: "
-          f"{splits:2d} split(s) of {per_split:6,d} tokens -> {shape[0] * shape[1] * splits:4d} programs")
-assert kernels.choose_num_splits(1, 8, 32768, target_programs=132)[0] > 1
-assert kernels.choose_num_splits(64, 8, 4096, target_programs=132)[0] == 1
-
-# %%
-split_out = kernels.paged_decode_attention(q, k_cache, v_cache, block_tables, seq_lens, num_splits=3)
-print(f"3 splits vs one pass: max difference {(split_out - out).abs().max():.1e}")
-assert torch.allclose(split_out, out, atol=1e-6)
-
-# %% [markdown]
 # ### Prefill, in chunks or all at once
 #
-# `paged_prefill_attention` handles many new queries per sequence: the new tokens are the *last*
-# `q_len` positions, their K and V are written first, and each query sees the positions up to its
-# own. So a prompt can be processed in one go or in chunks (chapter 05's chunked prefill), and
-# the part after a cached prefix (chapter 04) is just a chunk that starts late. Its reference is
-# the decode reference with more queries: gather, then causal attention of the last `q_len`
-# positions. Sequence `i` owns the query rows `cu_seqlens_q[i]:cu_seqlens_q[i+1]`:
+# `paged_prefill_attention` takes many new queries per sequence, its last `q_len` positions, each
+# seeing the positions up to its own. So a prompt can be prefilled whole or in chunks (chapter 05),
+# and the part after a cached prefix (chapter 04) is a chunk that starts late. Its reference, where
+# sequence `i` owns the query rows `cu_seqlens_q[i]:cu_seqlens_q[i+1]`:
 
 # %%
 excerpt(kernels.paged_prefill_attention_ref, "lo, hi = cu[i]", "out[lo:hi]")
 
 # %% [markdown]
-# New tokens reach the cache through `write_kv`. Its reference is one indexed store: a slot is
-# split back into its block (`slot // block_size`) and its offset, and a slot of -1 (padding, or
-# a position a prefix cache already holds, chapter 04) is skipped:
+# New tokens reach the pool through `write_kv`: one indexed store by slot, skipping a slot of -1
+# (padding, or a position a prefix cache already holds):
 
 # %%
 excerpt(kernels.write_kv_ref, "keep = slot_mapping", "v_cache[")
 
 # %% [markdown]
-# Write a 20-token prompt into three scattered blocks in two chunks, attend after each, and
-# compare with contiguous causal attention:
+# A 20-token prompt written in two chunks into three scattered blocks, against contiguous causal
+# attention:
 
 # %%
 n = 20
@@ -690,12 +609,10 @@ assert torch.allclose(chunked, dense, atol=1e-5)
 # %% [markdown]
 # ## 7. The decoder on the paged cache
 #
-# `labkit.cache.PagedKVCache` implements chapter 01's cache protocol, `attend(layer_idx, q, k,
-# v)`, with these kernels: per layer one K pool and one V pool (`KVPool`, which chapters 04 and
-# 05 reuse), a block table per sequence, `write_kv` for the new tokens, then prefill or decode
-# attention. `generate_paged` prefills
-# several prompts of different lengths on one pool and then decodes them together as one batch.
-# The tokens must be those of chapter 01's contiguous cache.
+# `labkit.cache.PagedKVCache` implements chapter 01's cache protocol, `attend(layer_idx, q, k, v)`,
+# with these kernels: a K and a V pool per layer (`KVPool`, reused by chapters 04 and 05) and a
+# block table per sequence. `generate_paged` prefills three prompts of different lengths on one pool,
+# then decodes them as one batch; the tokens must be those of chapter 01's contiguous cache:
 
 # %%
 model = Decoder.random(DecoderConfig(num_hidden_layers=2, hidden_size=128, num_attention_heads=4,
@@ -712,25 +629,21 @@ for prompt, run in zip(prompts, paged_runs):
 # %% [markdown]
 # ## Summary
 #
-# - A block holds `block_size` tokens of K and V in every layer; for the teaching model a
-#   16-token block is 2 MiB, and a 37-token request takes 3 blocks, 11 slots (1.375 MiB) empty.
-# - A block table maps a sequence's logical blocks to physical blocks anywhere in the pool; a
-#   token's slot is `block_id * block_size + offset`. Blocks are taken as a sequence grows and
-#   returned when it finishes; an allocation that cannot be met changes nothing.
-# - On 10,000 ShareGPT-like requests, reserving the maximum length leaves most memory unused
-#   (21.5% holds tokens), and even an exact-length oracle holds only 61.3%; 16-token pages hold
-#   98.3%. The paper measured 20.4% to 38.2% in real systems, lower than our counts: real
-#   allocators also lose memory to the holes between reservations, which this count leaves out,
-#   and the lengths and the weighting differ. Bigger blocks waste more tail but need fewer table
-#   entries.
-# - Contiguous reservations fragment the free memory: first fit refuses requests while enough
-#   slots are free in total; a paged allocator refuses only when too few blocks are free.
-# - Paging neither compresses K/V elements nor makes attention sparse: every position is stored
-#   at full precision and read.
+# - A block holds `block_size` tokens of K and V in every layer: 2 MiB for 16 tokens of the teaching
+#   model; a 37-token request takes 3 blocks, 11 slots (1.375 MiB) empty.
+# - `BlockAllocator` hands out the front of a free queue, all of a request's new blocks or none, and
+#   takes a block back when its last reference drops. A block table maps logical blocks to physical
+#   ones anywhere in the pool; a token's slot is `block_id * block_size + offset`.
+# - On 10,000 ShareGPT-like requests, reserving the maximum leaves 21.5% of the reserved memory
+#   holding tokens, an exact-length oracle 61.3%, 16-token blocks 98.3%. The paper measured 20.4% to
+#   38.2% on its own reimplementation of Orca, lower than our counts: its allocator also loses the
+#   holes between reservations and rounds to powers of two. Contiguous reservations fragment the
+#   free memory; a paged allocator refuses only when too few blocks are free.
+# - Bigger blocks waste more tail but need fewer block-table entries.
+# - Paging neither compresses K/V nor makes attention sparse.
 # - The Triton decode kernel walks the block table with an online softmax, one program per
-#   (sequence, KV head), and splits long contexts into chunks merged by log-sum-exp; the prefill
-#   kernel does the same for many causal queries. Both match their PyTorch references, and the
-#   decoder produces the same tokens on the paged cache. What a GPU makes of them is appendix A1.
+#   (sequence, KV head); the prefill kernel does the same for many causal queries. Both match their
+#   references, and the decoder produces the same tokens on the paged cache.
 #
 # ## Exercises
 
@@ -915,7 +828,6 @@ def window_decode_kernel(
         m_i = m_new
     tl.store(out_ptr + (seq * NUM_KV_HEADS * GROUP + heads[:, None]) * HEAD_DIM + d[None, :], acc / l_i[:, None])
 
-
 # %%
 def run_window_kernel(kernel, q, k_cache, v_cache, block_tables, seq_lens, window, block_n=32):
     """Launch ``kernel`` over a batch, one program per (sequence, KV head), into a NaN-filled output."""
@@ -1096,7 +1008,7 @@ ex.quiz(quiz)
 #   `vllm/v1/attention/backends/flashinfer.py` of vLLM 0.33.0 for the `NHD`/`HND` layouts.
 # - Tri Dao et al., *Flash-Decoding for long-context inference* (2023),
 #   [crfm.stanford.edu/2023/10/12/flashdecoding.html](https://crfm.stanford.edu/2023/10/12/flashdecoding.html):
-#   the split-K decode of section 6; Tri Dao, *FlashAttention-2*,
+#   the split-K decode of appendix A1; Tri Dao, *FlashAttention-2*,
 #   [arXiv:2307.08691](https://arxiv.org/abs/2307.08691): the online softmax the kernels use.
 # - Triton, [triton-lang.org](https://triton-lang.org/): the language of the kernels, and its
 #   interpreter, which runs them on a CPU.

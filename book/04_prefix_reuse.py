@@ -62,31 +62,28 @@ print(labkit.describe())
 # %% [markdown]
 # ## Why a prefix can be reused at all
 #
-# Attention is causal: position `i` sees only positions `0..i`. So the keys and values of the first
-# 4,096 tokens of a prompt depend on those 4,096 tokens and on the model, and on nothing that
-# comes after them. Two requests that begin with the same report produce the same K/V for the
-# report, bit for bit, whatever questions follow. Compute them once, keep the blocks, and let the
-# second request's block table point at them: that is *prefix caching* (vLLM calls it automatic
-# prefix caching, SGLang RadixAttention).
+# Attention is causal: position `i` sees only positions `0..i`. So the keys and values of a prompt's
+# first 4,096 tokens depend on those tokens and on the model, and on nothing after them. Two requests
+# that begin with the same report produce the same K/V for it, bit for bit, whatever questions
+# follow. Compute them once, keep the blocks, and point the second request's block table at them:
+# that is *prefix caching* (vLLM's automatic prefix caching, SGLang's RadixAttention).
 #
-# The same argument says what may **not** be shared. The K/V at position `i` depend on *every*
-# token before `i`, on the weights (and any adapter), on the position encoding and on how the cache
+# The same argument says what may **not** be shared: the K/V at position `i` depend on *every*
+# earlier token, on the weights (and any adapter), on the position encoding and on how the cache
 # stores numbers. Equal-looking text is not enough.
 
 # %% [markdown]
 # ## Naming a block: the hash chain
 #
-# Only *full* blocks are shared. Block `i` of a prompt gets a name computed from three things:
+# Only *full* blocks are shared. Block `i` of a prompt is named after three things:
 #
 # ```
 # hash_i = SHA-256(hash_{i-1}, token ids of block i, extra keys)
 # ```
 #
-# The parent hash makes the name stand for the *whole* prefix up to the end of the block. The
-# extra keys (`CacheKey`) carry everything else that changes the numbers: model, adapter, cache
-# dtype and layout, RoPE settings, the attention rule (causal, sliding window), and an optional
-# salt that keeps tenants apart. A lookup walks the prompt's chain from the
-# first block and stops at the first name the cache does not hold.
+# The parent hash makes the name stand for the *whole* prefix up to the block's end. The extra keys
+# (`CacheKey`) carry everything else that changes the numbers: model, adapter, cache dtype and
+# layout, RoPE settings, the attention rule, and an optional salt that keeps tenants apart.
 
 # %%
 # NBVAL_CHECK_OUTPUT
@@ -107,16 +104,22 @@ assert chain[0] == block_hash(None, prompt[:4], key) and chain[1] == block_hash(
 assert hash_chain(prompt, block_size, CacheKey(rope_theta=10000)) == chain  # 10000 and 10000.0: one key
 
 # %% [markdown]
-# Changing one early token renames every later block, even though blocks 1 and 2 hold the same
-# tokens as before. That is right: their K/V were computed after a different token 0.
-#
+# Changing token 0 renames every later block too, though block 1 holds the same tokens as before:
+# its K/V were computed after a different token 0. In `labkit.prefix` the chain is one
+# loop over the full blocks, each name made from the one before:
+
+# %%
+from labkit.show import excerpt
+
+excerpt(hash_chain, "parent = None", "hashes.append(parent)")
+
+# %% [markdown]
 # ## The article's figure: two long requests sharing half their tokens
 #
-# With the teaching model of chapter 02 (32 layers, 8 KV heads, head dim 128, 2-byte elements) a
-# token costs 128 KiB, and a 16-token block 2 MiB. Two requests of 8,192 tokens each share their
-# first 4,096 tokens (a report) and differ after that (their questions and answers). We run the
-# real `PrefixCache` bookkeeping on a pool of 16-token blocks (no tensors: at this size they would
-# take gigabytes) and count the blocks the pool actually holds.
+# With the teaching model of chapter 02 a token costs 128 KiB and a 16-token block 2 MiB. Requests
+# A and B, of 8,192 tokens each, share their first 4,096 (a report) and differ after that (their
+# questions and answers). We run the real `PrefixCache` bookkeeping on a pool of 16-token blocks
+# (without tensors, which would take gigabytes) and count the blocks the pool holds.
 
 # %%
 # NBVAL_CHECK_OUTPUT
@@ -151,32 +154,48 @@ assert used_without * block_bytes == 2 * GiB and used_with * block_bytes == 1.5 
 assert shared * block_bytes == 0.5 * GiB and private * block_bytes == GiB and hit_b == 4096
 
 # %% [markdown]
-# 2 GiB become 1.5 GiB: one copy of the report, two private suffixes. The saving holds only because
-# the report's K/V are the *same computation* in both requests; the cases below show when they are not.
-#
-# A scheduler (chapter 05) must know this *before* it admits a request: `match` finds the prompt's
-# hit, and `hit_extra_blocks` counts the blocks the rest would take from the free pool (with any
-# cached block it revives from there).
+# 2 GiB become 1.5 GiB: one copy of the report, two private suffixes. `allocate` does it for each new
+# prompt: find the hit, count the blocks the rest needs (refusing, all or nothing, when the pool is
+# short), then share the hit's blocks and append fresh ones for the rest:
+
+# %%
+excerpt(PrefixCache.allocate, "m = self.match(tokens, key) if lookup", "self._append(table, tokens[")
+
+# %% [markdown]
+# Sharing is a reference count. A hit block that a table holds gets one more reference; a cached
+# block that no one holds any more is taken back out of the free queue (*revived*):
+
+# %%
+excerpt(PrefixCache.share, "for b in hit.block_ids:", "self.allocator.incref(b) if")
+
+# %% [markdown]
+# A scheduler (chapter 05) must count those blocks *before* it admits a request: `match` finds the
+# hit, and `hit_extra_blocks` counts what the rest takes from the free pool. A third request on the
+# same report:
 
 # %%
 # NBVAL_CHECK_OUTPUT
-request_c = report_tokens + [300_000 + i for i in range(4096)]
-hit_c = cache_ab.match(request_c)
-needed_c = cache_ab.hit_extra_blocks(hit_c, len(request_c) - hit_c.num_cached_tokens)
+request_3 = report_tokens + [300_000 + i for i in range(4096)]
+hit_3 = cache_ab.match(request_3)
+needed_3 = cache_ab.hit_extra_blocks(hit_3, len(request_3) - hit_3.num_cached_tokens)
 empty = PrefixCache(BlockAllocator(1024), block_size=16)
-alone = empty.hit_extra_blocks(empty.match(request_c), len(request_c))
-print(f"a third request on the same report needs {needed_c} free blocks ({format_bytes(needed_c * block_bytes)}); "
+alone = empty.hit_extra_blocks(empty.match(request_3), len(request_3))
+print(f"a third request on the same report needs {needed_3} free blocks ({format_bytes(needed_3 * block_bytes)}); "
       f"on an empty cache {alone} ({format_bytes(alone * block_bytes)})")
-assert needed_c == 256 and alone == 512
+assert needed_3 == 256 and alone == 512
 
 # %% [markdown]
-# One rule caps every hit. Prefill must end by running the model on the *last* prompt token: its
-# logits give the first output token, and a cached block holds K and V, not logits. So a lookup
-# never returns the whole prompt, even when every block of it is cached: it stops at `len - 1`
-# tokens, rounded down to whole blocks (vLLM does the same in
-# `vllm/v1/core/kv_cache_manager.py`, `KVCacheManager.get_computed_blocks`, vLLM 0.33.0:
-# `max_cache_hit_length` defaults to `request.num_tokens - 1`). Ask the cache for request A again, all 512 of
-# its blocks cached:
+# One rule caps every hit. Prefill must end by running the model on the *last* prompt token, whose
+# logits give the first output token, and a cached block holds K and V, not logits. So `match` looks
+# up only the full blocks among the first `len - 1` tokens, each verified against its parent entry,
+# and the first miss ends the hit (vLLM 0.33.0 does the same: `max_cache_hit_length =
+# request.num_tokens - 1` in `KVCacheManager.get_computed_blocks`):
+
+# %%
+excerpt(PrefixCache.match, "for i in range((len(tokens) - 1) // bs)", "entries.append")
+
+# %% [markdown]
+# Ask the cache for request A again, all 512 of its blocks cached:
 
 # %%
 # NBVAL_CHECK_OUTPUT
@@ -187,19 +206,18 @@ print(f"A plus one more token ({len(request_a) + 1:,} tokens): hit {longer:,} to
 assert again == (len(request_a) - 1) // 16 * 16 == 8176 and longer == len(request_a)
 
 # %% [markdown]
-# The identical prompt recomputes its last block, 16 tokens, to get one token's logits; one more
-# prompt token and all 512 blocks hit. (An engine could keep the last block and compute only the
-# final token; vLLM's comment at that line notes the whole-block recompute, which comes from its
-# rule that computed tokens end on a block boundary, as a possible future improvement.)
+# The identical prompt recomputes its last block, 16 tokens, for one token's logits; with one more
+# prompt token all 512 blocks hit. (vLLM's comment at that line names computing only the final token
+# as a possible improvement.)
 
 # %% [markdown]
 # ## A picture: block tables pointing at shared blocks
 #
 # The step-through story further down runs a small scenario on a real `PrefixCache` with 4-token
-# blocks and an 8-block pool. Here is its step 3: A and B asked different questions about the
-# same 8-token report, and A' is a second sample forked from A. The top row is the pool (the number
-# is each block's reference count, orange = shared); each row below is one sequence's block table,
-# with a line from each logical block to the physical block it uses.
+# blocks and an 8-block pool. Its step 3: A and B asked different questions about the same 8-token
+# report, and A' is a second sample forked from A. The top row is the pool (the number is each
+# block's reference count, orange = shared); each row below is a block table, with a line from each
+# logical block to its physical block.
 
 # %%
 from labkit.widgets.prefix_stepper import PrefixStepper, draw_snapshot, static_figure, story
@@ -213,15 +231,12 @@ assert snaps[3].ref_counts[:3] == (3, 3, 2)
 # %% [markdown]
 # ## Proof, not assertion: the same answers with and without reuse
 #
-# Now with tensors. `PrefixKVCache` keeps a paged K/V pool per layer (chapter 03's layout) and lets
-# a `PrefixCache` manage its blocks. For a new request it looks up the prompt's cached prefix, and
-# the decoder runs **only on the remaining tokens**: `write_kv` stores their K/V in their slots and
-# `paged_prefill_attention` lets them attend over the cached prefix and themselves. Then decode
-# proceeds one token at a time as usual.
-#
-# We write a short "report", turn words into token ids with a toy tokenizer, and ask four
-# questions about it. Each request is run three ways: with reuse, with reuse switched off (same
-# code, no block ever named), and with chapter 01's contiguous cache.
+# Now with tensors. `PrefixKVCache` keeps a paged K/V pool per layer (chapter 03) and lets a
+# `PrefixCache` manage its blocks: for a new request it looks up the cached prefix, and the decoder
+# runs **only on the remaining tokens**, which attend over the cached prefix and themselves. We
+# write a short "report", turn words into token ids with a toy tokenizer, and ask four questions
+# about it, each three ways: with reuse, with reuse off (no block ever named), and with chapter 01's
+# contiguous cache.
 
 # %%
 tiny = DecoderConfig(vocab_size=512, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
@@ -276,16 +291,15 @@ for r in range(1, len(questions)):  # what each request could reuse: full blocks
     assert results[r][0].num_cached_tokens == common // proof_block_size * proof_block_size
 
 # %% [markdown]
-# The first request finds nothing and names its full blocks; the next three find the blocks of
-# the report (and of the words "question :", which all questions begin with) and prefill only the
-# rest of their question. The tokens are identical three ways and the logits
-# agree to float32 rounding: the cached K/V *are* the K/V the model would have computed.
+# The first request finds nothing and names its full blocks; the next three find the blocks of the
+# report (and of "question :", which every question begins with) and prefill only the rest. The
+# tokens agree three ways and the logits to float32 rounding: the cached K/V *are* the K/V the model
+# would compute.
 #
 # ## What reuse saves, and what it does not
 #
-# Reuse skips **prefill** work for the cached tokens (and their memory, as the figure above showed).
-# It does nothing for **decode**: every output token is still one forward pass that reads the whole
-# history, cached or not.
+# Reuse skips **prefill** work for the cached tokens, and their memory. It does nothing for
+# **decode**: every output token is still one forward pass that reads the whole history.
 
 # %%
 # NBVAL_CHECK_OUTPUT
@@ -317,11 +331,11 @@ plt.show()
 # %% [markdown]
 # ## When reuse must not happen
 #
-# Each case below reaches the same lookup, and each must miss. First the reason for the first case,
-# measured on the model. Take the question after the report, and after the report with only its
-# first word changed (same length, so every question token keeps its position). Layer 0 computes
-# keys from each token and its position alone, so there they agree exactly; from layer 1 on,
-# attention has mixed the earlier tokens into every hidden state, and the keys differ.
+# Each case below reaches the same lookup, and each must miss. First the reason, measured on the
+# model: take the question after the report, and after the report with only its first word changed
+# (same length, so every question token keeps its position). Layer 0 computes keys from each token
+# and its position alone, so there they agree exactly; from layer 1 on, attention has mixed the
+# earlier tokens into every hidden state, and the keys differ.
 
 # %%
 def stored_keys(prompt: list[int]) -> list[torch.Tensor]:
@@ -345,13 +359,11 @@ for layer, d in enumerate(diffs):
 assert diffs[0] == 0.0 and all(d > 0.1 for d in diffs[1:])
 
 # %% [markdown]
-# The position is a reuse condition of its own. Keep the report identical but move the question:
-# four more tokens before it shift every question token by four positions. Even in layer 0, where
-# nothing earlier has been mixed in, the question's keys change: RoPE rotates each key by an angle
-# proportional to its position. The rotation keeps each key's length, so the check below finds
-# equal norms and different vectors: the same token, turned by a different angle. A block's K/V are
-# valid only at the positions where they were computed, which the hash chain guarantees, since a
-# block's name includes every token before it.
+# The position is a reuse condition of its own. Keep the report and move the question four tokens
+# later: even in layer 0 its keys change, because RoPE rotates each key by an angle proportional to
+# its position. The rotation keeps each key's length, so the check finds equal norms and different
+# vectors. A block's K/V are valid only where they were computed, which the hash chain guarantees,
+# since a block's name covers every token before it.
 
 # %%
 shifted = stored_keys(report + encode("please answer this :") + text)
@@ -399,13 +411,13 @@ assert hits["same report, same settings (control)"] == common_prefix_len(report 
 assert all(v == 0 for n, v in hits.items() if "control" not in n)
 
 # %% [markdown]
-# The control hits; every other case misses, and each for a reason the hash chain encodes: the
-# parent hash (case 1), the extra keys (cases 2 and 3), and "full blocks only" (case 4). In the last
-# case the 12 shared tokens never filled a 16-token block, so no block got a name.
+# The control hits; every other case misses, each for a reason the hash chain encodes: the parent
+# hash (case 1), the extra keys (cases 2 and 3), and "full blocks only" (case 4: the 12 shared
+# tokens never filled a 16-token block, so none got a name).
 #
-# Lookups also guard against hash collisions. A hash is only an index: on a hit the cache compares
-# the stored token ids, extra keys and parent entry with the request's. With a deliberately terrible
-# hash that gives every block the same name, collisions cost hits but never cause a wrong reuse.
+# A hash is only an index: on a hit, `match` compares the stored token ids, extra keys and parent
+# entry with the request's. With a deliberately terrible hash that gives every block the same name,
+# collisions cost hits but never cause a wrong reuse.
 
 # %%
 weak = PrefixCache(BlockAllocator(16), block_size=4, hash_fn=lambda parent, tokens, key: "same name")
@@ -416,24 +428,19 @@ assert weak.match([5, 6, 7, 8, 9]).num_cached_tokens == 0   # same name, other t
 print("a colliding name is refused after comparing the stored tokens")
 
 # %% [markdown]
-# With SHA-256 a collision would need about 2^128 blocks before it became likely, so the
-# comparison almost never fires; it is there so that correctness never rests on luck (and a
-# faster, weaker hash stays safe).
+# With SHA-256 a collision would need about 2^128 blocks before it became likely; the comparison is
+# there so that correctness never rests on luck.
 #
 # ## Sharing, copy-on-write, finishing and eviction, step by step
 #
-# Blocks carry reference counts: the number of block tables that hold them. A finished request
-# drops its references, but its full blocks **stay cached**: they sit in the allocator's free queue
-# with their names, and a later request can revive them. As in vLLM (`BlockPool.free_blocks`, vLLM
-# 0.33.0), a freed block without a name goes to the *front* of the queue, to be reused first, and a
-# named one to the *back*. Only when the pool needs a block and hands out a named one is its name
-# dropped: an *eviction*, least recently used first. (Engine
-# dashboards that show KV usage falling to 0% after requests end are counting referenced blocks,
-# not cached ones.)
-#
-# When two sequences share a partly filled tail block (a fork for parallel sampling), the first
-# one to write into it gets a private copy first: *copy-on-write*. `append` returns the
-# `(src, dst)` pair so the engine can copy the K/V of that block in every layer.
+# A finished request drops its references, but its full blocks **stay cached**: they sit in the
+# free queue with their names, and a later request can revive them. A freed block without a name
+# goes to the *front* of the queue (chapter 03), a named one to the *back*; only when the pool hands
+# out a named block is its name dropped: an *eviction*, least recently used first. (Dashboards that
+# show KV usage falling to 0% after requests end count referenced blocks, not cached ones.) When two
+# sequences share a partly filled tail block (a fork for parallel sampling), the first to write into
+# it gets a private copy: *copy-on-write*; `append` returns the `(src, dst)` pair for the engine to
+# copy in every layer.
 #
 # Move the slider to step through the story.
 
@@ -459,27 +466,22 @@ assert snaps[4].copies and snaps[7].evicted and sum(snaps[6].ref_counts) == 0 an
 assert snaps[7].evicted == snaps[9].evicted and snaps[7].evicted_held != snaps[9].evicted_held
 
 # %% [markdown]
-# Blocks 1 and 4 are evicted twice, at step 7 and again at step 9, and that is no double count. An
-# eviction drops a *name*, the content a block held, and the physical block goes straight back to
-# work. At step 7, C needs 7 of the 8 blocks: it takes the 5 free blocks that carry no name, then
-# the two cached blocks at the front of the queue, 4 and 1, which held A''s private tail (full once
-# it wrote its token) and the report's second block. Only the report's first block, 0, survives. When C finishes, it frees its blocks
-# tail first, as vLLM does, so its *last* two blocks, in 1 and 4 again, are the least recently used.
-# At step 9, D finds block 0 (a 4-token hit) and needs two more blocks: the queue hands out 1 and 4
-# once more, this time dropping C's names, and D writes the report's second block back into
-# block 1. The ids repeat because the free queue recycles ids; the evicted content is different
-# each time.
+# Blocks 1 and 4 are evicted twice, at steps 7 and 9, and that is no double count: an eviction drops
+# a *name*, the content a block held, and the physical block goes straight back to work. At step 7
+# C, unrelated text, needs 7 of the 8 blocks: the 5 free unnamed ones, then the two cached blocks at
+# the front of the queue, 4 and 1 (A''s tail and the report's second block). C frees its blocks tail
+# first, so its last two, in 1 and 4 again, are the least recently used; at step 9 D finds block 0
+# (a 4-token hit) and takes 1 and 4 once more, dropping C's names.
 
 # %% [markdown]
 # ## With a real model: one system prompt, four conversations
 #
-# Chat requests rarely share a report, but they very often share a *system prompt*: every
-# conversation with an assistant begins with the same instructions, wrapped by the model's chat
-# template in the same special tokens. Here is the real thing: SmolLM2-135M-Instruct (chapter 01;
-# the 4-bit GGUF file that `make setup` installs) with its own tokenizer and chat template, served
-# by chapter 05's engine with this chapter's prefix cache. Four questions share one system prompt.
-# A fifth prompt has the same system prompt with **one more space** in it: to a reader the same
-# text, to the tokenizer other tokens, and from the first changed token on, other blocks.
+# Chat requests very often share a *system prompt*: every conversation begins with the same
+# instructions, wrapped by the chat template in the same special tokens. Here is SmolLM2-135M-Instruct
+# (chapter 01) with its own tokenizer and chat template, served by chapter 05's engine with this
+# chapter's prefix cache. Four questions share one system prompt. A fifth prompt has the same
+# system prompt with **one more space** in it: to a reader the same text, to the tokenizer other
+# tokens.
 
 # %%
 # NBVAL_SKIP_IN_SOLUTIONS
@@ -521,15 +523,15 @@ assert prompts["question 2, one more space"] != prompts["question 2"]
 assert edit_at < common_prefix_len(first, prompts["question 2"])
 
 # %% [markdown]
-# Now the engine serves them one after the other in one pool, with blocks of 16 tokens, twice: with
-# the prefix cache on and off. Each reply stops at the end-of-turn token or after 8 tokens. On a CPU
-# the engine runs the kernels' PyTorch references, which chapter 03 proves equal to the Triton
-# kernels (a 30-layer model through Triton's interpreter would take minutes).
+# Now the engine serves them one after the other in one pool of 16-token blocks, with the prefix
+# cache on and off; each reply stops at the end-of-turn token or after 8 tokens. On a CPU the
+# engine runs the kernels' PyTorch references, which chapter 03 proved equal to the Triton kernels.
 #
-# The table gives, for each request, the prompt tokens found in the cache and the time to its first
-# token, which is its prefill: the whole prompt, or only the uncached rest. A time measured once on
-# a busy machine can be off by a lot, so the prefills are served twice more (one token each) and
-# the table keeps each request's fastest.
+# The table gives each request's cached prompt tokens and its time to first token, its prefill.
+# Such a time misleads in two ways. The first forward pass of a process also pays one-off costs, so
+# an untimed round of prefills warms the model up first. And a busy machine adds noise, so each
+# mode then serves the prompts three times, the modes taking turns at going first, and the table
+# keeps each request's fastest.
 
 # %%
 # NBVAL_SKIP_IN_SOLUTIONS
@@ -554,12 +556,14 @@ def serve(enable_prefix_caching: bool, max_new_tokens: int) -> dict[str, tuple]:
     return out
 
 
+warm_up = serve(False, 1)  # the process's first prefills, with their one-off costs: not in the table
 cached_run, plain_run = serve(True, 8), serve(False, 8)
-ttft = {True: {n: t for n, (_, t) in cached_run.items()}, False: {n: t for n, (_, t) in plain_run.items()}}
-for _ in range(2):  # prefill only, twice more: keep each request's fastest
-    for caching in (True, False):
+runs = {True: {n: [t] for n, (_, t) in cached_run.items()}, False: {n: [t] for n, (_, t) in plain_run.items()}}
+for order in ((False, True), (True, False)):  # prefill only, twice more, each mode first once
+    for caching in order:
         for name, (_, t) in serve(caching, 1).items():
-            ttft[caching][name] = min(ttft[caching][name], t)
+            runs[caching][name].append(t)
+ttft = {caching: {name: min(times) for name, times in by_name.items()} for caching, by_name in runs.items()}
 where = torch.cuda.get_device_name() if labkit.DEVICE.type == "cuda" else "the CPU"
 print(f"times measured in this run on {where} ({torch.get_num_threads()} PyTorch threads); "
       f"attention ran {ran_on['attention']}")
@@ -578,29 +582,89 @@ for name, (request, _) in cached_run.items():  # a hit is every full block befor
     earlier = list(prompts)[:list(prompts).index(name)]
     common = max((common_prefix_len(prompts[name], prompts[n]) for n in earlier), default=0)
     assert hits[name] == min(common, len(prompts[name]) - 1) // 16 * 16
-assert hits["question 2"] > hits["question 2, one more space"] and all(p[0].num_cached_tokens == 0
-                                                                       for p in plain_run.values())
+assert all(p[0].num_cached_tokens == 0 for p in plain_run.values())
 reused = [name for name in prompts if hits[name]]  # questions 2 to 4: their prefill is shorter, so faster
 assert reused == ["question 2", "question 3", "question 4"]
 assert sum(ttft[True][n] for n in reused) < sum(ttft[False][n] for n in reused)
+# The extra space sits inside the first block: not even that block is reused.
+assert edit_at == 4 and hits["question 2, one more space"] == 0  # quoted below
+assert hits["question 1"] == 0 and len(first) == len(prompts["question 2, one more space"]) == 62 and len(first) // 16 == 3
 
 # %% [markdown]
-# The replies, identical with and without reuse:
+# Questions 2 to 4 reuse the blocks of the system prompt that question 1 computed, prefill only the
+# rest, and get their first token sooner (the times change from machine to machine; the token
+# counts do not). The fifth prompt reads the same to a person, yet it finds **nothing**, 0 of its
+# 62 tokens: the extra space comes right after the 4 tokens it shares with question 1 (printed
+# above), inside the first 16-token block, so even that block's name differs, and the chain
+# carries the difference into every later name.
+#
+# Question 1 is a miss either way, and computes the same 62 tokens with the cache on or off. Any gap
+# between its two times is not caching: the only extra work, hashing and naming its three full
+# blocks, is timed below on the scheduler alone, without the model.
 
 # %%
 # NBVAL_SKIP_IN_SOLUTIONS
-for name in prompts:
-    print(f"{name:<27}: {tokenizer.decode(cached_run[name][0].output_token_ids, skip_special_tokens=True)!r}")
+import statistics
+
+from labkit.scheduler import Scheduler
+
+
+def bookkeeping_ms(caching: bool, repeats: int = 50) -> float:
+    """Median time to schedule question 1 on a fresh scheduler and take back its first token (no model)."""
+    times = []
+    for _ in range(repeats):
+        scheduler = Scheduler(64, 16, 256, enable_prefix_caching=caching)
+        scheduler.add_request(first, 1)
+        start = time.perf_counter()
+        scheduler.postprocess(scheduler.schedule(), [0])
+        times.append(time.perf_counter() - start)
+    return 1000 * statistics.median(times)
+
+
+book_on, book_off = bookkeeping_ms(True), bookkeeping_ms(False)
+miss_on, miss_off = 1000 * ttft[True]["question 1"], 1000 * ttft[False]["question 1"]
+cold = 1000 * warm_up["question 1"][1]
+print(f"question 1, bookkeeping alone: {book_on:.2f} ms with the cache, {book_off:.2f} ms without "
+      f"(+{book_on - book_off:.2f} ms: {(book_on - book_off) / miss_on:.3%} of its prefill)")
+for caching in (True, False):
+    print(f"question 1, cache {'on ' if caching else 'off'}: first token after "
+          f"{', '.join(f'{1000 * t:.0f}' for t in runs[caching]['question 1'])} ms in its three runs")
+print(f"the process's first prefill (question 1, in the untimed round): {cold:.0f} ms, "
+      f"{cold / min(miss_on, miss_off):.1f}x the fastest warm one")
+assert book_on - book_off < min(1.0, 0.01 * min(miss_on, miss_off))
 
 # %% [markdown]
-# Questions 2 to 4 reuse the blocks of the system prompt that question 1 computed, so their prefill
-# computes only the rest of the prompt, and their first token comes sooner (the times above were
-# measured where this notebook last ran, as the line above the table says, and change from machine
-# to machine; the token counts do not). The replies are the same token for token. The fifth prompt reads the same to a person, yet its hit stops at
-# the last full block before the extra space, because the tokenizer turned "You  are" into different
-# tokens and every block name after them differs (the hash chain). An engine can only reuse what is
-# identical in token ids, from the first token on: templates and system prompts that vary by a
-# space, a date or a user name defeat the cache.
+# Hashing and naming three blocks costs a fraction of a millisecond (first line), too little to
+# see in a prefill. What moves the times is the machine. The process's very first prefill pays
+# one-off costs (last line); timed, it would have weighed on whichever mode ran first, which is
+# why the untimed round now comes first and the modes take turns. And the same prefill, repeated,
+# spreads over the range the middle lines show: a gap between question 1's two times, in either
+# direction, is that spread, not the cache.
+#
+# The replies so far were cut at 8 tokens. Here are three of them whole, served together in one
+# batch with the cache on, each until the model ends its turn:
+
+# %%
+# NBVAL_SKIP_IN_SOLUTIONS
+eos = chat_model.config.eos_token_id
+eos = {eos} if isinstance(eos, int) else set(eos)
+engine = Engine(chat_model, num_blocks=64, block_size=16, max_num_batched_tokens=512, use_triton=use_triton)
+whole = ["question 1", "question 2", "question 2, one more space"]
+replies = dict(zip(whole, engine.generate([prompts[name] for name in whole], max_new_tokens=64)))
+for name, ids in replies.items():
+    print(f"{name:<27}: {tokenizer.decode(ids, skip_special_tokens=True)!r} ({len(ids)} tokens)")
+    assert ids[:8] == cached_run[name][0].output_token_ids  # the 8-token replies above begin them
+assert all(ids[-1] in eos for ids in replies.values())  # every reply ended by itself, none was cut
+assert replies["question 2"] != replies["question 2, one more space"]
+assert all("Saturn" in tokenizer.decode(replies[n]) for n in whole[1:])  # wrong both times, as said below
+
+# %% [markdown]
+# The same question, after a system prompt that differs by one space, gets a **different reply**.
+# That is the plainest evidence that a space changes the computation: other token ids, other K/V in
+# every layer, other logits. (Both replies are also wrong, each in its own way: the largest planet
+# is Jupiter, not Saturn. A 135M-parameter model holds few facts firmly.) An engine can reuse only what is identical in token ids from the first
+# token on, so templates and system prompts that vary by a space, a date or a user name defeat the
+# cache.
 
 # %% [markdown]
 # ## Two designs: a hash chain (vLLM) and a radix tree (SGLang)
@@ -609,14 +673,13 @@ for name in prompts:
 #
 # | | hash chain per block (vLLM) | radix tree of tokens (SGLang RadixAttention) |
 # |---|---|---|
-# | unit of sharing | full blocks only | any token boundary with `page_size=1` (a node holds a run of tokens); with larger pages, page-aligned prefixes only |
+# | unit of sharing | full blocks only | any token boundary with `page_size=1`; page-aligned prefixes with larger pages |
 # | lookup | hash each full block, look names up one by one | walk the tree from the root, matching tokens |
-# | state | a flat dict name -> block, plus the free queue | a tree whose edges are token runs; nodes point at K/V slots |
 # | eviction | LRU over free cached blocks | LRU over leaves no running request locks |
-# | easy | names come from the tokens alone, so every process can compute them and share blocks across workers or a disk tier, as long as all start the chain from the same seed (vLLM 0.33.0, `kv_cache_utils.py` `init_none_hash`: a fixed seed for its default sha256; for xxhash a random seed per process unless `PYTHONHASHSEED` is set); O(1) per block | partial-block prefixes (with `page_size=1`), seeing the structure of all cached prefixes at once, scheduling by longest shared prefix |
-# | harder | sharing below one block; knowing what else shares a prefix | bookkeeping of splits and merges; distributing the tree |
+# | easy | names come from the tokens alone, so processes can share blocks across workers or a disk tier if all seed the chain alike (vLLM 0.33.0, `kv_cache_utils.py`, `init_none_hash`) | partial-block prefixes, scheduling by longest shared prefix |
+# | harder | sharing below one block | bookkeeping of splits and merges; distributing the tree |
 #
-# The book's `PrefixCache` is the hash-chain design; its entry check (parent entry + tokens) is a
+# The book's `PrefixCache` is the hash-chain design; its entry check (parent entry and tokens) is a
 # tree edge in disguise, which is why collisions cannot hurt it.
 #
 # ## Summary
@@ -624,19 +687,19 @@ for name in prompts:
 # - Causal attention makes the K/V of a prefix a function of that prefix and the computation only,
 #   so requests that begin with the same tokens can share them.
 # - A block is named by a hash chain: parent name, its tokens, and the extra keys (model, adapter,
-#   cache dtype and layout, position encoding, attention rule, salt). Only full blocks get names; a hit is capped
-#   so at least one prompt token is computed to produce logits.
-# - Two 8,192-token requests sharing 4,096 tokens hold 1.5 GiB instead of 2 GiB in the teaching model.
+#   cache dtype and layout, position encoding, attention rule, salt). Only full blocks get names; a
+#   hit is capped so that at least one prompt token is computed to produce logits.
+# - `allocate` matches, counts, then shares the hit's blocks by reference count and appends fresh
+#   ones; two 8,192-token requests sharing 4,096 tokens hold 1.5 GiB instead of 2 GiB.
 # - Prefilling only the uncached suffix gives the same tokens and logits: reuse saves prefill work
 #   and memory, never decode steps.
-# - Reference counts track sharing; a shared tail is copied on write; finished requests leave
-#   cached blocks that are evicted least recently used first.
-# - Reuse must not cross a different earlier prefix, adapter, cache dtype or layout, or position:
-#   the same tokens four positions later have different RoPE keys (equal norms, other angles). A
+# - A shared tail is copied on write; finished requests leave cached blocks, evicted least recently
+#   used first.
+# - Reuse must not cross a different earlier prefix, adapter, cache dtype or layout, or position. A
 #   prefix shorter than one block cannot be reused at all.
-# - With a real model, four conversations with one system prompt share its blocks: their prefill
-#   computes only their own tokens, and the replies are the same with the cache on or off. One extra
-#   space in the system prompt changes the token ids and ends the hit there.
+# - With a real model, four conversations with one system prompt share its blocks, with the same
+#   replies with the cache on or off. One extra space in the system prompt leaves nothing to reuse,
+#   and the model answers it differently.
 #
 # Next, chapter 05 puts these blocks into the scheduler's decisions.
 #
