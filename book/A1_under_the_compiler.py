@@ -18,7 +18,8 @@
 #   an H100;
 # - why decode attention is bound by memory bandwidth: its arithmetic intensity against each
 #   GPU's ridge point, drawn as a roofline;
-# - what labkit's tile sizes trade, and how to time the kernel when a GPU is present.
+# - what labkit's tile sizes trade, and how to time the kernel when a GPU is present;
+# - why a long context with a small batch splits its keys across programs (split-K, flash-decoding).
 
 # %%
 from labkit.diagrams import roadmap
