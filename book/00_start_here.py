@@ -85,7 +85,9 @@
 # - **ITL**, inter-token latency: each interval between two consecutive output tokens of a
 #   request, all requests' intervals pooled, so that long answers weigh more (chapter 06).
 #
-# Requests **A, B and C** are the article's three, of 8,192, 4,096 and 2,048 tokens (chapter 02).
+# Requests **A, B and C** are chapter 02's three, of 8,192, 4,096 and 2,048 tokens, the sizes the
+# article reasons with. Elsewhere letters name the requests of one example only (chapter 04's A and
+# B share a report; chapter 05's walk is W, X, Y, Z), and each example introduces its own.
 #
 # The words for memory, in code (chapter 03 builds these classes): a pool of 8 blocks, where an
 # earlier request holds 2 blocks, and a 37-token request in 16-token blocks.

@@ -313,8 +313,8 @@ assert refused["first fit", False] == 0  # "every request first fit refused", be
 # ## 3. Choosing the block size
 #
 # Smaller blocks waste less in the tail, but a request then needs more of them: longer block tables
-# and more lookups for the kernel. `reservation_shares` counts the paged share for any block size;
-# what it misses is the tail waste:
+# and more lookups for the kernel. `reservation_shares` gives the paged share of the pool that holds
+# tokens for any block size; the rest of what paging holds is the empty tails of last blocks:
 
 # %%
 block_sizes = [1, 2, 4, 8, 16, 32, 64, 128, 256]

@@ -469,7 +469,7 @@ assert snaps[7].evicted == snaps[9].evicted and snaps[7].evicted_held != snaps[9
 # Blocks 1 and 4 are evicted twice, at steps 7 and 9, and that is no double count: an eviction drops
 # a *name*, the content a block held, and the physical block goes straight back to work. At step 7
 # C, unrelated text, needs 7 of the 8 blocks: the 5 free unnamed ones, then the two cached blocks at
-# the front of the queue, 4 and 1 (A''s tail and the report's second block). C frees its blocks tail
+# the front of the queue, 4 and 1 (the tail of A' and the report's second block). C frees its blocks tail
 # first, so its last two, in 1 and 4 again, are the least recently used; at step 9 D finds block 0
 # (a 4-token hit) and takes 1 and 4 once more, dropping C's names.
 
@@ -637,7 +637,7 @@ assert book_on - book_off < min(1.0, 0.01 * min(miss_on, miss_off))
 # Hashing and naming three blocks costs a fraction of a millisecond (first line), too little to
 # see in a prefill. What moves the times is the machine. The process's very first prefill pays
 # one-off costs (last line); timed, it would have weighed on whichever mode ran first, which is
-# why the untimed round now comes first and the modes take turns. And the same prefill, repeated,
+# why an untimed round comes first and the modes take turns. And the same prefill, repeated,
 # spreads over the range the middle lines show: a gap between question 1's two times, in either
 # direction, is that spread, not the cache.
 #
@@ -661,10 +661,10 @@ assert all("Saturn" in tokenizer.decode(replies[n]) for n in whole[1:])  # wrong
 # %% [markdown]
 # The same question, after a system prompt that differs by one space, gets a **different reply**.
 # That is the plainest evidence that a space changes the computation: other token ids, other K/V in
-# every layer, other logits. (Both replies are also wrong, each in its own way: the largest planet
-# is Jupiter, not Saturn. A 135M-parameter model holds few facts firmly.) An engine can reuse only what is identical in token ids from the first
-# token on, so templates and system prompts that vary by a space, a date or a user name defeat the
-# cache.
+# every layer, other logits. (Both replies also get the fact wrong: the largest planet is Jupiter,
+# not Saturn. A 135M-parameter model holds few facts firmly.) An engine can reuse only what is
+# identical in token ids from the first token on, so templates and system prompts that vary by a
+# space, a date or a user name defeat the cache.
 
 # %% [markdown]
 # ## Two designs: a hash chain (vLLM) and a radix tree (SGLang)

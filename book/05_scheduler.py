@@ -153,7 +153,8 @@ assert needed == [3, 0, 1, 1, 1, 3]
 # Four requests arrive together: 8 blocks of 4 tokens, a budget of 12 tokens. W has a 10-token
 # prompt, X 14, Y 5 and Z 3; they want 3, 2, 2 and 3 new tokens. The `Scheduler` offers its
 # *running* requests first, then its *waiting* queue in arrival order; every `Step` records each
-# turn. Here it follows the article's pass to the letter (`head_of_line=False`; vLLM's default: A5).
+# turn. With `head_of_line=False` it skips a waiting request that does not fit and goes on to the
+# next, as the article's pass does (vLLM stops at the first one instead: appendix A5).
 
 # %%
 def serve(scheduler, arrivals, max_steps=500):

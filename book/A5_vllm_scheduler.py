@@ -247,7 +247,7 @@ assert len(hol_walk_steps) == len(walk_steps) + 1
 # it computes *now*. With chunked prefill and a tight pool that invites trouble: a 600-token prompt
 # admitted with a 256-token chunk takes 16 blocks, the next step 16 more, and when the pool runs dry
 # halfway through its prompt, someone is preempted, and the chunks already computed for it are
-# thrown away. vLLM refuses to start what it cannot finish: `SchedulerConfig.scheduler_reserve_full_isl`
+# thrown away. vLLM refuses to start a prompt it cannot finish prefilling: `SchedulerConfig.scheduler_reserve_full_isl`
 # (`vllm/config/scheduler.py`, vLLM 0.33.0) is `True` by default, and the scheduler's waiting loop
 # passes it to `KVCacheManager.allocate_slots` as `full_sequence_must_fit`
 # (`vllm/v1/core/kv_cache_manager.py`). When the known sequence does not fit, admission stops for
@@ -395,8 +395,8 @@ CONFORMANCE = next((p / "benchmarks" / "results" / "vllm_scheduler_2026-11-30.md
 if CONFORMANCE is None:  # a pip install (Colab) has labkit but not the repository's benchmarks/
     print("benchmarks/results/vllm_scheduler_2026-11-30.md ships with the repository: clone it to see this table.")
 else:
-    tables = CONFORMANCE.read_text().split("```")[1::2]  # this labkit, then the commit before issue 19
-    for label, table in zip(["labkit now", "labkit before (chunk-only admission)"], tables):
+    tables = CONFORMANCE.read_text().split("```")[1::2]  # with the gate, then chunk-only admission
+    for label, table in zip(["labkit with the gate", "labkit with chunk-only admission"], tables):
         rows = table.strip().splitlines()
         print(f"{label}:\n{rows[0]}\n{rows[-1]}")
     now, before = (t.strip().splitlines()[-1].split() for t in tables)  # the "all" rows
@@ -407,10 +407,9 @@ else:
 # %% [markdown]
 # Every step schedules the same requests with the same token counts, every admission finds the same
 # prefix hit, the same requests are preempted in the same steps, and every request finishes in the
-# same step as in vLLM. Before the gate, labkit preempted about five times as often as vLLM on the
-# same workloads (the second pair of lines), and agreed on fewer than two steps in three. Switching
-# the gate off (`full_sequence_must_fit=False`) brings that older table back cell for cell: on these
-# workloads the gate is the whole difference. What the comparison leaves out is what
+# same step as in vLLM. Admitting by the chunk alone, labkit preempted about five times as often as
+# vLLM on the same workloads (the second pair of lines) and agreed on fewer than two steps in three:
+# on these workloads the gate is the whole difference. What the comparison leaves out is what
 # `create_scheduler` leaves off: multimodal inputs, LoRA, speculative decoding, KV connectors,
 # structured output, asynchronous scheduling, and vLLM's priority policy.
 #

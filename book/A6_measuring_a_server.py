@@ -254,7 +254,7 @@ assert all(r.reuse_ratio == 0 < r.scheduler.allocator.num_evictions for r in sho
 # it serves the same traces with vLLM and with Orca, which reserves memory for each request when it
 # admits it. Its numbers belong to different baselines:
 #
-# - the abstract: 2–4× the throughput of FasterTransformer **and** Orca, the two together, at the
+# - the abstract: 2–4× the throughput of state-of-the-art systems *such as* FasterTransformer and Orca, at the
 #   same latency;
 # - §6.2, ShareGPT traces, request rates sustained at the same latency: 2.7–8× over **Orca
 #   (Max)**, which reserves the maximum length, and 1.7–2.7× over **Orca (Oracle)**, which knows
