@@ -106,6 +106,9 @@ def main() -> None:
                         help="16: all at once, three ways; 64: more requests than slots (continuous_batching.py)")
     parser.add_argument("--check-one-at-a-time", action="store_true",
                         help="workload 64: also run transformers one request at a time and compare tokens")
+    parser.add_argument("--rate", type=float, default=None,
+                        help="workload 64: Poisson arrivals per second (default: the engine's first closed-run "
+                             "completion rate); the results' file names then end in _rate<RATE>")
     args = parser.parse_args()
     torch.set_num_threads(args.threads)
     if args.workload == 64:
