@@ -16,7 +16,11 @@ tokens equal transformers' one-at-a-time tokens, and writes the table to
 ``benchmarks/results/real_model_<host>_<date>.md``. Goal (issue 18): the engine at least 2x the
 one-at-a-time throughput and at least 1x the padded batch's.
 
-Usage: ``python benchmarks/real_model.py [--threads 2] [--repeat 1]``
+A second workload (``--workload 64``, issue 32, code in ``benchmarks/continuous_batching.py``):
+64 chat requests, outputs of 8 to 128 tokens, at most 16 running at once on both sides, where
+continuous batching should win; and the same requests arriving as a Poisson stream.
+
+Usage: ``python benchmarks/real_model.py [--threads 2] [--repeat 1] [--workload 16|64]``
 (transformers reads the GGUF file itself, which needs ``accelerate``, a test dependency).
 """
 
@@ -98,8 +102,19 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--threads", type=int, default=2, help="torch CPU threads, the same for every way")
     parser.add_argument("--repeat", type=int, default=1, help="runs of each way; the best is reported")
+    parser.add_argument("--workload", type=int, choices=(16, 64), default=16,
+                        help="16: all at once, three ways; 64: more requests than slots (continuous_batching.py)")
+    parser.add_argument("--check-one-at-a-time", action="store_true",
+                        help="workload 64: also run transformers one request at a time and compare tokens")
+    parser.add_argument("--rate", type=float, default=None,
+                        help="workload 64: Poisson arrivals per second (default: the engine's first closed-run "
+                             "completion rate); the results' file names then end in _rate<RATE>")
     args = parser.parse_args()
     torch.set_num_threads(args.threads)
+    if args.workload == 64:
+        from continuous_batching import main_64  # noqa: E402  (benchmarks/, next to this file)
+        main_64(args)
+        return
     from transformers import AutoModelForCausalLM
 
     path = real_model()

@@ -30,6 +30,7 @@ import itertools
 import math
 import weakref
 from dataclasses import dataclass
+from functools import cached_property
 from typing import Sequence
 
 import torch
@@ -151,19 +152,18 @@ class AttentionMetadata:
     def build(cls, block_tables: list[list[int]], seq_lens: list[int], q_lens: list[int],
               slot_mapping: list[int], device: torch.device) -> "AttentionMetadata":
         """From plain lists (what a scheduler or a block table produces) to the kernels' tensors."""
-        width = max(len(row) for row in block_tables)
-        table = torch.zeros(len(block_tables), width, dtype=torch.int32)
-        for i, row in enumerate(block_tables):
-            table[i, : len(row)] = torch.tensor(row, dtype=torch.int32)
-        cu = torch.tensor([0] + q_lens, dtype=torch.int32).cumsum(0, dtype=torch.int32)
+        width = max(len(row) for row in block_tables)  # shorter rows padded with block 0, never read
+        table = torch.tensor([list(row) + [0] * (width - len(row)) for row in block_tables], dtype=torch.int32)
+        cu = torch.tensor([0] + list(q_lens), dtype=torch.int32).cumsum(0, dtype=torch.int32)
         return cls(torch.tensor(slot_mapping, dtype=torch.int64, device=device), table.to(device),
                    torch.tensor(seq_lens, dtype=torch.int32, device=device), cu.to(device))
 
-    @property
+    @cached_property
     def decode_only(self) -> bool:
         """Every sequence adds exactly one token (a pure decode step): the decode kernel's case.
 
         Counting tokens is not enough: ``q_lens`` [2, 0] has as many tokens as sequences.
+        Computed once per pass, not once per layer.
         """
         q_lens = self.cu_seqlens_q[1:] - self.cu_seqlens_q[:-1]
         return bool((q_lens == 1).all())
@@ -179,7 +179,8 @@ class KVPool:
     reads each sequence's blocks. The caches of chapters 03 to 05 differ only in who decides the
     block tables; they all attend through this class. ``use_triton=False`` runs the kernels'
     PyTorch references instead (same results, much faster than Triton's interpreter on a CPU; decode
-    in its batched form, ``kernels.paged_decode_attention_batched``).
+    rows in their batched form, ``kernels.paged_decode_attention_batched``, even in a step that
+    also runs prompt chunks: ``kernels.paged_attention_batched``).
 
     ``kv_cache_dtype`` (appendix A3, ``labkit.quant``): "auto" stores K and V in ``dtype``; a scheme
     such as "int8_per_block" stores codes in ``k_caches``/``v_caches`` and float32 scales in
@@ -284,7 +285,7 @@ class KVPool:
         self._check_qkv(q, k, v, None if meta is None else meta.slot_mapping.numel())
         write_kv = kernels.write_kv if self.use_triton else kernels.write_kv_ref
         decode = kernels.paged_decode_attention if self.use_triton else kernels.paged_decode_attention_batched
-        prefill = kernels.paged_prefill_attention if self.use_triton else kernels.paged_prefill_attention_ref
+        prefill = kernels.paged_prefill_attention if self.use_triton else kernels.paged_attention_batched
         kc, vc, kw = self.k_caches[layer_idx], self.v_caches[layer_idx], self._kv_args(layer_idx)
         flat = lambda t: t.reshape(-1, *t.shape[2:]).to(self.dtype).contiguous()  # noqa: E731
         write_kv(flat(k), flat(v), kc, vc, meta.slot_mapping, **kw)

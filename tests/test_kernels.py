@@ -161,6 +161,21 @@ def test_batched_decode_reference_equals_the_per_sequence_reference(heads, block
     assert half.dtype == torch.float32 and (half.double() - ref).abs().max() < 1e-5
 
 
+def test_mixed_step_on_the_cpu_equals_the_per_sequence_reference():
+    """A continuous-batching step: decode rows, prompt chunks and an idle sequence side by side.
+    The CPU path batches the single-token rows and must put every row back where it belongs."""
+    gen = torch.Generator().manual_seed(7)
+    lens = [5, 17, 1, 33, 9, 16, 12]
+    q_lens = [1, 6, 1, 1, 0, 16, 1]  # decode, chunk, decode, decode, nothing new, whole prompt, decode
+    k_cache, v_cache, block_tables, seq_lens = make_pool(lens, 2, 16, 4, torch.float64, gen, device="cpu")
+    cu = torch.tensor([0] + q_lens).cumsum(0).to(torch.int32)
+    q = torch.randn(sum(q_lens), 4, 16, generator=gen, dtype=torch.float64)
+    ref = kernels.paged_prefill_attention_ref(q, k_cache, v_cache, block_tables, seq_lens, cu)
+    got = kernels.paged_attention_batched(q, k_cache, v_cache, block_tables, seq_lens, cu)
+    assert not got.isnan().any()
+    torch.testing.assert_close(got, ref, rtol=1e-12, atol=1e-12)
+
+
 @needs_kernels
 @pytest.mark.parametrize("dtype", list(TOL))
 @pytest.mark.parametrize("num_splits", [3, 7])
