@@ -53,7 +53,8 @@ import labkit
 from labkit.cache import generate
 from labkit.engine import Engine
 from labkit.model import Decoder, DecoderConfig
-from labkit.paging import blocks_needed
+from labkit.paging import BlockAllocator, blocks_needed
+from labkit.prefix import PrefixCache
 from labkit.priority import PriorityScheduler
 from labkit.scheduler import Request, Scheduler, extra_blocks, plan_iteration
 from labkit.show import excerpt
@@ -517,8 +518,6 @@ def run_engine(**kw):
     return e.generate(prompts, NEW), e.stats, e.backend.kernel_backend()
 
 
-
-
 out_off, stats_off, backend = run_engine(num_blocks=POOL, enable_prefix_caching=False)
 out_small, stats_small, _ = run_engine(num_blocks=10, full_sequence_must_fit=False)
 out_small_off, stats_small_off, _ = run_engine(num_blocks=10, enable_prefix_caching=False, full_sequence_must_fit=False)
@@ -560,8 +559,8 @@ assert recompute > hidden >= 0
 # file that `make setup` installs, dequantized to float32 here): four chat requests at once, which
 # share a system prompt, with the model's tokenizer and chat template. A reply ends at the model's
 # end-of-turn token (`eos_token_id`, `<|im_end|>` for SmolLM2; a config may list several, as Llama 3's
-# chat models do, and the engine stops on any of them) or after 16 tokens; these questions ask for
-# a few sentences, so here every reply reaches the limit.
+# chat models do, and the engine stops on any of them) or after 16 tokens. Three questions ask for
+# a few sentences and reach the limit; the last asks for a single word, and its reply ends on its own.
 #
 # The pool is made tight on purpose: the four prompts fit (so vLLM's gate admits them all), but not
 # the four prompts with all their replies, so the scheduler must preempt a running request on the
@@ -576,14 +575,26 @@ path = real_model()
 real = from_pretrained(path, dtype=torch.float32, device=labkit.DEVICE)
 tokenizer = load_tokenizer(path)
 system = {"role": "system", "content": "You are a helpful assistant. Explain things clearly, in a few sentences."}
-asks = ["How does a CPU work?", "Describe the water cycle.", "How do vaccines work?", "Why do we have seasons?"]
+asks = ["How does a CPU work?", "Describe the water cycle.", "How do vaccines work?",
+        "What is the capital of France? Answer in one word."]
 chat_prompts = [chat_token_ids(tokenizer, [system, {"role": "user", "content": q}]) for q in asks]
 REPLY, BLOCK = 16, 16
-# Blocks for the prompts alone, and for the prompts with full replies (shared system-prompt blocks once).
-shortest = min(len(p) for p in chat_prompts)
-common = next((i for i in range(shortest) if len({p[i] for p in chat_prompts}) > 1), shortest) // BLOCK
-prompt_blocks = common + sum(-(-len(p) // BLOCK) - common for p in chat_prompts)
-full_blocks = common + sum(-(-(len(p) + REPLY) // BLOCK) - common for p in chat_prompts)
+
+
+def distinct_blocks(sequences: list[list[int]]) -> tuple[int, int]:
+    """The blocks all the sequences hold at once in one prefix cache (shared full blocks once), and how
+    many of those every sequence shares: labkit's own bookkeeping, without tensors."""
+    cache = PrefixCache(BlockAllocator(sum(blocks_needed(len(s), BLOCK) for s in sequences)), BLOCK)
+    held = []
+    for s in sequences:
+        table, _ = cache.allocate(s)
+        cache.cache_full_blocks(table)
+        held.append(set(table.block_ids))
+    return cache.allocator.num_used, len(set.intersection(*held))
+
+
+prompt_blocks, common = distinct_blocks(chat_prompts)
+full_blocks, _ = distinct_blocks([p + [0] * REPLY for p in chat_prompts])  # any reply tokens: none is shared
 tight = full_blocks - 2
 assert prompt_blocks <= tight < full_blocks
 real_engine = Engine(real, num_blocks=tight, block_size=BLOCK, max_num_batched_tokens=256, use_triton=not cpu)
@@ -604,6 +615,7 @@ print(f"{len(st)} steps, {sum(s.preemptions for s in st)} preemption(s), {sum(s.
 print(f"replies: {[len(r) for r in replies]} tokens; {sum(r[-1] == stop for r in replies)} ended at <|im_end|>, "
       f"the others at the limit of {REPLY}")
 assert sum(s.preemptions for s in st) > 0
+assert replies[-1][-1] == stop and all(len(r) == REPLY for r in replies[:-1])  # the one-word answer ends itself
 
 # %% [markdown]
 # The replies, and the check that makes them trustworthy: transformers' own Llama implementation
