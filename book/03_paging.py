@@ -577,11 +577,11 @@ assert err < 1e-5
 excerpt(kernels.paged_prefill_attention_ref, "lo, hi = cu[i]", "out[lo:hi]")
 
 # %% [markdown]
-# New tokens reach the pool through `write_kv`: one indexed store by slot, skipping a slot of -1
-# (padding, or a position a prefix cache already holds):
+# New tokens reach the pool through `write_kv`: one indexed store by slot (the pool seen as one row
+# per slot), skipping a slot of -1 (padding, or a position a prefix cache already holds):
 
 # %%
-excerpt(kernels.write_kv_ref, "keep = slot_mapping", "v_cache[")
+excerpt(kernels.write_kv_ref, "keep = slot_mapping", "v_cache.view")
 
 # %% [markdown]
 # A 20-token prompt written in two chunks into three scattered blocks, against contiguous causal

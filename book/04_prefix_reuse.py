@@ -661,8 +661,8 @@ assert all("Saturn" in tokenizer.decode(replies[n]) for n in whole[1:])  # wrong
 # %% [markdown]
 # The same question, after a system prompt that differs by one space, gets a **different reply**.
 # That is the plainest evidence that a space changes the computation: other token ids, other K/V in
-# every layer, other logits. (Both replies also get the fact wrong: the largest planet is Jupiter,
-# not Saturn. A 135M-parameter model holds few facts firmly.) An engine can reuse only what is
+# every layer, other logits. (Both replies also contradict themselves and settle on Saturn; the
+# largest planet is Jupiter. A 135M-parameter model holds few facts firmly.) An engine can reuse only what is
 # identical in token ids from the first token on, so templates and system prompts that vary by a
 # space, a date or a user name defeat the cache.
 

@@ -190,3 +190,52 @@ def test_the_simulator_predicts_a_budget_comparison_on_the_real_model(budgets):
         torch.set_num_threads(threads)
     assert all(measured[large] < measured[small] for _, measured, _ in attempts)  # fewer steps for the prompts
     assert abs(attempts[-1][0] - 1) <= 0.25, attempts
+
+
+def test_the_fitted_simulator_predicts_held_out_requests_on_the_real_model():
+    """Appendix A6's prediction: calibrated on six chat requests (the copy bandwidth pinned), the simulator
+    predicts eight other requests, arriving as a Poisson stream at 5 per second and served by the engine on
+    the wall clock: TTFT and ITL p50 within 25% of the measurement. The notebook's cell, run beside other
+    notebooks, fails only past a factor of 2; here the 25% holds, with up to three attempts, each calibrated
+    afresh (a busy machine bends one attempt, a wrong model every attempt)."""
+    import torch
+
+    from labkit import workloads
+    from labkit.pretrained import chat_token_ids, from_pretrained, load_tokenizer, real_model
+    from labkit.sim import Simulator
+
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    try:
+        path = real_model()
+        smol, tokenizer = from_pretrained(path, dtype=torch.float32), load_tokenizer(path)
+        system = "You are a helpful assistant. Answer in one short sentence."
+        asks = ["What is the capital of France?", "Name three primary colours.", "What does a CPU do?",
+                "How do you say hello in Spanish?", "Why is the sky blue?", "Who wrote Hamlet?",
+                "What is water made of?", "How far away is the Moon?", "What is a GPU?", "Why do cats purr?",
+                "What is DNA?", "What is gravity?", "What is a volcano?", "Why do leaves fall?"]
+        chat = [chat_token_ids(tokenizer, [{"role": "system", "content": system}, {"role": "user", "content": q}])
+                for q in asks]
+        lengths = np.random.default_rng(0).integers(8, 25, len(asks)).tolist()
+        fit_specs = [RequestSpec(i, 0.0, chat[i], lengths[i]) for i in range(6)]
+        arrivals = workloads.poisson_arrivals(8, 5.0, np.random.default_rng(1))
+        test_specs = [RequestSpec(i, float(arrivals[i - 6]), chat[i], lengths[i]) for i in range(6, 14)]
+        cost = model_cost(smol.config, dtype_bytes=4)
+
+        def engine() -> Engine:
+            return Engine(smol, num_blocks=128, block_size=16, max_num_batched_tokens=64, use_triton=False)
+
+        def attempt() -> dict[str, float]:
+            fit = fit_steps(measure_steps(engine(), fit_specs), cost, measure_stream_bandwidth())
+            predicted = Simulator(fit.cost_model(), num_blocks=128, block_size=16,
+                                  max_num_batched_tokens=64).run(test_specs)
+            measured = serve_in_real_time(engine(), test_specs)
+            return {"TTFT": predicted.ttft_percentiles()["p50"] / measured.ttft_percentiles()["p50"],
+                    "ITL": predicted.itl_percentiles()["p50"] / measured.itl_percentiles()["p50"]}
+
+        attempts: list[dict[str, float]] = []
+        while len(attempts) < 3 and not any(all(abs(r - 1) <= 0.25 for r in a.values()) for a in attempts):
+            attempts.append(attempt())
+    finally:
+        torch.set_num_threads(threads)
+    assert all(abs(r - 1) <= 0.25 for r in attempts[-1].values()), attempts
