@@ -105,7 +105,7 @@ excerpt(plan_iteration, "for request in candidates", "continue  # nothing to com
 # `break` would end the pass for everyone behind it. Then the blocks those tokens take:
 
 # %%
-excerpt(plan_iteration, "if tokens == 0:", "blocks = extra_blocks(")
+excerpt(plan_iteration, "if tokens ==", "blocks = extra_blocks(")
 
 # %% [markdown]
 # The `needed` hook lets the `Scheduler` count what only it knows (a prefix hit, a shared tail).
@@ -113,7 +113,7 @@ excerpt(plan_iteration, "if tokens == 0:", "blocks = extra_blocks(")
 
 # %%
 excerpt(plan_iteration, 'outcome = ("stop"', '"planned")')
-excerpt(plan_iteration, 'if outcome != "planned"', "token_budget -= tokens")
+excerpt(plan_iteration, 'if outcome != "planned"', "token_budget -=")
 
 # %% [markdown]
 # So: each candidate asks for `min(num_new_tokens, token_budget)` tokens; when the budget is spent

@@ -278,6 +278,7 @@ assert all(r.reuse_ratio == 0 < r.scheduler.allocator.num_evictions for r in sho
 # prompts share nothing.
 
 # %%
+# NBVAL_CHECK_OUTPUT
 headline_specs = workloads.sharegpt_like(300, arrival_rate=20.0, seed=1)
 headline = {allocation: Simulator(cost, pool_bytes=2 * GiB, max_num_batched_tokens=2048, enable_prefix_caching=False,
                                   allocation=allocation, max_model_len=2048).run(headline_specs)
@@ -402,6 +403,7 @@ plt.show()
 
 # %%
 # NBVAL_SKIP_IN_SOLUTIONS
+# NBVAL_CHECK_OUTPUT
 import torch
 
 from labkit.calibration import fit_device, fit_steps, measure_steps, measure_stream_bandwidth, model_cost, serve_in_real_time
