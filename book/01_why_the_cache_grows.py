@@ -253,6 +253,7 @@ print(f"({prompt_len:,} + {max_new}) tokens × {per_token:,} bytes = {planned:,}
 # (timings depend on your machine, so they are printed but not checked):
 
 # %%
+# NBVAL_SKIP_IN_SOLUTIONS
 # One thread while timing: with two, a step waits for the slower thread, and timings jump whenever
 # another process takes a core.
 threads = torch.get_num_threads()
@@ -298,6 +299,7 @@ for t, a, b in zip(contexts, cached_ms, full_ms):
 # bytes a step reads, which is exactly `context × 2,048`.
 
 # %%
+# NBVAL_SKIP_IN_SOLUTIONS
 def time_attention_read(context: int, repeats: int = 7) -> float:
     """Seconds for the attention of one decode step over `context` cached tokens in every layer
     (fastest of a few runs): each cached K and V is read once."""
@@ -334,6 +336,7 @@ for t, mib, ms in zip(long_contexts, read_mib, read_ms):
 # size of this processor's last cache where the operating system reports it (Linux does).
 
 # %%
+# NBVAL_SKIP_IN_SOLUTIONS
 from pathlib import Path
 
 big = [i for i, mib in enumerate(read_mib) if mib >= 64]

@@ -109,6 +109,7 @@ print(f"vLLM set up here: {real_vllm.is_available()}")
 #   back as its *null block* (A2), so 17 blocks in vLLM are 16 that requests can use.
 
 # %%
+# NBVAL_SKIP_IN_SOLUTIONS
 # NBVAL_CHECK_OUTPUT
 BLOCK, BUDGET, SEQS, POOL = 32, 128, 8, 16  # labkit's pool; vLLM's is POOL + 1 blocks
 prompts = real_vllm.chat_workload(tokenizer, num_requests=10, num_repeats=2)
@@ -157,6 +158,7 @@ for name, run in zip(["start-up", "small pool, engine core in this process", "sm
 # `labkit.vllm` follows this path with `cpu_kv_cache_bytes` and `device_type="cpu"`:
 
 # %%
+# NBVAL_SKIP_IN_SOLUTIONS
 # NBVAL_CHECK_OUTPUT
 record = real_vllm.load_record()["offline"]
 assert record["inputs"] == real_vllm.json_normal(inputs), "the record was made for another workload: rerun with vLLM"
@@ -195,6 +197,7 @@ assert forced.log_lines() == real_in_process["log"][1:]
 # ten seconds:
 
 # %%
+# NBVAL_SKIP_IN_SOLUTIONS
 # NBVAL_CHECK_OUTPUT
 engine = Engine(smol, num_blocks=POOL, block_size=BLOCK, max_num_batched_tokens=BUDGET, max_num_seqs=SEQS,
                 use_triton=labkit.RUNTIME.triton_mode == "compiled")
@@ -229,6 +232,7 @@ assert [len(prompts[i]) for i in (8, 9)] == [100, 95]  # (100 - 1) // 32 = 3 ful
 # one reply, decoded:
 
 # %%
+# NBVAL_SKIP_IN_SOLUTIONS
 print(repr(tokenizer.decode(theirs["outputs"][0])))
 
 # %% [markdown]
@@ -244,6 +248,7 @@ print(repr(tokenizer.decode(theirs["outputs"][0])))
 # scheduled. The third engine above is vLLM as it runs by default:
 
 # %%
+# NBVAL_SKIP_IN_SOLUTIONS
 # NBVAL_CHECK_OUTPUT
 default_schedule, default_preempted = real_vllm.vllm_schedule(real_default["steps"])
 first_differ = next((i for i, (a, b) in enumerate(zip(default_schedule, ours["schedule"])) if a != b), None)
@@ -321,6 +326,7 @@ print(f"client, first block: {result['runs'][0]['command']}")
 # The fit, on every step of the blocks at 0.5 requests per second:
 
 # %%
+# NBVAL_SKIP_IN_SOLUTIONS
 # NBVAL_CHECK_OUTPUT
 record = real_vllm.load_record()
 serving = record["serving"]
@@ -347,6 +353,7 @@ print(f"residuals (measured - fitted) / measured: median {np.median(relative):+.
 assert 0.25 < fit.weight_read_share() < 1  # the weight read is a large part of a decode step, not all of it
 
 # %%
+# NBVAL_SKIP_IN_SOLUTIONS
 fig, (ax1, ax2) = plt.subplots(1, 2, figsize=(11, 3.9))
 kinds = np.array([s.is_decode for s in fit.samples])
 ax1.scatter(1000 * fit.measured[kinds], 1000 * fit.predicted[kinds], s=10, label="decode steps")
@@ -385,6 +392,7 @@ plt.show()
 # the client's record, and serves each block:
 
 # %%
+# NBVAL_SKIP_IN_SOLUTIONS
 # NBVAL_CHECK_OUTPUT
 def specs_of(run: dict) -> list[RequestSpec]:
     """The client's requests as the simulator's: send times, prompt lengths (distinct token ids: random prompts
@@ -455,6 +463,7 @@ assert all(sim < real for sim, real in table[2.0].values())  # at 2.0/s both fal
 # predicted over the measured p50 at 1.0 and 2.0 requests per second.
 
 # %%
+# NBVAL_SKIP_IN_SOLUTIONS
 # NBVAL_CHECK_OUTPUT
 runs = record.get("history", {}).get("serving", []) + [serving]
 print(f"{'run':<27}{'load':>6}{'GB/s':>7}  {'1.0/s: TTFT':>11}{'ITL':>6}  {'2.0/s: TTFT':>11}{'ITL':>6}")

@@ -68,6 +68,7 @@ cost = CostModel("teaching model", "RTX 4090 (24 GiB)")  # chapter 06's roofline
 # of thousands of intervals per run, so its p99 is well defined.
 
 # %%
+# NBVAL_SKIP_IN_SOLUTIONS
 rates, sweep_seeds = [2, 5, 8, 11, 14], (2, 3, 4)
 sweep = {(rate, seed): Simulator(cost, pool_bytes=2 * GiB, max_num_batched_tokens=2048).run(
     workloads.sharegpt_like(100, arrival_rate=rate, seed=seed)) for rate in rates for seed in sweep_seeds}
@@ -91,6 +92,7 @@ running = across_seeds(lambda r: r.num_running.mean())
 preempted = across_seeds(lambda r: r.preemptions.sum())
 
 # %%
+# NBVAL_SKIP_IN_SOLUTIONS
 fig, (left, right) = plt.subplots(1, 2, figsize=(10, 3.4))
 for i, (label, c) in enumerate(curves.items()):
     left.plot(rates, c[:, 1], marker="os"[i % 2], color=f"C{i}", label=label)
@@ -157,6 +159,7 @@ assert curves["ITL p99"][-1, 1] - curves["ITL p99"][-2, 1] < min(p99_range[-2:])
 # the share of steps whose budget was spent to the last token and the mean length of the queue.
 
 # %%
+# NBVAL_SKIP_IN_SOLUTIONS
 def budget_run(kind: str, seed: int, budget: int):
     w = (workloads.long_document_questions(100, arrival_rate=3.0, num_documents=4, seed=seed) if kind == "docs"
          else workloads.distinct_short_requests(400, arrival_rate=80.0, seed=seed))

@@ -144,22 +144,32 @@ def test_measured_steps_record_their_requests(model):
     assert all(1 <= s.num_requests <= 3 for s in samples) and any(s.is_decode for s in samples)
 
 
+@pytest.fixture(scope="module")
+def smol():
+    """The real model in float32 and its tokenizer, loaded once for the tests that time it."""
+    import torch
+
+    from labkit.pretrained import from_pretrained, load_tokenizer, real_model
+
+    path = real_model()
+    return from_pretrained(path, dtype=torch.float32), load_tokenizer(path)
+
+
 @pytest.mark.parametrize("budgets", [(16, 64)])
-def test_the_simulator_predicts_a_budget_comparison_on_the_real_model(budgets):
+def test_the_simulator_predicts_a_budget_comparison_on_the_real_model(budgets, smol):
     """Appendix A6's claim: the fitted simulator is right in its comparisons. Budget 16 against 64 tokens per
     step, six chat requests on the real model: the simulated ratio of the two run times lands within 25% of the
     measured one. Each run is measured twice, back to back, and the faster kept (a busy machine only slows).
     A busy machine can still bend one attempt, so there are up to three, each calibrated afresh."""
     import torch
 
-    from labkit.pretrained import chat_token_ids, from_pretrained, load_tokenizer, real_model
+    from labkit.pretrained import chat_token_ids
     from labkit.sim import Simulator
 
+    smol, tokenizer = smol
     threads = torch.get_num_threads()
     torch.set_num_threads(1)
     try:
-        path = real_model()
-        smol, tokenizer = from_pretrained(path, dtype=torch.float32), load_tokenizer(path)
         asks = ["What is the capital of France?", "Name three primary colours.", "What does a CPU do?",
                 "How do you say hello in Spanish?", "Why is the sky blue?", "Who wrote Hamlet?"]
         work = [RequestSpec(i, 0.0, chat_token_ids(tokenizer, [{"role": "system", "content": "Answer briefly."},
@@ -192,7 +202,7 @@ def test_the_simulator_predicts_a_budget_comparison_on_the_real_model(budgets):
     assert abs(attempts[-1][0] - 1) <= 0.25, attempts
 
 
-def test_the_fitted_simulator_predicts_held_out_requests_on_the_real_model():
+def test_the_fitted_simulator_predicts_held_out_requests_on_the_real_model(smol):
     """Appendix A6's prediction: calibrated on six chat requests (the copy bandwidth pinned), the simulator
     predicts eight other requests, arriving as a Poisson stream at 5 per second and served by the engine on
     the wall clock: TTFT and ITL p50 within 25% of the measurement. The notebook's cell, run beside other
@@ -201,14 +211,13 @@ def test_the_fitted_simulator_predicts_held_out_requests_on_the_real_model():
     import torch
 
     from labkit import workloads
-    from labkit.pretrained import chat_token_ids, from_pretrained, load_tokenizer, real_model
+    from labkit.pretrained import chat_token_ids
     from labkit.sim import Simulator
 
+    smol, tokenizer = smol
     threads = torch.get_num_threads()
     torch.set_num_threads(1)
     try:
-        path = real_model()
-        smol, tokenizer = from_pretrained(path, dtype=torch.float32), load_tokenizer(path)
         system = "You are a helpful assistant. Answer in one short sentence."
         asks = ["What is the capital of France?", "Name three primary colours.", "What does a CPU do?",
                 "How do you say hello in Spanish?", "Why is the sky blue?", "Who wrote Hamlet?",
