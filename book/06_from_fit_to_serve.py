@@ -256,6 +256,7 @@ assert fits[8192] == 6 and fits[512] > 64
 # each, are the book's choices (vLLM's benchmark drops such samples instead of clipping them).
 
 # %%
+# NBVAL_SKIP_IN_SOLUTIONS
 # NBVAL_CHECK_OUTPUT
 chat = workloads.sharegpt_like(10_000, arrival_rate=4.0, seed=0)
 instruct = workloads.alpaca_like(10_000, arrival_rate=4.0, seed=0)
@@ -270,6 +271,7 @@ for name, w in (("ShareGPT-like", chat), ("Alpaca-like", instruct)):
     assert abs(s["prompt_mean"] / paper[name][0] - 1) < 0.03 and abs(s["output_mean"] / paper[name][1] - 1) < 0.03
 
 # %%
+# NBVAL_SKIP_IN_SOLUTIONS
 fig, axes = plt.subplots(1, 2, figsize=(10, 3.2))
 for ax, (name, w) in zip(axes, (("ShareGPT-like", chat), ("Alpaca-like", instruct))):
     bins = np.geomspace(1, 1024, 40)
@@ -307,12 +309,14 @@ plt.show()
 # sample in the ITL tail but is averaged over a whole answer in TPOT.
 
 # %%
+# NBVAL_SKIP_IN_SOLUTIONS
 serve = Simulator(cost, pool_bytes=pool.pool_bytes, block_size=16, max_num_batched_tokens=2048)
 print(serve)  # every block of the 7 GiB pool: the convention of every simulation in the book
 assert serve.num_blocks == pool.num_blocks == 3584
 chat_run = serve.run(workloads.sharegpt_like(400, arrival_rate=4.0, seed=1))
 
 # %%
+# NBVAL_SKIP_IN_SOLUTIONS
 def tpot(result) -> np.ndarray:
     """Time per output token of every request with more than one output token (vLLM's TPOT)."""
     many = result.output_len > 1
@@ -358,6 +362,7 @@ assert tpot_percentiles(chat_run)["p99"] < chat_run.itl_percentiles()["p99"]  # 
 # distributions.
 
 # %%
+# NBVAL_SKIP_IN_SOLUTIONS
 fig, (left, right) = plt.subplots(1, 2, figsize=(10, 3.4))
 left.step(chat_run.step_start, chat_run.used_blocks / chat_run.num_blocks, where="post", label="blocks held")
 left.step(chat_run.step_start, chat_run.live_tokens / (chat_run.num_blocks * 16), where="post", label="live tokens")
@@ -387,6 +392,7 @@ plt.show()
 # requests in a 1 GiB pool:
 
 # %%
+# NBVAL_SKIP_IN_SOLUTIONS
 tight_run = Simulator(cost, pool_bytes=1 * GiB, block_size=16, max_num_batched_tokens=2048).run(
     workloads.sharegpt_like(400, arrival_rate=4.0, seed=1))
 show(tight_run)
@@ -416,6 +422,7 @@ assert tight_run.mean_occupancy > 0.8
 # else equal (1,024 tokens per step, at most 256 requests running).
 
 # %%
+# NBVAL_SKIP_IN_SOLUTIONS
 docs = workloads.long_document_questions(100, arrival_rate=3.0, num_documents=4, seed=3)
 short = workloads.distinct_short_requests(400, arrival_rate=80.0, seed=4)
 runs = [(w, p, b) for w in ("long-document questions", "distinct short requests")
@@ -468,6 +475,7 @@ assert doc_bytes == 2 * GiB
 # the 2 GiB pool:
 
 # %%
+# NBVAL_SKIP_IN_SOLUTIONS
 table([k for k in grid if k[1] == 2])
 docs_128 = grid["long-document questions", 2, 128]
 short_128 = grid["distinct short requests", 2, 128]
@@ -507,6 +515,7 @@ assert 128 - running < 2 * np.percentile(short_small.prompt_len, 99)  # a burst 
 # long-document questions in the 7 GiB pool:
 
 # %%
+# NBVAL_SKIP_IN_SOLUTIONS
 total_prompt = docs_big.prompt_len.sum()
 first_reads = 4 * 4096 / total_prompt  # somebody has to compute each document once
 print(f"reusable {docs_big.reusable_ratio:.1%}, reused {docs_big.reuse_ratio:.1%}, "
@@ -530,6 +539,7 @@ assert gap_small > missing + 0.05  # evictions cost reuse
 # because every sequence reads its history of more than 4,096 tokens:
 
 # %%
+# NBVAL_SKIP_IN_SOLUTIONS
 batch = 16
 long_ctx, short_ctx = 4096 + 32 + 64, 48 + 24
 t_long, t_short = cost.decode_step_time(batch, long_ctx), cost.decode_step_time(batch, short_ctx)
@@ -546,6 +556,7 @@ assert t_long > 1.3 * t_short
 # caching on or off. With caching on the system prompt is computed once and shared.
 
 # %%
+# NBVAL_SKIP_IN_SOLUTIONS
 from labkit.widgets.load_explorer import SYSTEM_PROMPT_LEN, explore, load_explorer
 
 load_explorer(cost)
@@ -556,6 +567,7 @@ load_explorer(cost)
 # prompt in a 2 GiB pool, the same prompts with prefix caching on and off.
 
 # %%
+# NBVAL_SKIP_IN_SOLUTIONS
 caching_rates = (1, 3, 6, 9)
 caching = {(on, rate): explore(rate, SYSTEM_PROMPT_LEN, 16, 2.0, enable_prefix_caching=on, num_requests=80,
                                cost_model=cost)
@@ -597,6 +609,7 @@ assert all(caching[False, r].ttft_percentiles()["p99"] > 1 for r in caching_rate
 # The figures quoted in the summary, checked:
 
 # %%
+# NBVAL_SKIP_IN_SOLUTIONS
 assert format_bytes(pool.management_bytes) == "577 KiB"
 assert docs_128.ttft_percentiles()["p50"] < docs_small.ttft_percentiles()["p50"]
 assert short_128.ttft_percentiles()["p50"] > short_small.ttft_percentiles()["p50"]
