@@ -196,14 +196,20 @@ def one_at_a_time_tokens(hf, prompts, lengths) -> list[list[int]]:
     return outs
 
 
-def main_64(args) -> None:
+def load_models():
+    """The packaged GGUF's path, the book's decoder and transformers' Llama both read from it in float32,
+    and the tokenizer. transformers' end-of-turn stop is off: fixed lengths, so every side computes the same tokens."""
     from transformers import AutoModelForCausalLM
 
     path = real_model()
     model = from_pretrained(path, dtype=torch.float32, device=labkit.DEVICE)
-    tokenizer = load_tokenizer(path)
     hf = AutoModelForCausalLM.from_pretrained(path.parent, gguf_file=path.name, dtype=torch.float32).eval()
-    hf.generation_config.eos_token_id = None  # fixed lengths: both sides compute the same tokens
+    hf.generation_config.eos_token_id = None
+    return path, model, load_tokenizer(path), hf
+
+
+def main_64(args) -> None:
+    path, model, tokenizer, hf = load_models()
     prompts, lengths = workload(tokenizer)
     useful = sum(lengths)
     closed = [0.0] * len(prompts)

@@ -41,7 +41,7 @@ sys.path.insert(0, str(ROOT))
 
 import labkit  # noqa: E402
 from labkit.engine import Engine  # noqa: E402
-from labkit.pretrained import chat_token_ids, from_pretrained, load_tokenizer, real_model  # noqa: E402
+from labkit.pretrained import chat_token_ids  # noqa: E402
 
 RESULTS = ROOT / "benchmarks" / "results"
 SYSTEM = ("You are a helpful assistant for the engineers who run a language-model server. "
@@ -115,13 +115,9 @@ def main() -> None:
         from continuous_batching import main_64  # noqa: E402  (benchmarks/, next to this file)
         main_64(args)
         return
-    from transformers import AutoModelForCausalLM
+    from continuous_batching import load_models  # noqa: E402  (benchmarks/, next to this file)
 
-    path = real_model()
-    model = from_pretrained(path, dtype=torch.float32, device=labkit.DEVICE)
-    tokenizer = load_tokenizer(path)
-    hf = AutoModelForCausalLM.from_pretrained(path.parent, gguf_file=path.name, dtype=torch.float32).eval()
-    hf.generation_config.eos_token_id = None  # fixed lengths: every way computes the same tokens
+    path, model, tokenizer, hf = load_models()
     prompts, lengths = prompts_and_lengths(tokenizer)
     useful = sum(lengths)
     use_triton = labkit.RUNTIME.triton_mode == "compiled"

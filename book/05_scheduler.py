@@ -158,27 +158,7 @@ assert needed == [3, 0, 1, 1, 1, 3]
 # next, as the article's pass does (vLLM stops at the first one instead: appendix A5).
 
 # %%
-def serve(scheduler, arrivals, max_steps=500):
-    """Drive a Scheduler without a model (every sampled token is 0). `arrivals`: {step: [Request]}."""
-    steps, t = [], 0
-    while scheduler.has_unfinished() or any(k >= t for k in arrivals):
-        for r in arrivals.get(t, []):
-            scheduler.add_request(r)
-        t += 1
-        step = scheduler.schedule()
-        scheduler.postprocess(step, [0] * len(step.sampling_chunks))
-        steps.append(step)
-        assert len(steps) <= max_steps
-    return steps
-
-
-def named_requests(specs):
-    """Requests with readable names and distinct token ids (so no prefix is shared)."""
-    reqs, next_id = [], 1
-    for name, prompt_len, max_new in specs:
-        reqs.append(Request(list(range(next_id, next_id + prompt_len)), max_new, request_id=name))
-        next_id += prompt_len
-    return reqs
+from labkit.replay import named_requests, serve  # a scheduler run without a model: token 0 each time
 
 
 def show_step(step):
@@ -770,7 +750,7 @@ def blocks_to_take(num_computed, held, tokens, block_size, shared_tail):
 from labkit import vllm
 from labkit.paging import BlockTable
 from labkit.pool import PoolPlan
-from labkit.prefix import PrefixCache, _extra_blocks  # extra_blocks without its checks: refused in answers too
+from labkit.prefix import _extra_blocks  # extra_blocks without its checks: refused in answers too
 
 
 def ex1_cases() -> list:

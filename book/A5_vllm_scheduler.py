@@ -49,38 +49,15 @@ import labkit  # noqa: F401  (first: Triton's interpreter without a GPU)
 from labkit import capacity
 from labkit.costmodel import CostModel
 from labkit.priority import PriorityScheduler
-from labkit.scheduler import Request, Scheduler
+from labkit.replay import named_requests, serve
+from labkit.scheduler import Scheduler
 from labkit.sim import Simulator
 from labkit.units import format_bytes
 from labkit.workloads import RequestSpec
 
-
-def serve(scheduler, arrivals, max_steps=500):
-    """Drive a Scheduler without a model (every sampled token is 0). `arrivals`: {step: [Request]}."""
-    steps, t = [], 0
-    while scheduler.has_unfinished() or any(k >= t for k in arrivals):
-        for r in arrivals.get(t, []):
-            scheduler.add_request(r)
-        t += 1
-        step = scheduler.schedule()
-        scheduler.postprocess(step, [0] * len(step.sampling_chunks))
-        steps.append(step)
-        assert len(steps) <= max_steps
-    return steps
-
-
-def named_requests(specs):
-    """Requests with readable names and distinct token ids (so no prefix is shared)."""
-    reqs, next_id = [], 1
-    for name, prompt_len, max_new in specs:
-        reqs.append(Request(list(range(next_id, next_id + prompt_len)), max_new, request_id=name))
-        next_id += prompt_len
-    return reqs
-
-
 # %% [markdown]
-# `serve` is chapter 05's driver: it adds each request at its arrival step, and feeds token 0 back
-# for every token the step samples, since no model runs here.
+# `serve` (`labkit.replay`, as in chapter 05) drives a scheduler without a model: it adds each
+# request at its arrival step, and feeds token 0 back for every token the step samples.
 #
 # ## 1. The order decides who waits
 #

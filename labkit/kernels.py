@@ -392,16 +392,10 @@ def _check_caches(k_cache: object, v_cache: object, like: str, ref: torch.Tensor
     _check_tensor("v_cache", v_cache, 4, SUPPORTED_DTYPES)
     if v_cache.shape != k_cache.shape:
         raise ValueError(f"v_cache must have the shape of k_cache {tuple(k_cache.shape)}, got {tuple(v_cache.shape)}")
-    if v_cache.stride() != k_cache.stride():  # the kernels address both pools with one set of strides
-        raise ValueError(f"v_cache must have the strides of k_cache {k_cache.stride()}, got {v_cache.stride()}")
+    _check_pair_layout("k_cache", k_cache, "v_cache", v_cache, like, ref)
     for name, t in (("k_cache", k_cache), ("v_cache", v_cache)):
-        if t.device != ref.device:
-            raise ValueError(f"{name} must be on {like}'s device ({ref.device}), got {t.device}")
         if t.dtype != ref.dtype:
             raise ValueError(f"{name} dtype ({t.dtype}) must equal {like}'s dtype ({ref.dtype})")
-        if t.shape[-1] > 1 and t.stride(-1) != 1:
-            raise ValueError(f"{name} must be contiguous in head_dim (stride 1 in its last dimension), "
-                             f"got strides {t.stride()}")
     if not 1 <= k_cache.shape[3] <= MAX_HEAD_DIM:
         raise ValueError(f"k_cache head_dim must be in [1, {MAX_HEAD_DIM}], got {k_cache.shape[3]}")
 
@@ -466,25 +460,28 @@ def _check_kv_format(kv_cache_dtype: object, k_cache: object, v_cache: object, k
         if tuple(t.shape) != expected:
             raise ValueError(f"{name} must be [num_blocks, block_size, num_kv_heads, {expected[3]}] for "
                              f"{kq.name} with head_dim {head_dim}, got {tuple(t.shape)}")
-        if t.device != ref.device:
-            raise ValueError(f"{name} must be on {like}'s device ({ref.device}), got {t.device}")
-        if t.shape[-1] > 1 and t.stride(-1) != 1:
-            raise ValueError(f"{name} must be contiguous in its last dimension, got strides {t.stride()}")
-    if v_cache.stride() != k_cache.stride():
-        raise ValueError(f"v_cache must have the strides of k_cache {k_cache.stride()}, got {v_cache.stride()}")
+    _check_pair_layout("k_cache", k_cache, "v_cache", v_cache, like, ref)
     want = kq.scale_shape(k_cache.shape[0], k_cache.shape[1], k_cache.shape[2], head_dim)
     for name, t in (("k_scale", k_scale), ("v_scale", v_scale)):
         if not isinstance(t, torch.Tensor) or t.dtype != torch.float32 or tuple(t.shape) != want:
             got = f"{getattr(t, 'dtype', type(t).__name__)} {tuple(getattr(t, 'shape', ()))}"
             raise ValueError(f"{name} must be a float32 tensor of shape {want} for {kq.name} (scales per "
                              f"{kq.scales}), got {got}")
+    _check_pair_layout("k_scale", k_scale, "v_scale", v_scale, like, ref, last_dim="its last dimension")
+    return kq
+
+
+def _check_pair_layout(k_name: str, k: torch.Tensor, v_name: str, v: torch.Tensor, like: str, ref: torch.Tensor,
+                       last_dim: str = "head_dim") -> None:
+    """K's and V's tensors (pools of codes, or their scales): one set of strides, since the kernels index
+    both with the same offsets; on ``like``'s device; dense in their last dimension."""
+    if v.stride() != k.stride():
+        raise ValueError(f"{v_name} must have the strides of {k_name} {k.stride()}, got {v.stride()}")
+    for name, t in ((k_name, k), (v_name, v)):
         if t.device != ref.device:
             raise ValueError(f"{name} must be on {like}'s device ({ref.device}), got {t.device}")
         if t.shape[-1] > 1 and t.stride(-1) != 1:
-            raise ValueError(f"{name} must be contiguous in its last dimension, got strides {t.stride()}")
-    if v_scale.stride() != k_scale.stride():
-        raise ValueError(f"v_scale must have the strides of k_scale {k_scale.stride()}, got {v_scale.stride()}")
-    return kq
+            raise ValueError(f"{name} must be contiguous in {last_dim} (stride 1), got strides {t.stride()}")
 
 
 def _check_attention_args(q, k_cache, v_cache, block_tables, seq_lens, num_seqs: int, kv_cache_dtype: str = "auto",
