@@ -10,6 +10,11 @@ compute the same tokens), at most 16 running at once on both sides:
   its longest member finishes (``min_new_tokens = max_new_tokens`` = that member's length), so a
   row whose request is done keeps computing until the batch ends.
 
+Two ways to multiply by the weights, on either side (``labkit.prepack``): ``nn.Linear`` as
+transformers ships it, and the weights reordered once for oneDNN, as vLLM's CPU backend does at
+load. The engine runs packed; transformers as shipped is the baseline the goal is measured
+against; the two other pairings (both packed, both plain) show what scheduling alone buys.
+
 Two arrival patterns: all 64 at time 0 (closed), and a Poisson stream at the rate the engine
 completes requests in the closed run (about 16 busy). Both sides are timed the same way: each
 model call is measured on the wall clock, and time with nothing to compute (waiting for the next
@@ -25,6 +30,7 @@ chapter 05 draws its figure from the JSON file.
 from __future__ import annotations
 
 import datetime as dt
+import heapq
 import json
 import os
 import platform
@@ -38,6 +44,7 @@ import torch
 
 import labkit
 from labkit.engine import Engine
+from labkit.prepack import is_packed, prepack, unpack
 from labkit.pretrained import chat_token_ids, from_pretrained, load_tokenizer, real_model
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -57,6 +64,7 @@ class Run:
 
     side: str                      # "engine" or "static batches"
     arrivals: str                  # "closed" or "poisson"
+    gemm: str                      # "packed" (labkit.prepack) or "nn.Linear"
     load: float                    # 1-minute load average when the run started
     wall: float = 0.0              # seconds until the last request finished
     compute: float = 0.0           # of which in model calls (the rest waited for arrivals)
@@ -68,7 +76,7 @@ class Run:
     outputs: list[list[int]] = field(default_factory=list)
 
     def summary(self, useful: int) -> dict:
-        return {"side": self.side, "arrivals": self.arrivals, "load": self.load, "wall_s": self.wall,
+        return {"side": self.side, "arrivals": self.arrivals, "gemm": self.gemm, "load": self.load, "wall_s": self.wall,
                 "tokens_per_s": useful / self.wall, "steps": self.steps, "ms_per_step": 1000 * self.compute / self.steps,
                 "busy_mean": statistics.fmean(self.busy), "done_mean_s": statistics.fmean(self.done), "done_p90_s": percentile(self.done, 90),
                 "ttft_p50_s": percentile(self.first, 50), "ttft_p90_s": percentile(self.first, 90)}
@@ -87,8 +95,29 @@ def workload(tokenizer, n: int = 64, seed: int = 0) -> tuple[list[list[int]], li
     questions = [style.format(t=t) for style in STYLES for t in TOPICS][:n]
     prompts = [chat_token_ids(tokenizer, [{"role": "system", "content": SYSTEM}, {"role": "user", "content": q}])
                for q in questions]
+    return prompts, draw_lengths(len(prompts), seed)
+
+
+def draw_lengths(n: int, seed: int = 0) -> list[int]:
+    """n output lengths, uniform from 8 to 128 tokens (seeded)."""
     rng = random.Random(seed)
-    return prompts, [rng.randint(8, 128) for _ in prompts]
+    return [rng.randint(8, 128) for _ in range(n)]
+
+
+def fcfs_steps(lengths: list[int], slots: int = SLOTS) -> int:
+    """Steps to serve ``lengths`` (output tokens each) first come, first served on ``slots`` slots, a
+    freed slot refilled at the next step: each request in turn takes the slot that frees first. No
+    first-come-first-served engine can take fewer; the book's takes exactly this many when every
+    prompt fits one step's token budget."""
+    free_at = [0] * slots
+    for n in lengths:
+        heapq.heappush(free_at, heapq.heappop(free_at) + n)
+    return max(free_at)
+
+
+def static_steps(lengths: list[int], slots: int = SLOTS) -> int:
+    """Steps of static batches of ``slots`` in arrival order: each runs as long as its longest member."""
+    return sum(max(lengths[lo:lo + slots]) for lo in range(0, len(lengths), slots))
 
 
 def poisson_arrivals(n: int, rate: float, seed: int = 1) -> list[float]:
@@ -105,9 +134,35 @@ def load_average() -> float:
     return os.getloadavg()[0]
 
 
+def gemm_name(model) -> str:
+    return "packed" if is_packed(model) else "nn.Linear"
+
+
+def gemm_times(model, rows: tuple[int, ...] = (1, 16), repeat: int = 5) -> dict[str, dict[int, float]]:
+    """Milliseconds for one pass over every linear layer of ``model`` (one step's multiplies) at
+    ``rows`` rows, as ``nn.Linear`` and packed (best of ``repeat``); the model is left unpacked."""
+    times: dict[str, dict[int, float]] = {}
+    for packing in ("nn.Linear", "packed"):
+        unpack(model) if packing == "nn.Linear" else prepack(model)
+        layers = [m for m in model.modules() if isinstance(m, torch.nn.Linear)]
+        times[packing] = {}
+        with torch.no_grad():
+            for n in rows:
+                xs = [torch.randn(n, m.in_features) for m in layers]
+                best = float("inf")
+                for _ in range(repeat):
+                    start = time.perf_counter()
+                    for m, x in zip(layers, xs):
+                        m(x)
+                    best = min(best, time.perf_counter() - start)
+                times[packing][n] = 1000 * best
+    unpack(model)
+    return times
+
+
 def run_engine(model, prompts, lengths, arrivals: list[float], label: str) -> Run:
     """The engine on the clock: requests join when they arrive; each step is timed."""
-    run = Run("engine", label, load_average())
+    run = Run("engine", label, gemm_name(model), load_average())
     engine = Engine(model, num_blocks=512, block_size=16, max_num_batched_tokens=512, max_num_seqs=SLOTS,
                     use_triton=labkit.RUNTIME.triton_mode == "compiled")
     n = len(prompts)
@@ -153,7 +208,7 @@ def run_static(hf, prompts, lengths, arrivals: list[float], label: str) -> Run:
     the previous batch is done, and runs until its longest member has all its tokens."""
     from transformers import StoppingCriteriaList
 
-    run = Run("static batches", label, load_average())
+    run = Run("static batches", label, gemm_name(hf), load_average())
     n = len(prompts)
     run.first, run.done, run.outputs = [0.0] * n, [0.0] * n, [[] for _ in range(n)]
     now = 0.0
@@ -211,31 +266,43 @@ def load_models():
 def main_64(args) -> None:
     path, model, tokenizer, hf = load_models()
     prompts, lengths = workload(tokenizer)
+    gemm = gemm_times(model)
+    print("one step's multiplies, ms:", gemm, flush=True)
     useful = sum(lengths)
     closed = [0.0] * len(prompts)
     runs: list[Run] = []
     rate = args.rate
     arrivals = None if rate is None else poisson_arrivals(len(prompts), rate)
-    for _ in range(args.repeat):
-        runs.append(run_engine(model, prompts, lengths, closed, "closed"))
+
+    def timed(side: str, packed: bool, times: list[float], label: str) -> None:
+        target = model if side == "engine" else hf
+        prepack(target) if packed else unpack(target)
+        runs.append(run_engine(model, prompts, lengths, times, label) if side == "engine"
+                    else run_static(hf, prompts, lengths, times, label))
         print(runs[-1].summary(useful), flush=True)
-        runs.append(run_static(hf, prompts, lengths, closed, "closed"))
-        print(runs[-1].summary(useful), flush=True)
+
+    for _ in range(args.repeat):  # engine and static alternate; the goal's pair first
+        timed("engine", True, closed, "closed")
+        timed("static batches", False, closed, "closed")
+        timed("engine", False, closed, "closed")
+        timed("static batches", True, closed, "closed")
         if rate is None:  # the rate at which the engine, 16 busy, completes requests
             rate = len(prompts) / runs[0].wall
             arrivals = poisson_arrivals(len(prompts), rate)
-        runs.append(run_engine(model, prompts, lengths, arrivals, "poisson"))
-        print(runs[-1].summary(useful), flush=True)
-        runs.append(run_static(hf, prompts, lengths, arrivals, "poisson"))
-        print(runs[-1].summary(useful), flush=True)
+        timed("engine", True, arrivals, "poisson")
+        timed("static batches", False, arrivals, "poisson")
+    unpack(hf)
     reference = one_at_a_time_tokens(hf, prompts, lengths) if args.check_one_at_a_time else None
-    write_results(args, path, prompts, lengths, runs, rate, reference)
+    write_results(args, path, prompts, lengths, runs, rate, reference, gemm)
 
 
-def _median_run(runs: list[Run], side: str, arrivals: str) -> Run:
+def _median_run(runs: list[Run], side: str, arrivals: str, gemm: str) -> Run:
     """The run of the median wall time (a run, not a mix of runs)."""
-    mine = sorted((r for r in runs if r.side == side and r.arrivals == arrivals), key=lambda r: r.wall)
+    mine = sorted((r for r in runs if (r.side, r.arrivals, r.gemm) == (side, arrivals, gemm)), key=lambda r: r.wall)
     return mine[(len(mine) - 1) // 2]
+
+
+GOAL = {"engine": "packed", "static batches": "nn.Linear"}  # the pair the goal is measured on
 
 
 def all_at_once_note() -> str:
@@ -252,63 +319,97 @@ def all_at_once_note() -> str:
         "slots, is where continuous batching saves steps."])
 
 
-def write_results(args, path, prompts, lengths, runs: list[Run], rate: float, reference) -> None:
+def write_results(args, path, prompts, lengths, runs: list[Run], rate: float, reference, gemm) -> None:
     useful = sum(lengths)
+    n = len(prompts)
+
+    def pick(side: str, arrivals: str, packing: str) -> list[Run]:
+        return [r for r in runs if (r.side, r.arrivals, r.gemm) == (side, arrivals, packing)]
+
+    def speedups(engine_gemm: str, static_gemm: str) -> list[float]:
+        """Closed runs, useful tokens/s of the engine over the static batches', pair by pair (same repeat)."""
+        return [s.wall / e.wall for e, s in zip(pick("engine", "closed", engine_gemm),
+                                                 pick("static batches", "closed", static_gemm))]
+
+    def ms_per_step(side: str, packing: str) -> float:
+        return statistics.median(1000 * r.compute / r.steps for r in pick(side, "closed", packing))
+
     engine_runs = [r for r in runs if r.side == "engine"]
     static_runs = [r for r in runs if r.side == "static batches"]
-    same_static = sum(a == b for a, b in zip(engine_runs[0].outputs, static_runs[0].outputs))
+    base = pick("static batches", "closed", "nn.Linear")[0].outputs
+    same_static = sum(a == b for a, b in zip(pick("engine", "closed", "packed")[0].outputs, base))
+    same_packed_static = sum(a == b for r in static_runs for a, b in zip(r.outputs, base))
     same_ref = None if reference is None else sum(a == b for r in engine_runs for a, b in zip(r.outputs, reference))
     when = dt.datetime.now(dt.timezone.utc).strftime("%Y-%m-%d %H:%M UTC")
     longest = [max(lengths[lo:lo + SLOTS]) for lo in range(0, len(lengths), SLOTS)]
     cmd = (f"python benchmarks/real_model.py --workload 64 --threads {args.threads} --repeat {args.repeat}"
            + (" --check-one-at-a-time" if args.check_one_at_a_time else "")
            + ("" if args.rate is None else f" --rate {args.rate:g}"))
+    goal, plain, packed = speedups("packed", "nn.Linear"), speedups("nn.Linear", "nn.Linear"), speedups("packed", "packed")
+    e_steps, s_steps = engine_runs[0].steps, sum(longest)
+    draws = [static_steps(ls) / fcfs_steps(ls) for ls in (draw_lengths(n, seed) for seed in range(20))]
+    med = statistics.median
     lines = [f"# More requests than slots: the engine against static batches ({when})", "",
              f"Command: `{cmd}`  ",
              f"Machine: {platform.processor() or platform.machine()}, {os.cpu_count()} CPUs, torch "
              f"{torch.__version__}, {args.threads} threads on both sides; device {labkit.DEVICE}  ",
-             f"Model: {path.name} (float32); {len(prompts)} chat requests, prompts {min(map(len, prompts))}-"
+             f"Model: {path.name} (float32); {n} chat requests, prompts {min(map(len, prompts))}-"
              f"{max(map(len, prompts))} tokens sharing a system prompt; outputs {min(lengths)}-{max(lengths)} tokens "
              f"(seed 0), {useful} in all; at most {SLOTS} running at once on both sides. Poisson arrivals at "
              f"{rate:.2f} requests/s (" + ("given" if args.rate is not None else "the engine's first closed-run "
-             "completion rate") + ").", "",
+             "completion rate") + ").  ",
+             "GEMM: `nn.Linear` as transformers ships it, or `packed`: the same float32 weights reordered once "
+             "for oneDNN (`labkit.prepack`, what vLLM's CPU backend does at load). One step's multiplies "
+             "(every linear layer once, best of 5): " + "; ".join(
+                 f"{rows} rows {gemm['nn.Linear'][rows]:.1f} ms as nn.Linear, {gemm['packed'][rows]:.1f} ms packed"
+                 for rows in gemm["packed"]) + ".", "",
              "Every run, in the order they ran (load: 1-minute load average at its start):", "",
-             "| # | side | arrivals | load | wall (s) | useful tokens/s | steps | ms/step (computing) | busy slots per step | completion mean (s) | "
-             "completion p90 (s) | TTFT p50 (s) | TTFT p90 (s) |", "|---:|---|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|"]
+             "| # | side | GEMM | arrivals | load | wall (s) | useful tokens/s | steps | ms/step (computing) | busy slots per step | "
+             "completion mean (s) | completion p90 (s) | TTFT p50 (s) | TTFT p90 (s) |",
+             "|---:|---|---|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|"]
     for k, r in enumerate(runs):
         s = r.summary(useful)
-        lines.append(f"| {k + 1} | {r.side} | {r.arrivals} | {r.load:.2f} | {r.wall:.1f} | {s['tokens_per_s']:.1f} | "
+        lines.append(f"| {k + 1} | {r.side} | {r.gemm} | {r.arrivals} | {r.load:.2f} | {r.wall:.1f} | {s['tokens_per_s']:.1f} | "
                      f"{r.steps} | {s['ms_per_step']:.0f} | {s['busy_mean']:.1f} | {s['done_mean_s']:.1f} | {s['done_p90_s']:.1f} | "
                      f"{s['ttft_p50_s']:.2f} | {s['ttft_p90_s']:.2f} |")
-    pairs = [(e.wall, s.wall) for e, s in zip([r for r in runs if r.side == "engine" and r.arrivals == "closed"],
-                                               [r for r in runs if r.side == "static batches" and r.arrivals == "closed"])]
-    ratios = [s / e for e, s in pairs]
-    e_steps, s_steps = engine_runs[0].steps, sum(longest)
-    lines += ["", f"Closed runs, engine speed-up in useful tokens/s, run by run: "
-                  f"{', '.join(f'{x:.2f}x' for x in ratios)} (median {statistics.median(ratios):.2f}x).  ",
+    fmt = lambda xs: f"{', '.join(f'{x:.2f}x' for x in xs)} (median {med(xs):.2f}x)"  # noqa: E731
+    lines += ["", "Closed runs, the engine's speed-up in useful tokens/s, repeat by repeat:", "",
+              f"- engine (packed) against static batches as transformers ships them (nn.Linear): {fmt(goal)};",
+              f"- the same GEMM on both sides, packed: {fmt(packed)}; nn.Linear: {fmt(plain)}.", "",
               f"Steps: the static batches make {s_steps} model calls (the sum over the {len(longest)} batches of "
               f"their longest member: {' + '.join(map(str, longest))}), the engine {e_steps}: "
-              f"{s_steps / e_steps:.2f}x fewer. The rest of the ratio is the cost of a step: "
-              f"{statistics.median(1000 * r.compute / r.steps for r in engine_runs if r.arrivals == 'closed'):.0f} ms for "
-              f"the engine against "
-              f"{statistics.median(1000 * r.compute / r.steps for r in static_runs if r.arrivals == 'closed'):.0f} ms "
-              f"(medians).  ",
-              f"Tokens: the engine's equal the static batches' for {same_static} of {len(prompts)} requests"
+              f"{s_steps / e_steps:.2f}x fewer. The rest of each ratio is the cost of a step (medians, prompt "
+              f"steps included): engine {ms_per_step('engine', 'packed'):.0f} ms packed, "
+              f"{ms_per_step('engine', 'nn.Linear'):.0f} ms nn.Linear; static batches "
+              f"{ms_per_step('static batches', 'packed'):.0f} ms packed, "
+              f"{ms_per_step('static batches', 'nn.Linear'):.0f} ms nn.Linear.  ",
+              (f"The engine's {e_steps} steps are the fewest any first-come-first-served schedule of these lengths "
+               f"can take" if e_steps == fcfs_steps(lengths) else f"The engine took {e_steps} steps; a "
+               f"first-come-first-served schedule of these lengths needs at least {fcfs_steps(lengths)}")
+              + " (each request in turn takes the slot that frees first). The step ratio depends on the draw: for "
+              f"output lengths drawn with seeds 0-19, static steps over that fewest range from {min(draws):.2f}x to "
+              f"{max(draws):.2f}x (median {med(draws):.2f}x); seed 0, used here, gives "
+              f"{s_steps / fcfs_steps(lengths):.2f}x.  ",
+              f"Tokens: the packed engine's equal the static batches' for {same_static} of {n} requests; every "
+              f"static run's equal the first nn.Linear one's for {same_packed_static} of {len(static_runs) * n}"
               + ("" if same_ref is None else
-                 f"; transformers' one-at-a-time greedy tokens for {same_ref} of {len(engine_runs) * len(prompts)} "
-                 f"(every engine run)") + "."]
+                 f"; every engine run's equal transformers' one-at-a-time greedy tokens for {same_ref} of "
+                 f"{len(engine_runs) * n}") + "."]
     table = "\n".join(lines) + "\n\n" + all_at_once_note()
     print(table)
     RESULTS.mkdir(exist_ok=True)
     stem = RESULTS / (f"real_model_64_{platform.node() or 'host'}_{when[:10]}"
                       + ("" if args.rate is None else f"_rate{args.rate:g}"))
     Path(f"{stem}.md").write_text(table + "\n")
-    keep = {k: _median_run(runs, *k) for k in [(s, a) for s in ("engine", "static batches") for a in ("closed", "poisson")]}
+    keep = {(side, a): _median_run(runs, side, a, GOAL[side]) for side in GOAL for a in ("closed", "poisson")}
     record = {"command": cmd, "date": when, "threads": args.threads, "slots": SLOTS, "lengths": lengths,
               "prompt_lens": list(map(len, prompts)), "poisson_rate": rate, "batch_longest": longest,
+              "goal_gemm": GOAL, "gemm_ms": gemm,
+              "speedups": {"goal": goal, "both packed": packed, "both nn.Linear": plain},
+              "fcfs_steps": fcfs_steps(lengths), "step_ratio_by_seed": draws,
               "tokens_equal_static": same_static, "tokens_equal_one_at_a_time": same_ref,
               "runs": [r.summary(useful) for r in runs],
-              "outputs": {"engine closed": engine_runs[0].outputs, "static batches closed": static_runs[0].outputs,
+              "outputs": {"engine closed": pick("engine", "closed", "packed")[0].outputs, "static batches closed": base,
                           "one at a time": reference},
               "traces": {f"{s} {a}": {k: v for k, v in asdict(r).items() if k != "outputs"} for (s, a), r in keep.items()}}
     Path(f"{stem}.json").write_text(json.dumps(record, indent=1) + "\n")

@@ -1009,3 +1009,26 @@ def test_prefix_caching_off_records_no_lookup():
     sched.add_request([1, 2, 3, 4, 5], 2)
     run(sched, {})
     assert sched.prefix_cache.stats == type(sched.prefix_cache.stats)()
+
+
+@pytest.mark.parametrize("seed", range(4))
+def test_freed_slot_is_refilled_at_the_next_step(seed):
+    """More requests than slots (issue 32): with ``max_num_seqs`` slots and room for everything else,
+    the scheduler takes exactly as many steps as the ideal first-come-first-served schedule, in which
+    each request in turn takes the slot that frees first and a freed slot is refilled at the next
+    step. A slot left empty for a step, or a request admitted out of order, would take more."""
+    import heapq
+
+    from labkit.replay import named_requests, serve
+
+    rng = random.Random(seed)
+    slots, lengths = 4, [rng.randint(1, 30) for _ in range(17)]
+    sched = Scheduler(num_blocks=400, block_size=4, max_num_batched_tokens=64, max_num_seqs=slots,
+                      enable_prefix_caching=False)
+    steps = serve(sched, {0: named_requests((f"r{i}", rng.randint(2, 9), n) for i, n in enumerate(lengths))})
+    free_at = [0] * slots
+    for n in lengths:
+        heapq.heappush(free_at, heapq.heappop(free_at) + n)
+    assert len(steps) == max(free_at)
+    static = sum(max(lengths[lo:lo + slots]) for lo in range(0, len(lengths), slots))
+    assert len(steps) < static

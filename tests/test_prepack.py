@@ -1,0 +1,102 @@
+"""labkit.prepack: the oneDNN-packed linear layers compute what ``nn.Linear`` computes.
+
+Packing changes the order of the float32 sums, not the arithmetic: results are compared with
+a tolerance, on random weights and inputs, with and without bias, through a whole model and
+through the engine. Bad input raises and packs nothing.
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from torch import nn
+
+import labkit  # noqa: F401  (sets up Triton before any kernel module)
+from labkit.cache import generate
+from labkit.engine import Engine
+from labkit.model import Decoder, DecoderConfig
+from labkit.prepack import PackedLinear, available, is_packed, prepack, unpack
+
+pytestmark = pytest.mark.skipif(not available(), reason="this PyTorch has no oneDNN")
+
+CONFIG = DecoderConfig(vocab_size=97, hidden_size=64, intermediate_size=96, num_hidden_layers=2,
+                       num_attention_heads=4, num_key_value_heads=2)
+
+
+@pytest.mark.parametrize("bias", [False, True])
+@pytest.mark.parametrize("rows", [1, 5, 16, 37])
+def test_packed_linear_matches_linear(bias, rows):
+    torch.manual_seed(rows)
+    layer = nn.Linear(48, 80, bias=bias)
+    x = torch.randn(2, rows, 48)
+    expected = layer(x).detach()
+    assert prepack(layer) == 1
+    assert isinstance(layer, PackedLinear)
+    with torch.no_grad():
+        got = layer(x)
+    assert got.shape == expected.shape
+    torch.testing.assert_close(got, expected, rtol=1e-5, atol=1e-5)
+    layer.weight.data.zero_()  # the copy does not follow the weight (documented)
+    with torch.no_grad():
+        torch.testing.assert_close(layer(x), expected, rtol=1e-5, atol=1e-5)
+
+
+def test_prepack_model_logits_and_state_dict():
+    model = Decoder.random(CONFIG, seed=3)
+    before = {k: (v.data_ptr(), v.clone()) for k, v in model.state_dict().items()}
+    ids = torch.randint(0, CONFIG.vocab_size, (2, 11), generator=torch.Generator().manual_seed(0))
+    with torch.no_grad():
+        expected = model(ids)
+    n = prepack(model)
+    assert n == 7 * CONFIG.num_hidden_layers + 1  # q, k, v, o, gate, up, down per layer; the vocabulary head
+    assert sum(type(m) is PackedLinear for m in model.modules()) == n
+    after = model.state_dict()
+    assert after.keys() == before.keys()
+    for k, (ptr, value) in before.items():  # the weights themselves are untouched, not copied
+        assert after[k].data_ptr() == ptr and torch.equal(after[k], value)
+    with torch.no_grad():
+        torch.testing.assert_close(model(ids), expected, rtol=1e-4, atol=1e-4)
+    assert prepack(model) == 0  # already packed: nothing to do
+    assert is_packed(model)
+    assert unpack(model) == n and not is_packed(model) and unpack(model) == 0
+    assert all(type(m) is nn.Linear for m in model.modules() if isinstance(m, nn.Linear))
+    with torch.no_grad():
+        assert torch.equal(model(ids), expected)  # nn.Linear again, bit for bit
+
+
+def test_engine_with_packed_model_matches_contiguous_cache():
+    model = Decoder.random(CONFIG, seed=5)
+    prompts = [[(7 * i + j) % CONFIG.vocab_size for j in range(n)] for i, n in enumerate([9, 14, 4])]
+    expected = [generate(model, p, 6).logits for p in prompts]
+    prepack(model)
+    engine = Engine(model, num_blocks=32, block_size=4, max_num_batched_tokens=16, use_triton=False)
+    requests = [engine.add_request(p, 6, eos_token_id=()) for p in prompts]
+    while engine.has_unfinished():
+        engine.step()
+    for request, logits in zip(requests, expected):
+        # greedy tokens equal up to the reference's first near tie, if any (none on this seed)
+        top2 = logits.topk(2, dim=-1).values
+        ties = ((top2[:, 0] - top2[:, 1]) < 1e-3).nonzero().flatten().tolist()
+        upto = ties[0] if ties else len(logits)
+        assert upto >= 3
+        assert request.output_token_ids[:upto] == logits.argmax(-1)[:upto].tolist()
+
+
+@pytest.mark.parametrize("bad, message", [(0, r"batch_size must be an integer in \[1, 4096\]"),
+                                          (True, "batch_size"), (5000, r"\[1, 4096\]")])
+def test_bad_batch_size_raises(bad, message):
+    model = Decoder.random(CONFIG)
+    with pytest.raises(ValueError, match=message):
+        prepack(model, batch_size=bad)
+    assert not any(isinstance(m, PackedLinear) for m in model.modules())
+
+
+def test_not_a_module_or_not_float32_raises_and_packs_nothing():
+    for f in (prepack, unpack, is_packed):
+        with pytest.raises(ValueError, match="model must be a torch.nn.Module"):
+            f("model")
+    model = Decoder.random(CONFIG)
+    model.model.layers[1].mlp.down_proj.to(torch.bfloat16)
+    with pytest.raises(ValueError, match=r"float32 weights on the CPU; model\.layers\.1\.mlp\.down_proj\.weight"):
+        prepack(model)
+    assert not any(isinstance(m, PackedLinear) for m in model.modules())
