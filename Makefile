@@ -25,16 +25,20 @@ SITE_STAMP := $(VENV)/.site-installed
 # -W: a warning fails the build; --keep-going: after listing them all. tests/test_site.py reads this line.
 SITE_OPTS := -W --keep-going -q -b html
 
-# Bytecode for everything installed, compiled in parallel (-j 0: one process per core). A file that
-# does not compile (a package's Python 2 example, say) is skipped, as pip itself skips it.
+# Bytecode for what the book imports, compiled in parallel (-j 0: one process per core). A file that
+# does not compile (a package's Python 2 example, say) is skipped, as pip itself skips it. Left out
+# (COMPILE_SKIP): the packages' own tests, transformers' models other than Llama, torch's test
+# helpers and sympy's unused branches, 4,600 of 14,400 files (measured: 18 s against 27 s on 2
+# cores); anything imported from there is compiled in memory, as without this step.
 COMPILED := $(VENV)/.compiled
+COMPILE_SKIP := (/tests?/|/transformers/models/(?!llama/|auto/|__init__)|/torch/testing/_internal/|/sympy/(physics|combinatorics|stats|holonomic|liealgebras|categories|codegen|crypto|diffgeom|vector|unify|sandbox|parsing|plotting|geometry)/)
 
 .PHONY: setup lab test test-fast notebooks check-notebooks site clean vllm
 
 setup: $(STAMP) $(LAB_SETTINGS) $(SITE_STAMP) $(COMPILED)
 
 $(COMPILED): $(STAMP) $(SITE_STAMP)
-	$(PY) -m compileall -q -j 0 "$$($(PY) -c 'import sysconfig; print(sysconfig.get_paths()["purelib"])')" > /dev/null || true
+	$(PY) -m compileall -q -j 0 -x '$(COMPILE_SKIP)' "$$($(PY) -c 'import sysconfig; print(sysconfig.get_paths()["purelib"])')" > /dev/null || true
 	touch $(COMPILED)
 
 $(STAMP): pyproject.toml requirements/lock.txt requirements/model.txt
