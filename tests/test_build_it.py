@@ -346,3 +346,15 @@ def test_each_quiz_waits_refuses_and_passes(stem, capsys):
             assert f"❌ Question {number}" in capsys.readouterr().out
         if not isinstance(want, str):
             assert math.isclose(solution[number], want, rel_tol=question.rel_tol)
+
+
+def test_every_draw_of_chapter_04s_cases_refutes_each_wrong_answer():
+    """A chapter draws its hidden cases once; each draw on its own must refute every wrong answer.
+    Found by this loop: when both rounds' prompts used the default key and the prompt was two blocks
+    long, hashing without the key gave every right count (about 1 draw in 250)."""
+    from labkit.build_it import cached_tokens_cases
+
+    for _ in range(400):
+        cases = cached_tokens_cases()
+        for wrong in (no_len_minus_1_cap_04, key_ignored_04, no_parent_04):
+            assert any(wrong(*args) != want for args, want in cases), wrong.__name__
