@@ -565,10 +565,13 @@ assert abs(simulated_ratio / measured_ratio - 1) <= 0.25
 # %%
 # NBVAL_SKIP_IN_SOLUTIONS
 predicted = Simulator(fit.cost_model(), num_blocks=128, block_size=16, max_num_batched_tokens=64).run(test_specs)
-measured = serve_in_real_time(cpu_engine(), test_specs)
-rows = [("TTFT", predicted.ttft_percentiles(), measured.ttft_percentiles()),
-        ("ITL", predicted.itl_percentiles(), measured.itl_percentiles())]
-print(f"test: {len(test_specs)} requests arriving over {arrivals[-1] - arrivals[0]:.1f} s")
+for attempt in range(1, 4):  # a run a busy machine pushed past a factor of 2 is measured again, at most twice
+    measured = serve_in_real_time(cpu_engine(), test_specs)
+    rows = [("TTFT", predicted.ttft_percentiles(), measured.ttft_percentiles()),
+            ("ITL", predicted.itl_percentiles(), measured.itl_percentiles())]
+    if all(0.5 <= sim_p["p50"] / real_p["p50"] <= 2 for _, sim_p, real_p in rows):
+        break
+print(f"test: {len(test_specs)} requests arriving over {arrivals[-1] - arrivals[0]:.1f} s; measured run {attempt} of at most 3")
 print(f"{'':<6}{'simulated':>12}{'measured':>12}{'simulated / measured':>24}")
 for name, sim_p, real_p in rows:
     for q in ("p50", "p90"):
@@ -580,9 +583,10 @@ assert [len(o) for o in measured.outputs] == [s.output_len for s in test_specs]
 
 # %% [markdown]
 # The table sets the prediction beside the measurement; the verdict line says whether both medians
-# came within the 25% the book aims for. The measurement is one run on the wall clock, which a busy
-# machine moves (the tests run notebooks side by side), so the cell fails only past a factor of 2;
-# `tests/test_calibration.py` holds the 25%, on a fresh calibration each try.
+# came within the 25% the book aims for. The measurement is a run on the wall clock, which a busy
+# machine moves (the tests run notebooks side by side): a run past a factor of 2 is measured again,
+# at most twice, and only then does the cell fail; `tests/test_calibration.py` holds the 25%, on a
+# fresh calibration each try.
 # Where the prediction misses, look at the residuals: a test request arrives alone or beside one or
 # two others, exactly the small steps that the fit prices by a compromise, and its first token
 # comes out of a step with a prompt chunk. So the simulator ranks the two budgets tested above
