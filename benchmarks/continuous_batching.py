@@ -115,9 +115,9 @@ def fcfs_steps(lengths: list[int], slots: int = SLOTS) -> int:
     return max(free_at)
 
 
-def static_steps(lengths: list[int], slots: int = SLOTS) -> int:
-    """Steps of static batches of ``slots`` in arrival order: each runs as long as its longest member."""
-    return sum(max(lengths[lo:lo + slots]) for lo in range(0, len(lengths), slots))
+def batch_longest(lengths: list[int], slots: int = SLOTS) -> list[int]:
+    """Static batches of ``slots`` in arrival order each run as many steps as their longest member."""
+    return [max(lengths[lo:lo + slots]) for lo in range(0, len(lengths), slots)]
 
 
 def poisson_arrivals(n: int, rate: float, seed: int = 1) -> list[float]:
@@ -143,7 +143,10 @@ def gemm_times(model, rows: tuple[int, ...] = (1, 16), repeat: int = 5) -> dict[
     ``rows`` rows, as ``nn.Linear`` and packed (best of ``repeat``); the model is left unpacked."""
     times: dict[str, dict[int, float]] = {}
     for packing in ("nn.Linear", "packed"):
-        unpack(model) if packing == "nn.Linear" else prepack(model)
+        if packing == "packed":
+            prepack(model)
+        else:
+            unpack(model)
         layers = [m for m in model.modules() if isinstance(m, torch.nn.Linear)]
         times[packing] = {}
         with torch.no_grad():
@@ -276,7 +279,10 @@ def main_64(args) -> None:
 
     def timed(side: str, packed: bool, times: list[float], label: str) -> None:
         target = model if side == "engine" else hf
-        prepack(target) if packed else unpack(target)
+        if packed:
+            prepack(target)
+        else:
+            unpack(target)
         runs.append(run_engine(model, prompts, lengths, times, label) if side == "engine"
                     else run_static(hf, prompts, lengths, times, label))
         print(runs[-1].summary(useful), flush=True)
@@ -341,13 +347,13 @@ def write_results(args, path, prompts, lengths, runs: list[Run], rate: float, re
     same_packed_static = sum(a == b for r in static_runs for a, b in zip(r.outputs, base))
     same_ref = None if reference is None else sum(a == b for r in engine_runs for a, b in zip(r.outputs, reference))
     when = dt.datetime.now(dt.timezone.utc).strftime("%Y-%m-%d %H:%M UTC")
-    longest = [max(lengths[lo:lo + SLOTS]) for lo in range(0, len(lengths), SLOTS)]
+    longest = batch_longest(lengths)
     cmd = (f"python benchmarks/real_model.py --workload 64 --threads {args.threads} --repeat {args.repeat}"
            + (" --check-one-at-a-time" if args.check_one_at_a_time else "")
            + ("" if args.rate is None else f" --rate {args.rate:g}"))
     goal, plain, packed = speedups("packed", "nn.Linear"), speedups("nn.Linear", "nn.Linear"), speedups("packed", "packed")
     e_steps, s_steps = engine_runs[0].steps, sum(longest)
-    draws = [static_steps(ls) / fcfs_steps(ls) for ls in (draw_lengths(n, seed) for seed in range(20))]
+    draws = [sum(batch_longest(ls)) / fcfs_steps(ls) for ls in (draw_lengths(n, seed) for seed in range(20))]
     med = statistics.median
     lines = [f"# More requests than slots: the engine against static batches ({when})", "",
              f"Command: `{cmd}`  ",

@@ -1,25 +1,21 @@
 """Prepacked weights: how a serving engine sets up the CPU's matrix multiplies once, at load.
 
-On a CPU, a decode step of a small model is mostly matrix multiplies: a batch of a few rows
-against every weight matrix (for SmolLM2-135M, 211 of them per step). ``torch.nn.Linear`` hands
-each one to the BLAS library as it is stored, row-major ``[out_features, in_features]``, and the
-library rearranges its tiles on every call. oneDNN (the CPU library inside PyTorch) can instead
-*reorder* a weight once into the blocked layout its kernels read, and every later multiply reads
-it as is. vLLM's CPU backend does this when a model loads: ``UnquantizedLinearMethod.
+On a CPU, a decode step of a small model is mostly matrix multiplies: a few rows against every
+weight matrix (211 of them per step for SmolLM2-135M). ``nn.Linear`` hands each weight to the
+BLAS library as stored, and the library rearranges its tiles on every call. oneDNN (the CPU
+library inside PyTorch) can instead *reorder* a weight once into the blocked layout its kernels
+read. vLLM's CPU backend does this when a model loads: ``UnquantizedLinearMethod.
 process_weights_after_loading`` (``vllm/model_executor/layers/linear.py``) calls
 ``dispatch_cpu_unquantized_gemm`` (``vllm/model_executor/layers/utils.py``), which builds a oneDNN
-matmul from the weight (``ops.create_onednn_mm``) and drops the original. The same weights,
-the same float32 arithmetic (in another summation order: results agree to about 1e-4, not
-bit for bit), the same threads. ``benchmarks/continuous_batching.py`` measures what it saves,
-for the matrices alone and for a whole engine (``benchmarks/results/real_model_64_*.md``).
+matmul from the weight (``ops.create_onednn_mm``). Same weights, same float32 arithmetic in
+another summation order (results agree to about 1e-4, not bit for bit), same threads.
 
-``prepack(model)`` does this with PyTorch's own oneDNN operators: every ``nn.Linear`` becomes a
-``PackedLinear`` that keeps its ``weight`` (so ``state_dict`` and the tied embedding are
-untouched) and multiplies with a reordered copy; ``unpack(model)`` turns them back. It works on any
-module: the book's ``Decoder`` or transformers' Llama. Inference only (no gradients flow through the
-copy), CPU only, float32 only; pack after the weights are final: the copy does not follow later
-changes to ``weight``. Nothing in the book needs it: it is a variant of the model's linear layers,
-used by the engine's CPU benchmark and chapter 05.
+``prepack(model)`` does it with PyTorch's own oneDNN operators: every ``nn.Linear`` of any module
+(the book's ``Decoder``, transformers' Llama) becomes a ``PackedLinear`` that keeps its ``weight``
+(``state_dict`` and a tied embedding are untouched) and multiplies with a reordered copy;
+``unpack(model)`` turns them back. Inference only, CPU and float32 only; the copy does not follow
+later changes to ``weight``. ``benchmarks/continuous_batching.py`` measures what it saves (its
+results are chapter 05's table).
 """
 
 from __future__ import annotations
@@ -45,6 +41,11 @@ class PackedLinear(nn.Linear):
         return torch.ops.mkldnn._linear_pointwise(x, self.packed_weight, self.bias, "none", [], "")
 
 
+def _check_model(model: object) -> None:
+    if not isinstance(model, nn.Module):
+        raise ValueError(f"model must be a torch.nn.Module, got {type(model).__name__}")
+
+
 def prepack(model: nn.Module, batch_size: int = 16) -> int:
     """Pack every ``nn.Linear`` of ``model`` in place; returns how many were packed.
 
@@ -52,20 +53,19 @@ def prepack(model: nn.Module, batch_size: int = 16) -> int:
     oneDNN's choice of layout; any number of rows still works. Layers already packed are left as
     they are. Raises (and packs nothing) unless every linear layer is float32 on the CPU.
     """
-    if not isinstance(model, nn.Module):
-        raise ValueError(f"model must be a torch.nn.Module, got {type(model).__name__}")
+    _check_model(model)
     if isinstance(batch_size, bool) or not isinstance(batch_size, int) or not 1 <= batch_size <= 4096:
         raise ValueError(f"batch_size must be an integer in [1, 4096], got {batch_size!r}")
     if not available():
         raise RuntimeError("this PyTorch has no oneDNN (torch.backends.mkldnn): prepack cannot run here")
-    linears = [m for m in model.modules() if type(m) is nn.Linear]
-    for name, m in model.named_modules():
-        if type(m) is nn.Linear and (m.weight.device.type != "cpu" or m.weight.dtype != torch.float32):
+    linears = [(name, m) for name, m in model.named_modules() if type(m) is nn.Linear]
+    for name, m in linears:
+        if m.weight.device.type != "cpu" or m.weight.dtype != torch.float32:
             raise ValueError(f"prepack needs float32 weights on the CPU; {name or 'model'}.weight is "
                              f"{m.weight.dtype} on {m.weight.device}")
     with torch.no_grad():  # every copy made before any layer changes: a failure leaves the model as it was
-        packed = [torch.ops.mkldnn._reorder_linear_weight(m.weight.detach(), batch_size) for m in linears]
-    for m, w in zip(linears, packed):
+        packed = [torch.ops.mkldnn._reorder_linear_weight(m.weight.detach(), batch_size) for _, m in linears]
+    for (_, m), w in zip(linears, packed):
         m.__class__ = PackedLinear
         m.packed_weight = w
     return len(linears)
@@ -73,8 +73,7 @@ def prepack(model: nn.Module, batch_size: int = 16) -> int:
 
 def unpack(model: nn.Module) -> int:
     """Turn every ``PackedLinear`` of ``model`` back into a plain ``nn.Linear``; returns how many."""
-    if not isinstance(model, nn.Module):
-        raise ValueError(f"model must be a torch.nn.Module, got {type(model).__name__}")
+    _check_model(model)
     packed = [m for m in model.modules() if type(m) is PackedLinear]
     for m in packed:
         m.__class__ = nn.Linear
@@ -84,6 +83,5 @@ def unpack(model: nn.Module) -> int:
 
 def is_packed(model: nn.Module) -> bool:
     """Whether any linear layer of ``model`` multiplies with a packed weight."""
-    if not isinstance(model, nn.Module):
-        raise ValueError(f"model must be a torch.nn.Module, got {type(model).__name__}")
+    _check_model(model)
     return any(type(m) is PackedLinear for m in model.modules())
