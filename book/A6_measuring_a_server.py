@@ -409,9 +409,10 @@ plt.show()
 # NBVAL_CHECK_OUTPUT
 import torch
 
-from labkit.calibration import fit_device, fit_steps, measure_steps, measure_stream_bandwidth, model_cost, serve_in_real_time
+from labkit.calibration import (chat_requests, fit_device, fit_steps, measure_steps, measure_stream_bandwidth, model_cost,
+                                serve_in_real_time)
 from labkit.engine import Engine
-from labkit.pretrained import chat_token_ids, from_pretrained, load_tokenizer, real_model
+from labkit.pretrained import from_pretrained, load_tokenizer, real_model
 
 torch.set_num_threads(1)  # one thread: steadier timings when another program shares the CPU
 model_path = real_model()
@@ -445,17 +446,7 @@ assert not teaching.tie_word_embeddings and 0.06 < teaching.vocab_size * teachin
 
 # %%
 # NBVAL_SKIP_IN_SOLUTIONS
-SYSTEM = "You are a helpful assistant. Answer in one short sentence."
-ASKS = ["What is the capital of France?", "Name three primary colours.", "What does a CPU do?",
-        "How do you say hello in Spanish?", "Why is the sky blue?", "Who wrote Hamlet?",
-        "What is water made of?", "How far away is the Moon?", "What is a GPU?", "Why do cats purr?",
-        "What is DNA?", "What is gravity?", "What is a volcano?", "Why do leaves fall?"]
-chat = [chat_token_ids(smol_tokenizer, [{"role": "system", "content": SYSTEM}, {"role": "user", "content": q}])
-        for q in ASKS]
-lengths = np.random.default_rng(0).integers(8, 25, len(ASKS)).tolist()  # reply lengths, 8 to 24 tokens
-fit_specs = [workloads.RequestSpec(i, 0.0, chat[i], lengths[i]) for i in range(6)]
-arrivals = workloads.poisson_arrivals(8, 5.0, np.random.default_rng(1))
-test_specs = [workloads.RequestSpec(i, float(arrivals[i - 6]), chat[i], lengths[i]) for i in range(6, 14)]
+fit_specs, test_specs = chat_requests(smol_tokenizer)  # 14 short chat questions: 6 to fit, 8 to test
 cpu_engine = lambda: Engine(smol, num_blocks=128, block_size=16, max_num_batched_tokens=64,  # noqa: E731
                             use_triton=labkit.RUNTIME.triton_mode == "compiled")
 
@@ -571,7 +562,8 @@ for attempt in range(1, 4):  # a run a busy machine pushed past a factor of 2 is
             ("ITL", predicted.itl_percentiles(), measured.itl_percentiles())]
     if all(0.5 <= sim_p["p50"] / real_p["p50"] <= 2 for _, sim_p, real_p in rows):
         break
-print(f"test: {len(test_specs)} requests arriving over {arrivals[-1] - arrivals[0]:.1f} s; measured run {attempt} of at most 3")
+print(f"test: {len(test_specs)} requests arriving over {test_specs[-1].arrival_time - test_specs[0].arrival_time:.1f} s; "
+      f"measured run {attempt} of at most 3")
 print(f"{'':<6}{'simulated':>12}{'measured':>12}{'simulated / measured':>24}")
 for name, sim_p, real_p in rows:
     for q in ("p50", "p90"):

@@ -38,10 +38,10 @@ from .capacity import MiB, ModelShape
 from .checks import check_int, check_number
 from .costmodel import CostModel, Device, ModelCost
 from .sim import step_sums
-from .workloads import RequestSpec
+from .workloads import RequestSpec, poisson_arrivals
 
 __all__ = ["StepSample", "MeasuredRun", "StepFit", "model_cost", "measure_steps", "measure_stream_bandwidth",
-           "fit_steps", "fit_device", "serve_in_real_time"]
+           "fit_steps", "fit_device", "serve_in_real_time", "chat_requests"]
 
 
 @dataclass(frozen=True)
@@ -272,6 +272,28 @@ def fit_device(samples: Sequence[StepSample], cost: ModelCost, name: str = "this
     device = Device(name, memory_bytes=_physical_memory(), memory_bandwidth=best_bandwidth,
                     peak_flops=best_peak, source="fitted to measured engine steps (labkit.calibration)")
     return device, overhead
+
+
+CHAT_SYSTEM = "You are a helpful assistant. Answer in one short sentence."
+CHAT_ASKS = ["What is the capital of France?", "Name three primary colours.", "What does a CPU do?",
+             "How do you say hello in Spanish?", "Why is the sky blue?", "Who wrote Hamlet?",
+             "What is water made of?", "How far away is the Moon?", "What is a GPU?", "Why do cats purr?",
+             "What is DNA?", "What is gravity?", "What is a volcano?", "Why do leaves fall?"]
+
+
+def chat_requests(tokenizer) -> tuple[list[RequestSpec], list[RequestSpec]]:
+    """Appendix A6's calibration workload on the real model: 14 short chat questions with replies of 8
+    to 24 tokens (seeded). The first 6 arrive at once, to measure and fit steps on; the other 8 arrive
+    as a Poisson stream at 5 requests/s, to test the fitted simulator's prediction on."""
+    from .pretrained import chat_token_ids
+
+    chat = [chat_token_ids(tokenizer, [{"role": "system", "content": CHAT_SYSTEM}, {"role": "user", "content": q}])
+            for q in CHAT_ASKS]
+    lengths = np.random.default_rng(0).integers(8, 25, len(CHAT_ASKS)).tolist()
+    arrivals = poisson_arrivals(8, 5.0, np.random.default_rng(1))
+    fit_specs = [RequestSpec(i, 0.0, chat[i], lengths[i]) for i in range(6)]
+    test_specs = [RequestSpec(i, float(arrivals[i - 6]), chat[i], lengths[i]) for i in range(6, 14)]
+    return fit_specs, test_specs
 
 
 def serve_in_real_time(engine, specs: Sequence[RequestSpec]) -> MeasuredRun:

@@ -6,7 +6,7 @@ import numpy as np
 import pytest
 
 import labkit  # noqa: F401  (first: Triton's interpreter without a GPU)
-from labkit.calibration import (StepFit, StepSample, fit_device, fit_steps, measure_steps, measure_stream_bandwidth,
+from labkit.calibration import (StepFit, StepSample, chat_requests, fit_device, fit_steps, measure_steps, measure_stream_bandwidth,
                                model_cost, serve_in_real_time)
 from labkit.costmodel import CostModel, Device
 from labkit.engine import Engine
@@ -206,29 +206,17 @@ def test_the_fitted_simulator_predicts_held_out_requests_on_the_real_model(smol)
     """Appendix A6's prediction: calibrated on six chat requests (the copy bandwidth pinned), the simulator
     predicts eight other requests, arriving as a Poisson stream at 5 per second and served by the engine on
     the wall clock: TTFT and ITL p50 within 25% of the measurement. The notebook's cell, run beside other
-    notebooks, fails only past a factor of 2; here the 25% holds, with up to three attempts, each calibrated
+    notebooks, fails only when three runs land past a factor of 2; here the 25% holds, with up to three attempts, each calibrated
     afresh (a busy machine bends one attempt, a wrong model every attempt)."""
     import torch
 
-    from labkit import workloads
-    from labkit.pretrained import chat_token_ids
     from labkit.sim import Simulator
 
     smol, tokenizer = smol
     threads = torch.get_num_threads()
     torch.set_num_threads(1)
     try:
-        system = "You are a helpful assistant. Answer in one short sentence."
-        asks = ["What is the capital of France?", "Name three primary colours.", "What does a CPU do?",
-                "How do you say hello in Spanish?", "Why is the sky blue?", "Who wrote Hamlet?",
-                "What is water made of?", "How far away is the Moon?", "What is a GPU?", "Why do cats purr?",
-                "What is DNA?", "What is gravity?", "What is a volcano?", "Why do leaves fall?"]
-        chat = [chat_token_ids(tokenizer, [{"role": "system", "content": system}, {"role": "user", "content": q}])
-                for q in asks]
-        lengths = np.random.default_rng(0).integers(8, 25, len(asks)).tolist()
-        fit_specs = [RequestSpec(i, 0.0, chat[i], lengths[i]) for i in range(6)]
-        arrivals = workloads.poisson_arrivals(8, 5.0, np.random.default_rng(1))
-        test_specs = [RequestSpec(i, float(arrivals[i - 6]), chat[i], lengths[i]) for i in range(6, 14)]
+        fit_specs, test_specs = chat_requests(tokenizer)  # appendix A6's workload
         cost = model_cost(smol.config, dtype_bytes=4)
 
         def engine() -> Engine:
