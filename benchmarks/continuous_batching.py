@@ -10,7 +10,7 @@ compute the same tokens), at most 16 running at once on both sides:
   its longest member finishes (``min_new_tokens = max_new_tokens`` = that member's length), so a
   row whose request is done keeps computing until the batch ends.
 
-Two ways to multiply by the weights, on either side (``labkit.prepack``): ``nn.Linear`` as
+Two ways to multiply by the weights, on either side (``labkit.model.prepack``): ``nn.Linear`` as
 transformers ships it, and the weights reordered once for oneDNN, as vLLM's CPU backend does at
 load. The engine runs packed; transformers as shipped is the baseline the goal is measured
 against; the two other pairings (both packed, both plain) show what scheduling alone buys.
@@ -43,9 +43,9 @@ from pathlib import Path
 import torch
 
 import labkit
-from labkit.engine import Engine
-from labkit.prepack import is_packed, prepack, unpack
-from labkit.pretrained import chat_token_ids, from_pretrained, load_tokenizer, real_model
+from labkit.model.prepack import is_packed, prepack, unpack
+from labkit.model.pretrained import chat_token_ids, from_pretrained, load_tokenizer, real_model
+from labkit.serving.engine import Engine
 
 ROOT = Path(__file__).resolve().parent.parent
 RESULTS = ROOT / "benchmarks" / "results"
@@ -64,7 +64,7 @@ class Run:
 
     side: str                      # "engine" or "static batches"
     arrivals: str                  # "closed" or "poisson"
-    gemm: str                      # "packed" (labkit.prepack) or "nn.Linear"
+    gemm: str                      # "packed" (labkit.model.prepack) or "nn.Linear"
     load: float                    # 1-minute load average when the run started
     wall: float = 0.0              # seconds until the last request finished
     compute: float = 0.0           # of which in model calls (the rest waited for arrivals)
@@ -365,7 +365,7 @@ def write_results(args, path, prompts, lengths, runs: list[Run], rate: float, re
              f"{rate:.2f} requests/s (" + ("given" if args.rate is not None else "the engine's first closed-run "
              "completion rate") + ").  ",
              "GEMM: `nn.Linear` as transformers ships it, or `packed`: the same float32 weights reordered once "
-             "for oneDNN (`labkit.prepack`, what vLLM's CPU backend does at load). One step's multiplies "
+             "for oneDNN (`labkit.model.prepack`, what vLLM's CPU backend does at load). One step's multiplies "
              "(every linear layer once, best of 5): " + "; ".join(
                  f"{rows} rows {gemm['nn.Linear'][rows]:.1f} ms as nn.Linear, {gemm['packed'][rows]:.1f} ms packed"
                  for rows in gemm["packed"]) + ".", "",

@@ -6,7 +6,7 @@ target=GPUTarget("cuda", 75, 32))`` runs the whole pipeline (Triton IR, PTX, the
 
 1. records the launches labkit's public functions make (``paged_decode_attention`` with and
    without split-K and its merge, ``paged_prefill_attention`` with short and long queries,
-   ``write_kv``, and decode and write over the quantized pools of ``labkit.quant``): CPU tensors go in, labkit believes it runs compiled on the target, and each
+   ``write_kv``, and decode and write over the quantized pools of ``labkit.memory.formats``): CPU tensors go in, labkit believes it runs compiled on the target, and each
    kernel's ``run`` is replaced by a recorder, so grid, arguments, constexprs, ``num_warps``
    and ``num_stages`` are exactly what a GPU launch would get;
 2. compiles each recorded launch for sm75 (T4), sm80 (A100), sm86 (A10, RTX 30), sm89 (L4,
@@ -19,7 +19,7 @@ target=GPUTarget("cuda", 75, 32))`` runs the whole pipeline (Triton IR, PTX, the
 
 It is static analysis, not timing: it says whether a launch compiles, fits and spills, never
 how fast it runs. A case labkit does not launch on a target (fp8 below sm89, where Triton has no
-e4m3) is listed with the fallback labkit names instead (``kernels.kv_format_reason``).
+e4m3) is listed with the fallback labkit names instead (``labkit.kernels.fallback.kv_format_reason``).
 
 Usage::
 
@@ -63,8 +63,11 @@ import triton  # noqa: E402
 import triton.language as tl  # noqa: E402
 
 import labkit  # noqa: E402,F401
-from labkit import kernels, quant  # noqa: E402
-from labkit.device import Runtime  # noqa: E402
+import labkit.kernels.launch  # noqa: E402  (by its full name: this file calls a recorded launch `launch`)
+from labkit.kernels import fallback, paged_attention, triton_paged  # noqa: E402
+from labkit.kernels.device import Runtime  # noqa: E402
+from labkit.memory import formats  # noqa: E402
+from labkit.memory.blocks import blocks_needed  # noqa: E402
 
 RESULTS = ROOT / "benchmarks" / "results"
 KiB = 1024
@@ -102,12 +105,12 @@ GPUS = {
     "sm90": Gpu("sm90", (9, 0), "H100, H200", 227 * KiB, 228 * KiB, 1 * KiB, 64, 32),
 }
 
-KERNELS = {  # kernel object name in labkit.kernels -> short name in the tables
-    "_paged_decode_kernel": "decode",
-    "_merge_splits_kernel": "merge",
-    "_paged_prefill_kernel": "prefill",
-    "_write_kv_kernel": "write_kv",
-    "_write_kv_quant_kernel": "write_kv_quant",
+KERNELS = {  # kernel object name in labkit.kernels.triton_paged -> short name in the tables
+    "paged_decode_kernel": "decode",
+    "merge_splits_kernel": "merge",
+    "paged_prefill_kernel": "prefill",
+    "write_kv_kernel": "write_kv",
+    "write_kv_quant_kernel": "write_kv_quant",
 }
 DTYPES = {"fp16": torch.float16, "bf16": torch.bfloat16, "fp32": torch.float32}
 
@@ -131,9 +134,12 @@ class Launch:
 def recording(capability: tuple[int, int]):
     """Make labkit believe it runs compiled on a GPU of ``capability``; collect launches instead of running them."""
     launches: list[Launch] = []
-    saved = {name: getattr(kernels, name) for name in ("RUNTIME", "fallback_reason")}
-    kernels.RUNTIME = Runtime(torch.device("cpu"), "compiled", "ahead-of-time compile", capability)
-    kernels.fallback_reason = lambda dtype, device, kv_cache_dtype="auto": kernels.kv_format_reason(
+    # What labkit decided about the machine, where the kernels read it: the fallback and the launches.
+    patched = [(fallback, "RUNTIME"), (labkit.kernels.launch, "RUNTIME"), (fallback, "fallback_reason")]
+    saved = [(module, name, getattr(module, name)) for module, name in patched]
+    fallback.RUNTIME = labkit.kernels.launch.RUNTIME = Runtime(torch.device("cpu"), "compiled",
+                                                               "ahead-of-time compile", capability)
+    fallback.fallback_reason = lambda dtype, device, kv_cache_dtype="auto": fallback.kv_format_reason(
         kv_cache_dtype, capability)  # only the cache format's own rule: fp8 needs sm89
     case = {"name": ""}
 
@@ -143,14 +149,14 @@ def recording(capability: tuple[int, int]):
         return run
 
     for name in KERNELS:
-        getattr(kernels, name).run = recorder(name)
+        getattr(triton_paged, name).run = recorder(name)
     try:
         yield launches, case
     finally:
         for name in KERNELS:
-            del getattr(kernels, name).run  # back to the class's method
-        for name, value in saved.items():
-            setattr(kernels, name, value)
+            del getattr(triton_paged, name).run  # back to the class's method
+        for module, name, value in saved:
+            setattr(module, name, value)
 
 
 def _pool(num_blocks: int, block_size: int, num_kv_heads: int, head_dim: int, dtype: torch.dtype):
@@ -160,7 +166,7 @@ def _pool(num_blocks: int, block_size: int, num_kv_heads: int, head_dim: int, dt
 
 def quantized_kind(kind: str) -> tuple[str, str]:
     """("decode", "int8_per_block") for "decode_int8_per_block"; (kind, "auto") for the others."""
-    for scheme in quant.KV_CACHE_DTYPES[1:]:
+    for scheme in formats.KV_CACHE_DTYPES[1:]:
         if kind.endswith("_" + scheme):
             return kind[: -len(scheme) - 1], scheme
     return kind, "auto"
@@ -172,40 +178,40 @@ def run_case(kind: str, dtype: torch.dtype, head_dim: int, group: int, block_siz
     num_heads = group * num_kv_heads
     kind, scheme = quantized_kind(kind)
     if scheme != "auto":  # a quantized pool: codes and scales (per-tensor scales 1.0, the others 0)
-        kq = quant.kv_quant(scheme)
+        kq = formats.kv_quant(scheme)
         (k_cache, k_scale), (v_cache, v_scale) = (kq.empty_pool(64, block_size, num_kv_heads, head_dim)
                                                   for _ in range(2))
         kw = dict(kv_cache_dtype=scheme, k_scale=k_scale, v_scale=v_scale)
         if kind == "write_kv":
             k = torch.zeros(5, num_kv_heads, head_dim, dtype=dtype)
-            kernels.write_kv(k, k.clone(), k_cache, v_cache, torch.arange(5, dtype=torch.int64), **kw)
+            paged_attention.write_kv(k, k.clone(), k_cache, v_cache, torch.arange(5, dtype=torch.int64), **kw)
             return
-        blocks = -(-100 // block_size)
+        blocks = blocks_needed(100, block_size)
         block_tables = torch.arange(2 * blocks, dtype=torch.int32).view(2, blocks) % 64
         q = torch.zeros(2, num_heads, head_dim, dtype=dtype)
-        kernels.paged_decode_attention(q, k_cache, v_cache, block_tables, torch.full((2,), 100, dtype=torch.int32),
-                                       num_splits=1, **kw)
+        paged_attention.paged_decode_attention(q, k_cache, v_cache, block_tables, torch.full((2,), 100, dtype=torch.int32),
+                                               num_splits=1, **kw)
         return
     if kind == "write_kv":
         k_cache, v_cache = _pool(8, block_size, num_kv_heads, head_dim, dtype)
         k = torch.zeros(5, num_kv_heads, head_dim, dtype=dtype)
-        kernels.write_kv(k, k.clone(), k_cache, v_cache, torch.arange(5, dtype=torch.int64))
+        paged_attention.write_kv(k, k.clone(), k_cache, v_cache, torch.arange(5, dtype=torch.int64))
         return
     seq_len = 2048 if kind in ("decode_split", "prefill_long") else 100
     num_seqs = 2
-    blocks = -(-seq_len // block_size)
+    blocks = blocks_needed(seq_len, block_size)
     k_cache, v_cache = _pool(num_seqs * blocks, block_size, num_kv_heads, head_dim, dtype)
     block_tables = torch.arange(num_seqs * blocks, dtype=torch.int32).view(num_seqs, blocks)
     seq_lens = torch.full((num_seqs,), seq_len, dtype=torch.int32)
     if kind.startswith("decode"):
         q = torch.zeros(num_seqs, num_heads, head_dim, dtype=dtype)
         splits = 4 if kind == "decode_split" else 1
-        kernels.paged_decode_attention(q, k_cache, v_cache, block_tables, seq_lens, num_splits=splits)
+        paged_attention.paged_decode_attention(q, k_cache, v_cache, block_tables, seq_lens, num_splits=splits)
     else:
         q_len = 200 if kind == "prefill_long" else 7
         cu = torch.arange(num_seqs + 1, dtype=torch.int32) * q_len
         q = torch.zeros(num_seqs * q_len, num_heads, head_dim, dtype=dtype)
-        kernels.paged_prefill_attention(q, k_cache, v_cache, block_tables, seq_lens, cu)
+        paged_attention.paged_prefill_attention(q, k_cache, v_cache, block_tables, seq_lens, cu)
 
 
 def case_name(kind: str, dtype: str, head_dim: int, group: int, block_size: int) -> str:
@@ -227,7 +233,7 @@ def fallbacks(cases: list[tuple], gpus: list[str]) -> list[dict]:
     rows = []
     for gpu in gpus:
         for kind, dtype, head_dim, group, block_size in cases:
-            reason = kernels.kv_format_reason(quantized_kind(kind)[1], GPUS[gpu].capability)
+            reason = fallback.kv_format_reason(quantized_kind(kind)[1], GPUS[gpu].capability)
             if reason is not None:
                 rows.append({"gpu": gpu, "case": case_name(kind, dtype, head_dim, group, block_size),
                              "kernel": quantized_kind(kind)[0], "fallback": reason})
@@ -246,7 +252,7 @@ def _specialise(launch: Launch, target):
     from triton.compiler import ASTSource, make_backend
     from triton.runtime.jit import JITFunction, create_function_from_signature
 
-    fn = getattr(kernels, launch.kernel)
+    fn = getattr(triton_paged, launch.kernel)
     jit = fn if isinstance(fn, JITFunction) else _jit_functions.setdefault(launch.kernel, JITFunction(fn.fn))
     backend = make_backend(target)
     binder = create_function_from_signature(jit.signature, jit.params, backend)
@@ -442,8 +448,8 @@ GROUPS = (1, 4, 8)
 BLOCK_SIZES = (8, 16, 128)
 
 # Quantized pools (appendix A3): decode and write for every scheme, 16-token blocks, GQA group 4.
-QUANT_DECODE = tuple(f"decode_{s}" for s in quant.KV_CACHE_DTYPES[1:])
-QUANT_WRITE = tuple(f"write_kv_{s}" for s in quant.KV_CACHE_DTYPES[1:])
+QUANT_DECODE = tuple(f"decode_{s}" for s in formats.KV_CACHE_DTYPES[1:])
+QUANT_WRITE = tuple(f"write_kv_{s}" for s in formats.KV_CACHE_DTYPES[1:])
 QUANT_HEAD_DIMS = (64, 128, 256)
 
 FULL_GRID = [(kind, dtype, d, g, bs) for kind, dtype, d, g, bs in

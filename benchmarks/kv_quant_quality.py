@@ -1,7 +1,7 @@
 """Benchmark: what fewer bytes per KV element cost in quality, on the real model (appendix A3).
 
 SmolLM2-135M-Instruct (the GGUF file ``make setup`` installs, weights in float32) runs with its
-KV cache stored in every scheme of ``labkit.quant`` (fp8, int8 and int4, each with scales per
+KV cache stored in every scheme of ``labkit.memory.formats`` (fp8, int8 and int4, each with scales per
 tensor, per block and per group of 32), in float32 and in bfloat16. Attention computes in
 bfloat16 for every quantized scheme, as for the bfloat16 cache, so the storage is the only
 difference from that baseline. Two measurements per scheme:
@@ -40,9 +40,10 @@ ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 
 import labkit  # noqa: E402,F401  (first: Triton's interpreter without a GPU)
-from labkit import quant  # noqa: E402
-from labkit.cache import generate_paged  # noqa: E402
-from labkit.pretrained import chat_token_ids, from_pretrained, load_tokenizer, real_model  # noqa: E402
+from labkit.caches import quant_quality  # noqa: E402
+from labkit.caches.paged import generate_paged  # noqa: E402
+from labkit.memory import formats
+from labkit.model.pretrained import chat_token_ids, from_pretrained, load_tokenizer, real_model  # noqa: E402
 
 RESULTS = ROOT / "benchmarks" / "results"
 QUESTIONS = [
@@ -57,7 +58,7 @@ QUESTIONS = [
 ]
 # (row label, kv_cache_dtype, cache dtype, calibrate per-tensor scales?)
 SCHEMES = [("float32", "auto", torch.float32, False), ("bfloat16", "auto", torch.bfloat16, False)]
-for element in quant.ELEMENTS:
+for element in formats.ELEMENTS:
     SCHEMES.append((f"{element}_per_tensor", f"{element}_per_tensor", torch.bfloat16, True))
     if element == "fp8":
         SCHEMES.append(("fp8_per_tensor, scale 1.0", "fp8_per_tensor", torch.bfloat16, False))
@@ -67,7 +68,7 @@ BLOCK_SIZE = 16
 
 def bytes_per_token(config, kv_cache_dtype: str, dtype: torch.dtype) -> float:
     """The cache's bytes per token for this model, scales included (chapter 02's formula)."""
-    kq = quant.kv_quant(kv_cache_dtype)
+    kq = formats.kv_quant(kv_cache_dtype)
     if kq is None:
         return 2 * config.num_hidden_layers * config.num_key_value_heads * config.head_dim * dtype.itemsize
     return kq.bytes_per_token(config.num_hidden_layers, config.num_key_value_heads, config.head_dim, BLOCK_SIZE)
@@ -87,8 +88,8 @@ def main() -> int:
     path = real_model()
     model, tokenizer = from_pretrained(path), load_tokenizer(path)
     config = model.config
-    held_out = tokenizer(quant.sample_text("held_out"), add_special_tokens=False)["input_ids"]
-    calibration = tokenizer(quant.sample_text("calibration"), add_special_tokens=False)["input_ids"]
+    held_out = tokenizer(quant_quality.sample_text("held_out"), add_special_tokens=False)["input_ids"]
+    calibration = tokenizer(quant_quality.sample_text("calibration"), add_special_tokens=False)["input_ids"]
     prompts = [chat_token_ids(tokenizer, [{"role": "user", "content": q}]) for q in QUESTIONS[: args.prompts]]
 
     rows, reference = [], None
@@ -96,10 +97,10 @@ def main() -> int:
         if args.schemes and label not in args.schemes and label != "bfloat16":
             continue
         t0 = time.perf_counter()
-        kq = quant.kv_quant(kv_cache_dtype)
-        scales = quant.calibrate(model, calibration, kq) if calibrate else None
-        loss = quant.next_token_loss(model, held_out, kv_cache_dtype, dtype=dtype, kv_scales=scales,
-                                     block_size=BLOCK_SIZE)
+        kq = formats.kv_quant(kv_cache_dtype)
+        scales = quant_quality.calibrate_kv_scales(model, calibration, kq) if calibrate else None
+        loss = quant_quality.next_token_loss(model, held_out, kv_cache_dtype, dtype=dtype, kv_scales=scales,
+                                             block_size=BLOCK_SIZE)
         outputs = [g.tokens for g in generate_paged(model, prompts, args.new_tokens, BLOCK_SIZE, dtype=dtype,
                                                     use_triton=False, kv_cache_dtype=kv_cache_dtype,
                                                     kv_scales=scales)]
@@ -112,7 +113,7 @@ def main() -> int:
 
     base = next(r for r in rows if r["scheme"] == "bfloat16")
     for r in rows:
-        share, mean_first = quant.greedy_agreement(reference, r.pop("outputs"))
+        share, mean_first = quant_quality.greedy_agreement(reference, r.pop("outputs"))
         r.update(loss_increase=r["loss"] - base["loss"], perplexity=float(torch.tensor(r["loss"]).exp()),
                  bytes_vs_bf16=r["bytes_per_token"] / base["bytes_per_token"], agreement=share,
                  mean_first_divergence=mean_first)

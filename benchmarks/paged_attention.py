@@ -45,7 +45,8 @@ ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 
 import labkit  # noqa: E402  (first: decides compiled or interpreted Triton)
-from labkit import kernels  # noqa: E402
+from labkit.kernels import launch, paged_attention, reference  # noqa: E402
+from labkit.memory.blocks import blocks_needed  # noqa: E402
 
 RESULTS = ROOT / "benchmarks" / "results"
 DTYPES = {"fp16": torch.float16, "bf16": torch.bfloat16, "fp32": torch.float32}
@@ -60,7 +61,7 @@ def make_case(batch: int, context: int, num_heads: int, num_kv_heads: int, head_
               dtype: torch.dtype, device: str, seed: int = 0):
     """Random q and a pool with shuffled block tables; every sequence holds ``context`` tokens."""
     gen = torch.Generator(device=device).manual_seed(seed)
-    blocks_per_seq = -(-context // block_size)
+    blocks_per_seq = blocks_needed(context, block_size)
     num_blocks = batch * blocks_per_seq
     k_cache = torch.randn(num_blocks, block_size, num_kv_heads, head_dim, generator=gen, device=device, dtype=dtype)
     v_cache = torch.randn_like(k_cache)
@@ -119,12 +120,12 @@ def gpu_benchmark(dtypes: list[str], batches: list[int], contexts: list[int],
                 continue
             q, kc, vc, bt, sl = make_case(batch, context, NUM_HEADS, NUM_KV_HEADS, HEAD_DIM, block_size,
                                           dtype, "cuda")
-            out = kernels.paged_decode_attention(q, kc, vc, bt, sl)  # checked call, also the warm-up
-            block_n = kernels._tile_settings(dtype, HEAD_DIM, context)["BLOCK_N"]
-            splits, per_split = kernels.choose_num_splits(batch, NUM_KV_HEADS, context, "cuda", block_n)
+            out = paged_attention.paged_decode_attention(q, kc, vc, bt, sl)  # checked call, also the warm-up
+            block_n = launch.launch_settings("decode", dtype, HEAD_DIM, launch.launch_capability(), context).block_n
+            splits, per_split = launch.choose_num_splits(batch, NUM_KV_HEADS, context, "cuda", block_n)
             scale = HEAD_DIM**-0.5
             # Time the launch itself (the public function adds host-side argument checks).
-            ms = bench(lambda: kernels._decode_triton(q, kc, vc, bt, sl, scale, splits, per_split, context))
+            ms = bench(lambda: launch.decode_triton(q, kc, vc, bt, sl, scale, splits, per_split, context))
             kd, vd = contiguous_kv(kc, bt, context), contiguous_kv(vc, bt, context)
             q4 = q[:, :, None]
             sdpa = lambda: F.scaled_dot_product_attention(q4, kd, vd, enable_gqa=True)  # noqa: E731
@@ -139,7 +140,7 @@ def gpu_benchmark(dtypes: list[str], batches: list[int], contexts: list[int],
                     flex, flex_error = None, repr(e)
             ms_gather = None
             if batch * context <= GATHER_MAX_TOKENS:
-                ms_gather = bench(lambda: kernels.paged_decode_attention_ref(q, kc, vc, bt, sl))
+                ms_gather = bench(lambda: reference.paged_decode_attention_ref(q, kc, vc, bt, sl))
             bw = nbytes / (ms * 1e-3)
             row = dict(dtype=name, block_size=block_size, batch=batch, context=context, num_splits=splits,
                        paged_ms=ms, bandwidth_gbs=bw / 1e9, fraction_of_copy=bw / copy_bw, sdpa_ms=ms_sdpa,
@@ -185,9 +186,9 @@ def cpu_smoke(dtypes: list[str], block_sizes: list[int] = [BLOCK_SIZE]) -> dict:
                 block_sizes, [(1, 100, 1), (2, 300, None), (1, 600, 3)]):
             q, kc, vc, bt, sl = make_case(batch, context, heads, kv_heads, head_dim, block_size, dtype, "cpu")
             t0 = time.perf_counter()
-            out = kernels.paged_decode_attention(q, kc, vc, bt, sl, num_splits=splits)
+            out = paged_attention.paged_decode_attention(q, kc, vc, bt, sl, num_splits=splits)
             seconds = time.perf_counter() - t0
-            ref = kernels.paged_decode_attention_ref(q.double(), kc.double(), vc.double(), bt, sl)
+            ref = reference.paged_decode_attention_ref(q.double(), kc.double(), vc.double(), bt, sl)
             err = (out.double() - ref).abs().max().item()
             ok = err < {"fp32": 1e-4, "fp16": 5e-3, "bf16": 5e-2}[name]
             rows.append(dict(dtype=name, batch=batch, context=context, num_heads=heads, num_kv_heads=kv_heads,

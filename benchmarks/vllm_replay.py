@@ -128,7 +128,7 @@ class VllmReplay:
 
     def _sync(self, r, request) -> None:
         """What vLLM's ``Request`` knows after its tokens were appended: counts and full-block hashes."""
-        from labkit.prefix import hash_chain
+        from labkit.memory.prefix import hash_chain
 
         tokens = r.all_token_ids
         request.num_tokens, request.all_token_ids = len(tokens), tokens
@@ -185,7 +185,8 @@ def workload(kind: str, rng: random.Random, num_requests: int) -> list[tuple[int
 
 def replay(kind: str, seed: int, num_requests: int, num_blocks: int, block_size: int, budget: int,
            vllm: types.SimpleNamespace) -> tuple[int, int, int, int]:
-    from labkit.scheduler import Request, Scheduler
+    from labkit.serving.request import Request
+    from labkit.serving.scheduler import Scheduler
 
     rng = random.Random(seed)
     sched = Scheduler(num_blocks, block_size, budget)

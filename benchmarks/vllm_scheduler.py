@@ -171,7 +171,8 @@ class Trace:
 
 
 def run_labkit(work, num_blocks, budget, max_num_seqs, caching, gate, max_steps) -> Trace:
-    from labkit.scheduler import Request, Scheduler
+    from labkit.serving.request import Request
+    from labkit.serving.scheduler import Scheduler
 
     kw = {} if gate is None else {"full_sequence_must_fit": gate}
     sched = Scheduler(num_blocks, BLOCK_SIZE, budget, max_num_seqs=max_num_seqs, enable_prefix_caching=caching, **kw)
@@ -210,7 +211,7 @@ def _counts(stats) -> tuple:
 
 
 def run_vllm(v, work, num_blocks, budget, max_num_seqs, caching, max_steps) -> Trace:
-    from labkit.prefix import hash_chain
+    from labkit.memory.prefix import hash_chain
 
     max_model_len = 1 << 16
     spec = v.FullAttentionSpec(block_size=BLOCK_SIZE, num_kv_heads=1, head_size=8, dtype=__import__("torch").float32)

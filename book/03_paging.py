@@ -23,7 +23,7 @@
 # memory bandwidth) is the subject of appendix [A1 · under the compiler](A1_under_the_compiler.ipynb).
 
 # %%
-from labkit.diagrams import roadmap
+from labkit.teaching.diagrams import roadmap
 
 roadmap("03");  # the article's pipeline, this chapter's part highlighted
 
@@ -41,10 +41,17 @@ import numpy as np
 import torch
 
 import labkit
-from labkit import kernels
-from labkit.cache import generate, generate_paged
-from labkit.model import Decoder, DecoderConfig, causal_attention
-from labkit.paging import BlockAllocator, BlockTable, OutOfBlocksError, blocks_needed
+from labkit.caches.contiguous import generate
+from labkit.caches.paged import generate_paged
+from labkit.kernels.cpu import paged_decode_attention_batched
+from labkit.kernels.fallback import fallback_reason
+from labkit.kernels.launch import LOG2E
+from labkit.kernels.paged_attention import paged_decode_attention, paged_prefill_attention, write_kv
+from labkit.kernels.reference import gather_kv, paged_decode_attention_ref, paged_prefill_attention_ref, write_kv_ref
+from labkit.kernels.triton_paged import paged_decode_kernel
+from labkit.memory.blocks import blocks_needed
+from labkit.memory.paging import BlockAllocator, BlockTable, OutOfBlocksError
+from labkit.model.decoder import Decoder, DecoderConfig, causal_attention
 from labkit.units import format_bytes
 
 torch.set_num_threads(2)
@@ -62,7 +69,7 @@ ON_GPU = labkit.RUNTIME.triton_mode == "compiled"
 
 # %%
 # NBVAL_CHECK_OUTPUT
-from labkit.capacity import TEACHING_MODEL  # chapter 02: 32 layers, 8 KV heads, head dim 128, 2 bytes
+from labkit.memory.capacity import TEACHING_MODEL  # chapter 02: 32 layers, 8 KV heads, head dim 128, 2 bytes
 
 per_token = TEACHING_MODEL.bytes_per_token()
 BLOCK = 16
@@ -88,12 +95,12 @@ assert per_block == 2 * 2**20 and len(request.block_ids) == blocks_needed(37, 16
 assert request.empty_slots == 11 and tail_bytes == 1.375 * 2**20
 
 # %% [markdown]
-# That is all of paging's bookkeeping, and it fits on a page of `labkit.paging`. The allocator keeps
+# That is all of paging's bookkeeping, and it fits on a page of `labkit.memory.paging`. The allocator keeps
 # the free blocks in one queue and hands out its front; the block's reference count (how many block
 # tables hold it) becomes 1:
 
 # %%
-from labkit.show import excerpt
+from labkit.teaching.excerpts import excerpt
 
 excerpt(BlockAllocator.allocate, "if not self._free", "self.ref_counts[block_id] = 1")
 
@@ -170,7 +177,7 @@ assert allocator.num_free == 8
 # We measure that on chapter 06's ShareGPT-like workload: 10,000 requests whose prompt and output
 # lengths are log-normal with the means of the ShareGPT conversations in the PagedAttention paper
 # (161 and 338 tokens), each capped at 1,024 tokens. After decode step `t` a request holds
-# `prompt + t` live tokens. `labkit.pool.reservation_shares` divides the live tokens by what the
+# `prompt + t` live tokens. `labkit.memory.pool_plan.reservation_shares` divides the live tokens by what the
 # requests reserved, summed over all requests and steps, under the four policies of the paper's
 # Figure 2: reserve the 2,048-token limit (Orca (Max)); reserve the final length rounded up to a
 # power of two (Orca (Pow2)); reserve exactly the final length, as if it were known (Orca (Oracle));
@@ -178,8 +185,8 @@ assert allocator.num_free == 8
 
 # %%
 # NBVAL_CHECK_OUTPUT
-from labkit.pool import PAPER_FIG2, reservation_shares
-from labkit.workloads import SHAREGPT, sharegpt_like
+from labkit.memory.pool_plan import PAPER_FIG2, reservation_shares
+from labkit.serving.sim.workloads import SHAREGPT, sharegpt_like
 
 MAX_LEN = SHAREGPT.max_prompt_len + SHAREGPT.max_output_len
 requests = sharegpt_like(10_000, arrival_rate=4.0, seed=0)  # chapter 06's workload
@@ -365,15 +372,15 @@ pool_k = torch.zeros(8, block_size, num_kv_heads, head_dim, dtype=torch.float16)
 pool_v = torch.zeros_like(pool_k)
 table = torch.tensor([5, 2, 7], dtype=torch.int32)  # three blocks, anywhere in the pool
 slots = torch.tensor([int(table[p // block_size]) * block_size + p % block_size for p in range(seq_len)])
-kernels.write_kv(k, v, pool_k, pool_v, slots)
+write_kv(k, v, pool_k, pool_v, slots)
 
-back = kernels.gather_kv(pool_k, table, seq_len)
+back = gather_kv(pool_k, table, seq_len)
 print("gathered keys identical to the contiguous keys:", torch.equal(back, k))
 print("elements stored per position:", back[0].numel(), "of dtype", back.dtype, "(as before)")
-assert torch.equal(back, k) and torch.equal(kernels.gather_kv(pool_v, table, seq_len), v)
+assert torch.equal(back, k) and torch.equal(gather_kv(pool_v, table, seq_len), v)
 
 q = torch.randn(1, 8, head_dim, generator=gen, dtype=torch.float16)
-paged_out = kernels.paged_decode_attention(q, pool_k, pool_v, table[None], torch.tensor([seq_len], dtype=torch.int32))
+paged_out = paged_decode_attention(q, pool_k, pool_v, table[None], torch.tensor([seq_len], dtype=torch.int32))
 dense_out = causal_attention(q[None].float(), k[None].float(), v[None].float())[0].half()
 print("max |paged - contiguous| attention output:", f"{(paged_out.float() - dense_out.float()).abs().max():.1e}")
 assert torch.allclose(paged_out.float(), dense_out.float(), atol=2e-3)
@@ -383,11 +390,12 @@ assert torch.allclose(paged_out.float(), dense_out.float(), atol=2e-3)
 #
 # Requests arrive, grow by one token per step and finish on one pool. Each takes its next block
 # wherever one is free, so its blocks end up scattered and interleaved with other requests'.
-# `labkit.widgets.paging_stepper.simulate` runs five requests on a real `BlockAllocator` (16 blocks
+# `labkit.teaching.widgets.paging_stepper.simulate` runs five requests on a real `BlockAllocator` (16 blocks
 # of 4 tokens) and records the pool after every step. Step 7:
 
 # %%
-from labkit.widgets.paging_stepper import DEFAULT_WORKLOAD, PagingStepper, draw_block_tables, simulate, static_figure
+from labkit.teaching.widgets.paging_stepper import (DEFAULT_WORKLOAD, PagingStepper, draw_block_tables, simulate,
+                                                    static_figure)
 
 STEP_BLOCK = 4
 snapshots = simulate(num_blocks=16, block_size=STEP_BLOCK)
@@ -449,7 +457,7 @@ for s, empty in zip(snapshots, tail):
 
 # %%
 print(labkit.RUNTIME.reason)
-why = kernels.fallback_reason(torch.float32, labkit.DEVICE)
+why = fallback_reason(torch.float32, labkit.DEVICE)
 print("float32 kernels:", "Triton" if why is None else f"PyTorch reference, because {why}")
 
 # %% [markdown]
@@ -460,14 +468,14 @@ print("float32 kernels:", "Triton" if why is None else f"PyTorch reference, beca
 # wherever they lie), lays them end to end and cuts off the empty tail:
 
 # %%
-excerpt(kernels.gather_kv, "block_size = cache.shape[1]", "return")
+excerpt(gather_kv, "block_size = cache.shape[1]", "return")
 
 # %% [markdown]
 # `paged_decode_attention_ref` then runs chapter 01's attention over each sequence's gathered K and
 # V, each KV head repeated for its group of query heads (GQA), in float32:
 
 # %%
-excerpt(kernels.paged_decode_attention_ref, "for i, n in", "out[i] =")
+excerpt(paged_decode_attention_ref, "for i, n in", "out[i] =")
 
 # %% [markdown]
 # Gathering copies every key and value once more before attention reads them; the Triton kernel
@@ -525,20 +533,20 @@ def one_program(seq: int, kv_head: int, block_n: int = 16, verbose: bool = True)
 
 
 by_hand = one_program(seq=0, kv_head=1)
-reference = kernels.paged_decode_attention_ref(q.double(), k_cache.double(), v_cache.double(), block_tables, seq_lens)
+reference = paged_decode_attention_ref(q.double(), k_cache.double(), v_cache.double(), block_tables, seq_lens)
 print("matches the reference:", torch.allclose(by_hand.double(), reference[0, 2:4], atol=1e-5))
 assert torch.allclose(by_hand.double(), reference[0, 2:4], atol=1e-5)
 
 # %% [markdown]
 # ### The Triton kernel
 #
-# `_paged_decode_kernel` in `labkit/kernels.py` does the same with whole tiles (the GQA group and
+# `paged_decode_kernel` in `labkit/kernels/triton_paged.py` does the same with whole tiles (the GQA group and
 # head dimension padded to powers of two, with masks) and with `exp2`, the scale folded into
 # `log2(e)`. **The paging:** each position's physical block from the block table, its row in the
 # pool, and masked loads of K and V from wherever they lie, with no contiguous copy:
 
 # %%
-excerpt(kernels._paged_decode_kernel, "# The paging:", "v = tl.load")
+excerpt(paged_decode_kernel, "# The paging:", "v = tl.load")
 
 # %% [markdown]
 # **The mask and the online softmax:** positions past the end score `-inf`; what was summed under
@@ -546,13 +554,13 @@ excerpt(kernels._paged_decode_kernel, "# The paging:", "v = tl.load")
 # added:
 
 # %%
-excerpt(kernels._paged_decode_kernel, "s = tl.where(valid", "m_i = m_new")
+excerpt(paged_decode_kernel, "s = tl.where(valid", "m_i = m_new")
 
 # %% [markdown]
 # **The end:** the output is divided by the denominator and stored in the output's dtype:
 
 # %%
-excerpt(kernels._paged_decode_kernel, "o = acc / l_i[:, None]", "o.to(out_ptr")
+excerpt(paged_decode_kernel, "o = acc / l_i[:, None]", "o.to(out_ptr")
 
 # %% [markdown]
 # On the example, against the float64 reference (on a CPU Triton interprets the kernel in NumPy; on
@@ -560,7 +568,7 @@ excerpt(kernels._paged_decode_kernel, "o = acc / l_i[:, None]", "o.to(out_ptr")
 # what a GPU makes of it, and how long contexts are split over more programs):
 
 # %%
-out = kernels.paged_decode_attention(q, k_cache, v_cache, block_tables, seq_lens)
+out = paged_decode_attention(q, k_cache, v_cache, block_tables, seq_lens)
 err = (out.double() - reference).abs().max().item()
 print(f"Triton decode vs float64 reference: max error {err:.1e}")
 assert err < 1e-5
@@ -574,14 +582,14 @@ assert err < 1e-5
 # sequence `i` owns the query rows `cu_seqlens_q[i]:cu_seqlens_q[i+1]`:
 
 # %%
-excerpt(kernels.paged_prefill_attention_ref, "lo, hi = cu[i]", "out[lo:hi]")
+excerpt(paged_prefill_attention_ref, "lo, hi = cu[i]", "out[lo:hi]")
 
 # %% [markdown]
 # New tokens reach the pool through `write_kv`: one indexed store by slot (the pool seen as one row
 # per slot), skipping a slot of -1 (padding, or a position a prefix cache already holds):
 
 # %%
-excerpt(kernels.write_kv_ref, "keep = slot_mapping", "v_cache.view")
+excerpt(write_kv_ref, "keep = slot_mapping", "v_cache.view")
 
 # %% [markdown]
 # A 20-token prompt written in two chunks into three scattered blocks, against contiguous causal
@@ -597,8 +605,8 @@ slots = torch.tensor([int(table[0, p // BLOCK_SIZE]) * BLOCK_SIZE + p % BLOCK_SI
 
 outs = []
 for lo, hi in [(0, 12), (12, 20)]:  # two chunks: 12 tokens, then 8
-    kernels.write_kv(k_new[lo:hi], v_new[lo:hi], k_cache, v_cache, slots[lo:hi])
-    outs.append(kernels.paged_prefill_attention(
+    write_kv(k_new[lo:hi], v_new[lo:hi], k_cache, v_cache, slots[lo:hi])
+    outs.append(paged_prefill_attention(
         q_new[lo:hi], k_cache, v_cache, table, torch.tensor([hi], dtype=torch.int32),
         cu_seqlens_q=torch.tensor([0, hi - lo], dtype=torch.int32)))
 chunked = torch.cat(outs)
@@ -609,7 +617,7 @@ assert torch.allclose(chunked, dense, atol=1e-5)
 # %% [markdown]
 # ## 7. The decoder on the paged cache
 #
-# `labkit.cache.PagedKVCache` implements chapter 01's cache protocol, `attend(layer_idx, q, k, v)`,
+# `labkit.caches.paged.PagedKVCache` implements chapter 01's cache protocol, `attend(layer_idx, q, k, v)`,
 # with these kernels: a K and a V pool per layer (`KVPool`, reused by chapters 04 and 05) and a
 # block table per sequence. `generate_paged` prefills three prompts of different lengths on one pool,
 # then decodes them as one batch; the tokens must be those of chapter 01's contiguous cache:
@@ -648,7 +656,8 @@ for prompt, run in zip(prompts, paged_runs):
 # ## Exercises
 
 # %%
-from labkit.exercises import Exercises, hidden_rng, is_triton_kernel, torch_generator, triton_launches
+from labkit.teaching.exercises import Exercises
+from labkit.teaching.guards import hidden_rng, is_triton_kernel, torch_generator, triton_launches
 
 ex = Exercises("03_paging")
 
@@ -671,9 +680,10 @@ def blocks_and_tail(num_tokens: int, block_size: int) -> tuple[int, int]:
     # END SOLUTION
 
 
-from labkit import vllm
-from labkit.pool import PoolPlan
-from labkit.prefix import PrefixCache, _extra_blocks, extra_blocks
+from labkit.memory.blocks import _extra_blocks, extra_blocks
+from labkit.memory.pool_plan import PoolPlan
+from labkit.memory.prefix import PrefixCache
+from labkit.vllm_bridge import predict
 
 
 def _allocated(num_tokens: int, block_size: int) -> tuple[int, int]:
@@ -693,7 +703,7 @@ def ex1_cases() -> list:
 
 
 ex.check_function("Exercise 1", blocks_and_tail, ex1_cases(),
-                  forbid=[blocks_needed, BlockTable, extra_blocks, _extra_blocks, vllm._blocks_per_request,
+                  forbid=[blocks_needed, BlockTable, extra_blocks, _extra_blocks, predict._blocks_per_request,
                           PrefixCache, PoolPlan, _allocated])
 
 # %% [markdown]
@@ -725,7 +735,7 @@ ex.check("Exercise 2", answer_2)
 # **Exercise 3.** Write the gather of the reference yourself: `gather(cache, block_table, seq_len)`
 # returns the sequence's K (or V) as a contiguous tensor `[seq_len, num_kv_heads, head_dim]`, from
 # a pool `cache` `[num_blocks, block_size, num_kv_heads, head_dim]` and the sequence's block table
-# (a 1-D tensor of block ids, possibly longer than needed). `kernels.gather_kv` is the answer the
+# (a 1-D tensor of block ids, possibly longer than needed). `reference.gather_kv` is the answer the
 # checker compares with, so it refuses it, under any name.
 
 # %%
@@ -748,12 +758,12 @@ def _gather_cases():
         needed = -(-seq_len // block_size)
         cache = torch.randn(needed + 4, block_size, rng.choice([1, 2, 4]), rng.choice([4, 8]), generator=g)
         table = torch.randperm(needed + 4, generator=g)[:needed + 1].int()  # one entry more than needed
-        yield (cache, table, seq_len), kernels.gather_kv(cache, table, seq_len)
+        yield (cache, table, seq_len), gather_kv(cache, table, seq_len)
 
 
 ex.check_function("Exercise 3", gather, _gather_cases(),
-                  forbid=[kernels.gather_kv, kernels.paged_decode_attention_ref, kernels.paged_prefill_attention_ref,
-                          kernels.paged_decode_attention_batched])
+                  forbid=[gather_kv, paged_decode_attention_ref, paged_prefill_attention_ref,
+                          paged_decode_attention_batched])
 
 # %% [markdown]
 # SOLUTIONS ONLY
@@ -836,7 +846,7 @@ def run_window_kernel(kernel, q, k_cache, v_cache, block_tables, seq_lens, windo
     out = torch.full_like(q, float("nan"))  # a program that stores nothing leaves NaN behind
     kernel[(num_seqs, num_kv_heads)](
         q, k_cache, v_cache, block_tables, seq_lens, out,
-        window, kernels.LOG2E / math.sqrt(head_dim), block_tables.shape[1],
+        window, LOG2E / math.sqrt(head_dim), block_tables.shape[1],
         NUM_KV_HEADS=num_kv_heads, GROUP=num_heads // num_kv_heads, BLOCK_SIZE=block_size,
         HEAD_DIM=head_dim, BLOCK_N=block_n)
     return out
@@ -847,8 +857,8 @@ def window_reference(q, k_cache, v_cache, block_tables, seq_lens, window):
     num_heads, num_kv_heads = q.shape[1], k_cache.shape[2]
     out = torch.empty(q.shape, dtype=torch.float64)
     for i, n in enumerate(seq_lens.tolist()):
-        k = kernels.gather_kv(k_cache, block_tables[i], n).double().repeat_interleave(num_heads // num_kv_heads, 1)
-        v = kernels.gather_kv(v_cache, block_tables[i], n).double().repeat_interleave(num_heads // num_kv_heads, 1)
+        k = gather_kv(k_cache, block_tables[i], n).double().repeat_interleave(num_heads // num_kv_heads, 1)
+        v = gather_kv(v_cache, block_tables[i], n).double().repeat_interleave(num_heads // num_kv_heads, 1)
         scores = torch.einsum("hd,phd->hp", q[i].double().cpu(), k.cpu()) / math.sqrt(q.shape[-1])
         scores[:, : max(0, n - window)] = float("-inf")  # outside the window
         out[i] = torch.einsum("hp,phd->hd", scores.softmax(-1), v.cpu())
@@ -951,14 +961,14 @@ class Pager:
         # END SOLUTION
 
 
-from labkit import build_it
+from labkit.teaching import build_it
 
 ex.check_behaviour("Exercise 5", Pager, build_it.pager_check(), forbid=[BlockAllocator, BlockTable, blocks_needed],
                    hint="new blocks = ceil((tokens + n) / block_size) - blocks held; slot = block * block_size + offset.")
 
 # %% [markdown]
 # SOLUTIONS ONLY
-# **Why this works.** It mirrors `labkit/paging.py`: `BlockTable.new_blocks_for` (the ceiling),
+# **Why this works.** It mirrors `labkit/memory/paging.py`: `BlockTable.new_blocks_for` (the ceiling),
 # `BlockAllocator.allocate_many` (refuse before taking anything), `BlockTable.slot`, and
 # `BlockTable.release`. Which free block comes next does not matter; the offset does.
 

@@ -31,7 +31,7 @@
 # - why a real chat model's shared system prompt hits the cache, and why one extra space in it does not.
 
 # %%
-from labkit.diagrams import roadmap
+from labkit.teaching.diagrams import roadmap
 
 roadmap("04");  # the article's pipeline, this chapter's part highlighted
 
@@ -48,13 +48,13 @@ import matplotlib.pyplot as plt
 import torch
 
 import labkit
-from labkit import capacity
-from labkit.capacity import GiB
-from labkit.cache import PrefixKVCache, generate, generate_with_prefix_cache
-from labkit.model import Decoder, DecoderConfig
-from labkit.paging import BlockAllocator
-from labkit.prefix import CacheKey, PrefixCache, block_hash, hash_chain
-from labkit.units import format_bytes
+from labkit.caches.contiguous import generate
+from labkit.caches.prefix_cached import PrefixCachedPool, generate_with_prefix_cache
+from labkit.memory import capacity
+from labkit.memory.paging import BlockAllocator
+from labkit.memory.prefix import CacheKey, PrefixCache, block_hash, hash_chain
+from labkit.model.decoder import Decoder, DecoderConfig
+from labkit.units import GiB, format_bytes
 
 torch.set_num_threads(2)
 print(labkit.describe())
@@ -105,11 +105,11 @@ assert hash_chain(prompt, block_size, CacheKey(rope_theta=10000)) == chain  # 10
 
 # %% [markdown]
 # Changing token 0 renames every later block too, though block 1 holds the same tokens as before:
-# its K/V were computed after a different token 0. In `labkit.prefix` the chain is one
+# its K/V were computed after a different token 0. In `labkit.memory.prefix` the chain is one
 # loop over the full blocks, each name made from the one before:
 
 # %%
-from labkit.show import excerpt
+from labkit.teaching.excerpts import excerpt
 
 excerpt(hash_chain, "parent = None", "hashes.append(parent)")
 
@@ -220,7 +220,7 @@ assert again == (len(request_a) - 1) // 16 * 16 == 8176 and longer == len(reques
 # logical block to its physical block.
 
 # %%
-from labkit.widgets.prefix_stepper import PrefixStepper, draw_snapshot, static_figure, story
+from labkit.teaching.widgets.prefix_stepper import PrefixStepper, draw_snapshot, static_figure, story
 
 snaps = story()
 fig, ax = plt.subplots(figsize=(7, 3.5))
@@ -231,7 +231,7 @@ assert snaps[3].ref_counts[:3] == (3, 3, 2)
 # %% [markdown]
 # ## Proof, not assertion: the same answers with and without reuse
 #
-# Now with tensors. `PrefixKVCache` keeps a paged K/V pool per layer (chapter 03) and lets a
+# Now with tensors. `PrefixCachedPool` keeps a paged K/V pool per layer (chapter 03) and lets a
 # `PrefixCache` manage its blocks: for a new request it looks up the cached prefix, and the decoder
 # runs **only on the remaining tokens**, which attend over the cached prefix and themselves. We
 # write a short "report", turn words into token ids with a toy tokenizer, and ask four questions
@@ -260,8 +260,8 @@ print(f"report: {len(report)} tokens; questions: {[len(q) for q in questions]} t
 # %%
 # NBVAL_CHECK_OUTPUT
 proof_block_size, max_new_tokens = 4, 3
-with_reuse = PrefixKVCache(tiny, num_blocks=64, block_size=proof_block_size, reuse=True)
-without_reuse = PrefixKVCache(tiny, num_blocks=64, block_size=proof_block_size, reuse=False)
+with_reuse = PrefixCachedPool(tiny, num_blocks=64, block_size=proof_block_size, reuse=True)
+without_reuse = PrefixCachedPool(tiny, num_blocks=64, block_size=proof_block_size, reuse=False)
 results = []
 print("request  prompt  cached  prefilled  decode steps  tokens (reuse / off / contiguous)   same")
 for r, question in enumerate(questions):
@@ -340,7 +340,7 @@ plt.show()
 # %%
 def stored_keys(prompt: list[int]) -> list[torch.Tensor]:
     """The keys every layer stores for ``prompt`` (a contiguous cache, no reuse involved)."""
-    from labkit.cache import KVCache
+    from labkit.caches.contiguous import KVCache
 
     kv = KVCache(tiny)
     with torch.no_grad():
@@ -386,7 +386,7 @@ assert torch.allclose(here.norm(dim=-1), there.norm(dim=-1), atol=1e-5)
 # %%
 # NBVAL_CHECK_OUTPUT
 base = with_reuse.key()  # model, float32 pool, NHD layout, RoPE base, causal attention
-bf16_pool = PrefixKVCache(tiny, num_blocks=4, block_size=4, dtype=torch.bfloat16)
+bf16_pool = PrefixCachedPool(tiny, num_blocks=4, block_size=4, dtype=torch.bfloat16)
 print("extra keys of the float32 pool:", base)
 cache = PrefixCache(BlockAllocator(64), block_size=4)
 seen, _ = cache.allocate(report + questions[0], base)
@@ -487,8 +487,8 @@ assert snaps[7].evicted == snaps[9].evicted and snaps[7].evicted_held != snaps[9
 # NBVAL_SKIP_IN_SOLUTIONS
 import time
 
-from labkit.engine import Engine
-from labkit.pretrained import chat_token_ids, from_pretrained, load_tokenizer, real_model
+from labkit.model.pretrained import chat_token_ids, from_pretrained, load_tokenizer, real_model
+from labkit.serving.engine import Engine
 
 path = real_model()
 chat_model = from_pretrained(path, dtype=torch.float32)  # 4-bit weights, dequantized to float32
@@ -606,7 +606,7 @@ assert hits["question 1"] == 0 and len(first) == len(prompts["question 2, one mo
 # NBVAL_SKIP_IN_SOLUTIONS
 import statistics
 
-from labkit.scheduler import Scheduler
+from labkit.serving.scheduler import Scheduler
 
 
 def bookkeeping_ms(caching: bool, repeats: int = 50) -> float:
@@ -706,7 +706,8 @@ assert all("Saturn" in tokenizer.decode(replies[n]) for n in whole[1:])  # wrong
 # ## Exercises
 
 # %%
-from labkit.exercises import Exercises, hidden_rng, torch_generator
+from labkit.teaching.exercises import Exercises
+from labkit.teaching.guards import hidden_rng, torch_generator
 
 ex = Exercises("04_prefix_reuse")
 
@@ -736,17 +737,17 @@ def cached_tokens(token_ids: list[int], block_size: int, key: CacheKey, cached: 
     # END SOLUTION
 
 
-from labkit import build_it
-from labkit.prefix import BlockHashIndex, CachedBlockTable
+from labkit.memory.prefix import BlockHashIndex, CachedBlockTable
+from labkit.teaching import build_it
 
 ex.check_function("Exercise 1", cached_tokens, build_it.cached_tokens_cases(),
-                  forbid=[hash_chain, PrefixCache, CachedBlockTable, BlockHashIndex, PrefixKVCache],
+                  forbid=[hash_chain, PrefixCache, CachedBlockTable, BlockHashIndex, PrefixCachedPool],
                   hint="walk full blocks from the first, each name made from the one before; stop at a miss; "
                        "at most (len - 1) // block_size blocks.")
 
 # %% [markdown]
 # SOLUTIONS ONLY
-# **Why this works.** It mirrors `labkit/prefix.py`: `hash_chain` (each name from its parent) and
+# **Why this works.** It mirrors `labkit/memory/prefix.py`: `hash_chain` (each name from its parent) and
 # `PrefixCache.match`, whose loop runs over `(len(tokens) - 1) // block_size` blocks (vLLM's
 # `max_cache_hit_length = num_tokens - 1`) and breaks at the first miss. The key enters every name,
 # so another adapter or salt misses from the first block.

@@ -33,7 +33,7 @@
 # [appendix A5](A5_vllm_scheduler.ipynb).
 
 # %%
-from labkit.diagrams import roadmap
+from labkit.teaching.diagrams import roadmap
 
 roadmap("05");  # the article's pipeline, this chapter's part highlighted
 
@@ -50,14 +50,16 @@ import torch
 from matplotlib.patches import Patch
 
 import labkit
-from labkit.cache import generate
-from labkit.engine import Engine
-from labkit.model import Decoder, DecoderConfig
-from labkit.paging import BlockAllocator, blocks_needed
-from labkit.prefix import PrefixCache
-from labkit.priority import PriorityScheduler
-from labkit.scheduler import Request, Scheduler, extra_blocks, plan_iteration
-from labkit.show import excerpt
+from labkit.caches.contiguous import generate
+from labkit.memory.blocks import blocks_needed, extra_blocks
+from labkit.memory.paging import BlockAllocator
+from labkit.memory.prefix import PrefixCache
+from labkit.model.decoder import Decoder, DecoderConfig
+from labkit.serving.engine import Engine
+from labkit.serving.request import Request
+from labkit.serving.scheduler import Scheduler, plan_iteration
+from labkit.serving.variants.priority import PriorityScheduler
+from labkit.teaching.excerpts import excerpt
 
 torch.set_num_threads(2)
 print(labkit.describe())
@@ -93,7 +95,7 @@ print(labkit.describe())
 #     return plan
 # ```
 #
-# `labkit.scheduler.plan_iteration` keeps that skeleton. Its lines, read from the installed labkit;
+# `labkit.serving.scheduler.plan_iteration` keeps that skeleton. Its lines, read from the installed labkit;
 # first the tokens each candidate asks for:
 
 # %%
@@ -158,7 +160,7 @@ assert needed == [3, 0, 1, 1, 1, 3]
 # next, as the article's pass does (vLLM stops at the first one instead: appendix A5).
 
 # %%
-from labkit.replay import named_requests, serve  # a scheduler run without a model: token 0 each time
+from labkit.serving.dry_run import dry_run, named_requests  # a scheduler run without a model: token 0 each time
 
 
 def show_step(step):
@@ -176,7 +178,7 @@ def show_step(step):
 walk = Scheduler(num_blocks=8, block_size=4, max_num_batched_tokens=12, enable_prefix_caching=False,
                  head_of_line=False)
 walk_reqs = named_requests([("W", 10, 3), ("X", 14, 2), ("Y", 5, 2), ("Z", 3, 3)])
-walk_steps = serve(walk, {0: walk_reqs})
+walk_steps = dry_run(walk, {0: walk_reqs})
 
 # %%
 # NBVAL_CHECK_OUTPUT
@@ -246,7 +248,7 @@ def workload():
 def run_pool(num_blocks):
     reqs, arrivals = workload()
     sched = Scheduler(num_blocks=num_blocks, block_size=4, max_num_batched_tokens=16, enable_prefix_caching=False)
-    return reqs, arrivals, sched, serve(sched, arrivals)
+    return reqs, arrivals, sched, dry_run(sched, arrivals)
 
 
 pools = {n: run_pool(n) for n in (10, 12, 16, 24, 32, 64)}
@@ -371,7 +373,7 @@ excerpt(Scheduler._make_room, "while self._extra_blocks", "return self.allocator
 # NBVAL_CHECK_OUTPUT
 pre = Scheduler(num_blocks=6, block_size=4, max_num_batched_tokens=12, enable_prefix_caching=False)
 pre_reqs = named_requests([("A", 6, 6), ("B", 6, 6), ("C", 3, 4)])
-pre_steps = serve(pre, {0: pre_reqs})
+pre_steps = dry_run(pre, {0: pre_reqs})
 for step in pre_steps[2:7]:
     show_step(step)
 
@@ -394,7 +396,7 @@ assert all(r.is_finished for r in pre_reqs) and pre.allocator.num_free == 6
 #
 # ## A small engine
 #
-# Now the whole book in one loop. `labkit.engine.Engine` holds a `Decoder` (chapter 01), one K/V
+# Now the whole book in one loop. `labkit.serving.engine.Engine` holds a `Decoder` (chapter 01), one K/V
 # pool per layer shaped `[num_blocks, block_size, num_kv_heads, head_dim]` (chapter 03), and a
 # `Scheduler` with its prefix cache (chapters 04 and 05). Each `step()`:
 #
@@ -412,7 +414,7 @@ assert all(r.is_finished for r in pre_reqs) and pre.allocator.num_free == 6
 # kernels or their PyTorch references once, by a flag of the pool:
 
 # %%
-excerpt(labkit.cache.KVPool.attend, "write_kv = ", "prefill = ")
+excerpt(labkit.caches.paged.KVPool.attend, "write_kv = ", "prefill = ")
 
 # %% [markdown]
 # and then does two things per layer: scatter the new keys and values into their slots (the slot
@@ -421,7 +423,7 @@ excerpt(labkit.cache.KVPool.attend, "write_kv = ", "prefill = ")
 # the prefill kernel, which handles queries of every length, a decode token included:
 
 # %%
-excerpt(labkit.cache.KVPool.attend, "write_kv(flat(k)", "out = prefill(")
+excerpt(labkit.caches.paged.KVPool.attend, "write_kv(flat(k)", "out = prefill(")
 
 # %% [markdown]
 # A research assistant's load: four questions about the same 24-token report, in a pool of 24
@@ -549,7 +551,7 @@ assert recompute > hidden >= 0
 
 # %%
 # NBVAL_SKIP_IN_SOLUTIONS
-from labkit.pretrained import chat_token_ids, from_pretrained, load_tokenizer, real_model, to_transformers
+from labkit.model.pretrained import chat_token_ids, from_pretrained, load_tokenizer, real_model, to_transformers
 
 path = real_model()
 real = from_pretrained(path, dtype=torch.float32, device=labkit.DEVICE)
@@ -635,7 +637,7 @@ print(f"{short_ask}\n  -> {tokenizer.decode(whole, skip_special_tokens=True)!r} 
 # A serving engine also prepares its step once, at load. Most of a CPU step multiplies a few rows by
 # every weight matrix, and vLLM's CPU backend reorders each matrix once into the layout oneDNN's
 # kernels read (`dispatch_cpu_unquantized_gemm`, `vllm/model_executor/layers/utils.py`).
-# `labkit.prepack` does the same for the engine: same weights, same float32, same thread. The
+# `labkit.model.prepack` does the same for the engine: same weights, same float32, same thread. The
 # benchmark runs each side both ways (the GEMM column), so scheduling's share stands apart.
 
 # %%
@@ -738,7 +740,8 @@ if BATCHING is not None:
 # ## Exercises
 
 # %%
-from labkit.exercises import Exercises, hidden_rng
+from labkit.teaching.exercises import Exercises
+from labkit.teaching.guards import hidden_rng
 
 ex = Exercises("05_scheduler")
 
@@ -766,10 +769,10 @@ def blocks_to_take(num_computed, held, tokens, block_size, shared_tail):
     # END SOLUTION
 
 
-from labkit import vllm
-from labkit.paging import BlockTable
-from labkit.pool import PoolPlan
-from labkit.prefix import _extra_blocks  # extra_blocks without its checks: refused in answers too
+from labkit.memory.blocks import _extra_blocks  # extra_blocks without its checks: refused in answers too
+from labkit.memory.paging import BlockTable
+from labkit.memory.pool_plan import PoolPlan
+from labkit.vllm_bridge import predict
 
 
 def ex1_cases() -> list:
@@ -795,7 +798,7 @@ def ex1_cases() -> list:
 ex.check_function("Exercise 1", blocks_to_take, ex1_cases(),
                   hint="new blocks = ceil((num_computed + tokens) / block_size) - held; a copy only for a partly "
                        "filled shared tail.",
-                  forbid=[extra_blocks, _extra_blocks, blocks_needed, vllm._blocks_per_request, BlockTable,
+                  forbid=[extra_blocks, _extra_blocks, blocks_needed, predict._blocks_per_request, BlockTable,
                           PrefixCache, PoolPlan])
 
 # %% [markdown]
@@ -848,7 +851,7 @@ def plan_step(running, waiting, free_blocks, token_budget, block_size):
     # END SOLUTION
 
 
-from labkit import build_it
+from labkit.teaching import build_it
 
 ex.check_behaviour("Exercise 2", plan_step, build_it.plan_step_check(),
                    forbid=[plan_iteration, Scheduler, extra_blocks, _extra_blocks, blocks_needed, PrefixCache],
@@ -857,7 +860,7 @@ ex.check_behaviour("Exercise 2", plan_step, build_it.plan_step_check(),
 
 # %% [markdown]
 # SOLUTIONS ONLY
-# **Why this works.** It is `labkit/scheduler.py: plan_iteration` (the budget, the skip, the stop)
+# **Why this works.** It is `labkit/serving/scheduler.py: plan_iteration` (the budget, the skip, the stop)
 # with `Scheduler._make_room` (pop the newest running request until the candidate fits) and
 # `Scheduler._candidates` (no waiting request in a step that preempted), on plain rows.
 

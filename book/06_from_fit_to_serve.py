@@ -35,7 +35,7 @@
 # paper's headline, and the simulator against a real engine.
 
 # %%
-from labkit.diagrams import roadmap
+from labkit.teaching.diagrams import roadmap
 
 roadmap("06");  # the article's pipeline, this chapter's part highlighted
 
@@ -51,12 +51,13 @@ import numpy as np
 from matplotlib.ticker import NullFormatter
 
 import labkit
-from labkit import workloads
-from labkit.capacity import GiB, TEACHING_MODEL, format_bytes
-from labkit.costmodel import DEVICES, MODEL_COSTS, CostModel
-from labkit.paging import blocks_needed
-from labkit.pool import plan_pool
-from labkit.sim import Simulator
+from labkit.memory.blocks import blocks_needed
+from labkit.memory.capacity import TEACHING_MODEL
+from labkit.memory.pool_plan import plan_pool
+from labkit.serving.sim import workloads
+from labkit.serving.sim.costmodel import DEVICES, MODEL_COSTS, CostModel
+from labkit.serving.sim.simulator import Simulator
+from labkit.units import GiB, format_bytes
 
 print(labkit.describe())
 
@@ -102,15 +103,15 @@ assert pool.management_bytes < 600 * 1024 and round(pool.management_bytes / pool
 # so losing one block leaves six full sequences and 511 blocks for shorter ones. Any capacity
 # figure that lands on a round number is fragile in the same way.
 #
-# vLLM's log counts the same pool differently. `labkit.vllm` redoes its arithmetic (vLLM 0.33.0)
+# vLLM's log counts the same pool differently. `labkit.vllm_bridge.predict` redoes its arithmetic (vLLM 0.33.0)
 # on the article's idealised device (all 24 GiB usable, `gpu_memory_utilization=1.0`):
 
 # %%
 # NBVAL_CHECK_OUTPUT
-from labkit import vllm
+from labkit.vllm_bridge import predict
 
-available = vllm.available_kv_bytes(gpu_total_bytes=24 * GiB, gpu_memory_utilization=1.0, non_kv_bytes=17 * GiB)
-report = vllm.kv_cache_report(TEACHING_MODEL, available, block_size=16, max_model_len=8192)
+available = predict.available_kv_bytes(gpu_total_bytes=24 * GiB, gpu_memory_utilization=1.0, non_kv_bytes=17 * GiB)
+report = predict.kv_cache_report(TEACHING_MODEL, available, block_size=16, max_model_len=8192)
 print(*report.log_lines(), sep="\n")
 per_request = report.blocks_per_request  # 8,192 tokens / 16 = 512 blocks
 null_block = 1                           # vllm/v1/core/block_pool.py: BlockPool keeps block 0 back
@@ -128,7 +129,7 @@ for label, blocks, meaning in counts:
 assert available == pool.pool_bytes and report.num_gpu_blocks == pool.num_blocks == 3584 and per_request == 512
 assert report.max_concurrency == report.num_gpu_blocks / per_request == 7.0
 assert pool.sequences_after_management == (report.num_gpu_blocks - null_block) // per_request == 6
-at_default = vllm.kv_cache_report(TEACHING_MODEL, vllm.available_kv_bytes(24 * GiB, 0.92, 17 * GiB), max_model_len=8192)
+at_default = predict.kv_cache_report(TEACHING_MODEL, predict.available_kv_bytes(24 * GiB, 0.92, 17 * GiB), max_model_len=8192)
 print(f"\nat vLLM's default gpu_memory_utilization=0.92: {at_default.max_concurrency:.2f}x")
 assert f"{at_default.max_concurrency:.2f}" == "5.08"
 
@@ -250,7 +251,7 @@ assert fits[8192] == 6 and fits[512] > 64
 #
 # ## Workloads, and the lengths to keep beside every result
 #
-# `labkit.workloads` draws requests with Poisson arrivals and **log-normal** prompt and output
+# `labkit.serving.sim.workloads` draws requests with Poisson arrivals and **log-normal** prompt and output
 # lengths (positive and right-skewed: most short, a few very long), with the means the
 # PagedAttention paper reports for ShareGPT and Alpaca. The spread, and the clip at 1,024 tokens
 # each, are the book's choices (vLLM's benchmark drops such samples instead of clipping them).
@@ -289,7 +290,7 @@ plt.show()
 # %% [markdown]
 # ## Serving a workload
 #
-# `labkit.sim.Simulator` serves a workload with chapter 05's `Scheduler`, on a real
+# `labkit.serving.sim.simulator.Simulator` serves a workload with chapter 05's `Scheduler`, on a real
 # `BlockAllocator` and `PrefixCache`. Nothing is computed: tokens are synthetic ids, and each step
 # lasts what the cost model says (the tests check that it plans the same steps as chapter 05's
 # engine). Here, 400 ShareGPT-like requests arrive at 4 per second into the 7 GiB pool, with at
@@ -557,7 +558,7 @@ assert t_long > 1.3 * t_short
 
 # %%
 # NBVAL_SKIP_IN_SOLUTIONS
-from labkit.widgets.load_explorer import SYSTEM_PROMPT_LEN, explore, load_explorer
+from labkit.teaching.widgets.load_explorer import SYSTEM_PROMPT_LEN, explore, load_explorer
 
 load_explorer(cost)
 
@@ -639,7 +640,8 @@ assert short_128.ttft_percentiles()["p50"] > short_small.ttft_percentiles()["p50
 # ## Exercises
 
 # %%
-from labkit.exercises import Exercises, Metered, TooManyCalls, calls_made, hidden_rng
+from labkit.teaching.exercises import Exercises
+from labkit.teaching.guards import Metered, TooManyCalls, calls_made, hidden_rng
 
 ex = Exercises("06_from_fit_to_serve")
 
@@ -690,7 +692,7 @@ def decode_ms(batch, context, bandwidth):
     # END SOLUTION
 
 
-from labkit import calibration
+from labkit.serving.sim import fit
 
 
 def ex2_cases() -> list:
@@ -703,7 +705,7 @@ def ex2_cases() -> list:
 
 ex.check_function("Exercise 2", decode_ms, ex2_cases(),
                   rel_tol=1e-9, hint="bytes = weights + batch × (context + 1) × 131,072; divide by the bandwidth.",
-                  forbid=[CostModel, calibration._predict])
+                  forbid=[CostModel, fit._predict])
 
 # %% [markdown]
 # SOLUTIONS ONLY
@@ -735,15 +737,15 @@ def latencies(arrivals: list[float], steps: list[tuple[float, float, list[int]]]
     # END SOLUTION
 
 
-from labkit import build_it
-from labkit.sim import SimResult
+from labkit.serving.sim.simulator import SimResult
+from labkit.teaching import build_it
 
 ex.check_behaviour("Exercise 3", latencies, build_it.latencies_check(), forbid=[Simulator, SimResult],
                    hint="TTFT counts from the arrival; TPOT divides by the token count less one; ITL pools intervals.")
 
 # %% [markdown]
 # SOLUTIONS ONLY
-# **Why this works.** It mirrors `labkit/sim.py: _Run._record_step` (the first token's step end,
+# **Why this works.** It mirrors `labkit/serving/sim/simulator.py: _Run._record_step` (the first token's step end,
 # then one interval per later token) and `SimResult.ttft`; TPOT is the mean of a request's intervals.
 
 # %% [markdown]

@@ -22,7 +22,7 @@
 # - why a long context with a small batch splits its keys across programs (split-K, flash-decoding).
 
 # %%
-from labkit.diagrams import roadmap
+from labkit.teaching.diagrams import roadmap
 
 roadmap("A1");  # the article's pipeline, this appendix's part highlighted
 
@@ -41,8 +41,10 @@ import numpy as np
 import torch
 
 import labkit
-from labkit import kernels
-from labkit.costmodel import DEVICES, Device
+from labkit.kernels.launch import choose_num_splits, launch_settings
+from labkit.kernels.paged_attention import paged_decode_attention
+from labkit.kernels.reference import gather_kv, paged_decode_attention_ref
+from labkit.serving.sim.costmodel import DEVICES, Device
 
 print(labkit.describe())
 ON_GPU = labkit.RUNTIME.triton_mode == "compiled"
@@ -196,7 +198,7 @@ def intensity(queries_per_kv_row: int, head_dim: int = 128, bytes_per_element: i
 for g in (1, 4, 8):
     print(f"decode, GQA group {g}: {intensity(g):3.0f} FLOP/byte")
 for device, capability, units in ((t4, (7, 5), "FP32 FMAs"), (h100, (9, 0), "bf16 tensor cores")):
-    rows = kernels.launch_settings("prefill", torch.float16, 128, capability).block_m
+    rows = launch_settings("prefill", torch.float16, 128, capability).block_m
     print(f"{device.name:8s} ridge point {device.ridge_point:4.0f} FLOP/byte ({units}); its prefill tile of "
           f"{rows} queries: {intensity(rows):3.0f} FLOP/byte")
     assert intensity(8) < intensity(rows) < device.ridge_point
@@ -221,7 +223,7 @@ for g, marker in ((1, "o"), (4, "s"), (8, "^")):
     ax.annotate(f"decode, group {g}", (intensity(g), intensity(g) * h100.memory_bandwidth / 1e12),
                 textcoords="offset points", xytext=(6, -12), fontsize=8)
 for device, capability, colour in ((t4, (7, 5), "C1"), (h100, (9, 0), "C0")):
-    rows = kernels.launch_settings("prefill", torch.float16, 128, capability).block_m
+    rows = launch_settings("prefill", torch.float16, 128, capability).block_m
     ax.plot(intensity(rows), intensity(rows) * device.memory_bandwidth / 1e12, "D", color=colour, ms=6)
     ax.annotate(f"prefill tile, {rows} queries", (intensity(rows), intensity(rows) * device.memory_bandwidth / 1e12),
                 textcoords="offset points", xytext=(6, -12), fontsize=8)
@@ -249,7 +251,7 @@ assert all(intensity(g) < min(t4.ridge_point, h100.ridge_point) for g in (1, 4, 
 #
 # ## 5. What the tiles trade
 #
-# `labkit.kernels.launch_settings` picks them (read it: one short
+# `labkit.kernels.launch.launch_settings` picks them (read it: one short
 # function). A longer key tile (`BLOCK_N`) means fewer steps and more bytes in flight per step,
 # but more registers for K, V and the scores, and more shared memory; each extra pipeline stage
 # keeps one more step of K/V loads in flight in shared memory; more query rows per tile
@@ -285,7 +287,7 @@ if ON_GPU:
     bt = torch.randperm(nb, device="cuda").view(B, -1).int()
     sl = torch.full((B,), CTX, device="cuda", dtype=torch.int32)
     qq = torch.randn(B, HQ, D, device="cuda", dtype=dtype)
-    ms = triton.testing.do_bench(lambda: kernels.paged_decode_attention(qq, kc, vc, bt, sl))
+    ms = triton.testing.do_bench(lambda: paged_decode_attention(qq, kc, vc, bt, sl))
     kd = kc[bt.long()].view(B, CTX, HKV, D).transpose(1, 2).contiguous()  # the same K/V, contiguous
     vd = vc[bt.long()].view(B, CTX, HKV, D).transpose(1, 2).contiguous()
     ms_sdpa = triton.testing.do_bench(
@@ -318,7 +320,7 @@ v_cache = torch.randn(10, BLOCK_SIZE, NUM_KV_HEADS, HEAD_DIM, generator=gen)
 block_tables = torch.tensor([[7, 2, 9], [4, 0, 0]], dtype=torch.int32)  # row 1 uses one block; 0s are padding
 seq_lens = torch.tensor(lens, dtype=torch.int32)
 q = torch.randn(2, NUM_HEADS, HEAD_DIM, generator=gen)
-reference = kernels.paged_decode_attention_ref(q.double(), k_cache.double(), v_cache.double(), block_tables, seq_lens)
+reference = paged_decode_attention_ref(q.double(), k_cache.double(), v_cache.double(), block_tables, seq_lens)
 
 
 def partial(qg, k, v):
@@ -327,8 +329,8 @@ def partial(qg, k, v):
     return torch.softmax(s, dim=-1) @ v, torch.logsumexp(s, dim=-1)
 
 
-keys = kernels.gather_kv(k_cache, block_tables[0], lens[0])[:, 0].double()  # KV head 0 of sequence 0
-values = kernels.gather_kv(v_cache, block_tables[0], lens[0])[:, 0].double()
+keys = gather_kv(k_cache, block_tables[0], lens[0])[:, 0].double()  # KV head 0 of sequence 0
+values = gather_kv(v_cache, block_tables[0], lens[0])[:, 0].double()
 qg = q[0, 0:2].double()
 o1, lse1 = partial(qg, keys[:12], values[:12])  # chunk 1: positions 0..11
 o2, lse2 = partial(qg, keys[12:], values[12:])  # chunk 2: positions 12..20
@@ -346,15 +348,15 @@ assert torch.allclose(merged, reference[0, 0:2])
 # %%
 # NBVAL_CHECK_OUTPUT
 for shape in [(1, 8, 32768), (4, 8, 32768), (16, 8, 8192), (64, 8, 4096)]:
-    splits, per_split = kernels.choose_num_splits(*shape, target_programs=132)
+    splits, per_split = choose_num_splits(*shape, target_programs=132)
     print(f"{shape[0]:3d} sequences x {shape[1]} KV heads x {shape[2]:6,d} tokens: "
           f"{splits:2d} split(s) of {per_split:6,d} tokens -> {shape[0] * shape[1] * splits:4d} programs")
-assert kernels.choose_num_splits(1, 8, 32768, target_programs=132)[0] > 1
-assert kernels.choose_num_splits(64, 8, 4096, target_programs=132)[0] == 1
+assert choose_num_splits(1, 8, 32768, target_programs=132)[0] > 1
+assert choose_num_splits(64, 8, 4096, target_programs=132)[0] == 1
 
 # %%
-out = kernels.paged_decode_attention(q, k_cache, v_cache, block_tables, seq_lens)
-split_out = kernels.paged_decode_attention(q, k_cache, v_cache, block_tables, seq_lens, num_splits=3)
+out = paged_decode_attention(q, k_cache, v_cache, block_tables, seq_lens)
+split_out = paged_decode_attention(q, k_cache, v_cache, block_tables, seq_lens, num_splits=3)
 print(f"3 splits vs one pass: max difference {(split_out - out).abs().max():.1e}")
 assert torch.allclose(split_out, out, atol=1e-6)
 
@@ -393,7 +395,7 @@ assert torch.allclose(split_out, out, atol=1e-6)
 # ## Exercise
 
 # %%
-from labkit.exercises import Exercises
+from labkit.teaching.exercises import Exercises
 
 ex = Exercises("A1_under_the_compiler")
 
@@ -436,7 +438,7 @@ ex.check("Exercise 1", answer_1,
 # - NVIDIA, *CUDA C++ Programming Guide*, "Compute Capabilities": registers, shared memory per
 #   block and per multiprocessor, and resident warps for compute capabilities 7.5 to 9.0.
 # - NVIDIA T4 datasheet (16 GB GDDR6, 320 GB/s, 8.1 TFLOPS FP32) and NVIDIA H100 datasheet (the
-#   H100 SXM figures of `labkit.costmodel.DEVICES`).
+#   H100 SXM figures of `labkit.serving.sim.costmodel.DEVICES`).
 # - S. Williams, A. Waterman, D. Patterson, "Roofline: an insightful visual performance model for
 #   multicore architectures", *Communications of the ACM* 52(4), 2009: the roofline of section 4.
 # - W. Kwon et al., "Efficient Memory Management for Large Language Model Serving with

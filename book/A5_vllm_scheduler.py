@@ -31,7 +31,7 @@
 # - how closely labkit's `Scheduler` follows vLLM 0.33.0's, measured on the same workloads.
 
 # %%
-from labkit.diagrams import roadmap
+from labkit.teaching.diagrams import roadmap
 
 roadmap("A5");  # the article's pipeline, this appendix's part highlighted
 
@@ -46,24 +46,24 @@ import matplotlib.pyplot as plt
 import numpy as np
 
 import labkit  # noqa: F401  (first: Triton's interpreter without a GPU)
-from labkit import capacity
-from labkit.costmodel import CostModel
-from labkit.priority import PriorityScheduler
-from labkit.replay import named_requests, serve
-from labkit.scheduler import Scheduler
-from labkit.sim import Simulator
+from labkit.memory import capacity
+from labkit.serving.dry_run import dry_run, named_requests
+from labkit.serving.scheduler import Scheduler
+from labkit.serving.sim.costmodel import CostModel
+from labkit.serving.sim.simulator import Simulator
+from labkit.serving.sim.workloads import RequestSpec
+from labkit.serving.variants.priority import PriorityScheduler
 from labkit.units import format_bytes
-from labkit.workloads import RequestSpec
 
 # %% [markdown]
-# `serve` (`labkit.replay`, as in chapter 05) drives a scheduler without a model: it adds each
+# `dry_run` (`labkit.serving.dry_run`, as in chapter 05) drives a scheduler without a model: it adds each
 # request at its arrival step, and feeds token 0 back for every token the step samples.
 #
 # ## 1. The order decides who waits
 #
 # Chapter 05 planned one step in two orders: first come, first served admitted a long prompt and
 # kept a short one waiting; shortest prompt first did the opposite. Over a whole run the order moves
-# waiting time between requests. `PriorityScheduler` (`labkit.priority`, a variant beside the core)
+# waiting time between requests. `PriorityScheduler` (`labkit.serving.variants.priority`, a variant beside the core)
 # re-sorts its waiting queue by a `priority` key before each step. Here are ten requests with
 # mixed lengths, two arriving per step, in a pool of 16 blocks of 4 tokens with a budget of 16
 # tokens, under both orders. The wait is counted in steps until each request's first token (1 means
@@ -84,7 +84,7 @@ def first_token_waits(priority):
     reqs, arrivals = workload()
     cls, key = (Scheduler, {}) if priority is None else (PriorityScheduler, {"priority": priority})
     sched = cls(num_blocks=16, block_size=4, max_num_batched_tokens=16, enable_prefix_caching=False, **key)
-    steps = serve(sched, arrivals)
+    steps = dry_run(sched, arrivals)
     arrived = {r.request_id: t for t, rs in arrivals.items() for r in rs}
     first = {}
     for step in steps:
@@ -200,7 +200,7 @@ assert head_of_line[2] == article_rule[2] and head_of_line[3] == 4 and article_r
 def walk(head_of_line):
     sched = Scheduler(num_blocks=8, block_size=4, max_num_batched_tokens=12, enable_prefix_caching=False,
                       head_of_line=head_of_line)
-    return serve(sched, {0: named_requests([("W", 10, 3), ("X", 14, 2), ("Y", 5, 2), ("Z", 3, 3)])})
+    return dry_run(sched, {0: named_requests([("W", 10, 3), ("X", 14, 2), ("Y", 5, 2), ("Z", 3, 3)])})
 
 
 walk_steps, hol_walk_steps = walk(False), walk(True)
@@ -233,7 +233,7 @@ assert len(hol_walk_steps) == len(walk_steps) + 1
 # chunk-only rule. Here is the check, in `Scheduler._extra_blocks`:
 
 # %%
-from labkit.show import excerpt
+from labkit.teaching.excerpts import excerpt
 
 excerpt(Scheduler._extra_blocks, "if self.full_sequence_must_fit", "return whole")
 
@@ -421,7 +421,7 @@ else:
 # ## Exercise
 
 # %%
-from labkit.exercises import Exercises
+from labkit.teaching.exercises import Exercises
 
 ex = Exercises("A5_vllm_scheduler")
 

@@ -31,7 +31,7 @@
 #   against the wall clock.
 
 # %%
-from labkit.diagrams import roadmap
+from labkit.teaching.diagrams import roadmap
 
 roadmap("A6");  # the article's pipeline, this appendix's part highlighted
 
@@ -46,12 +46,12 @@ import matplotlib.pyplot as plt
 import numpy as np
 
 import labkit
-from labkit import workloads
-from labkit.capacity import GiB, format_bytes
-from labkit.costmodel import MODEL_COSTS, CostModel
-from labkit.paging import blocks_needed
-from labkit.pool import reservation_shares
-from labkit.sim import Simulator
+from labkit.memory.blocks import blocks_needed
+from labkit.memory.pool_plan import reservation_shares
+from labkit.serving.sim import workloads
+from labkit.serving.sim.costmodel import MODEL_COSTS, CostModel
+from labkit.serving.sim.simulator import Simulator
+from labkit.units import GiB, format_bytes
 
 print(labkit.describe())
 cost = CostModel("teaching model", "RTX 4090 (24 GiB)")  # chapter 06's roofline: the teaching model on a 24 GiB card
@@ -246,7 +246,7 @@ assert all(r.reuse_ratio == 0 < r.scheduler.allocator.num_evictions for r in sho
 # gets a name (its hash) when it is computed, and a finished request's named blocks return to the
 # free queue *still named*. When no unnamed free block is left, the allocator hands out the least
 # recently freed named one and drops its name: the event `num_evictions` counts
-# (`BlockAllocator.allocate` in `labkit/paging.py`). For requests that share nothing, an eviction
+# (`BlockAllocator.allocate` in `labkit/memory/paging.py`). For requests that share nothing, an eviction
 # is the pool recycling freed memory, and costs nothing.
 
 # %% [markdown]
@@ -389,7 +389,7 @@ plt.show()
 # Every latency so far came from chapter 06's roofline: datasheet peaks and no fixed cost per
 # step. How far is such a model from a real engine? Here the book's engine (chapter 05) serves the
 # real model, SmolLM2-135M-Instruct (chapter 01), on the CPU that runs this notebook, and
-# `labkit.calibration` checks the simulator against it:
+# `labkit.serving.sim` checks the simulator against it:
 #
 # 1. **Measure the bandwidth.** One copy of a 256 MiB buffer, far larger than the processor's
 #    caches: the memory side of the roofline, a measurement, not a free parameter.
@@ -409,10 +409,12 @@ plt.show()
 # NBVAL_CHECK_OUTPUT
 import torch
 
-from labkit.calibration import (chat_requests, fit_device, fit_steps, measure_steps, measure_stream_bandwidth, model_cost,
-                                serve_in_real_time)
-from labkit.engine import Engine
-from labkit.pretrained import from_pretrained, load_tokenizer, real_model
+from labkit.model.pretrained import from_pretrained, load_tokenizer, real_model
+from labkit.serving.engine import Engine
+from labkit.serving.sim.fit import fit_device, fit_steps, model_cost
+from labkit.serving.sim.measure import measure_steps, measure_stream_bandwidth
+from labkit.serving.sim.realtime import serve_in_real_time
+from labkit.serving.sim.workloads import chat_requests
 
 torch.set_num_threads(1)  # one thread: steadier timings when another program shares the CPU
 model_path = real_model()
@@ -607,7 +609,7 @@ assert [len(o) for o in measured.outputs] == [s.output_len for s in test_specs]
 # ## Exercise
 
 # %%
-from labkit.exercises import Exercises
+from labkit.teaching.exercises import Exercises
 
 ex = Exercises("A6_measuring_a_server")
 

@@ -8,6 +8,7 @@ from __future__ import annotations
 import math
 import numbers
 
+KiB, MiB, GiB = 1024, 1024**2, 1024**3
 _UNITS = ["bytes", "KiB", "MiB", "GiB", "TiB"]
 
 

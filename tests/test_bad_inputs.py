@@ -15,7 +15,7 @@ Run ``python tests/test_bad_inputs.py`` for the count of rows refused correctly,
 pytest (the issue's "before and after" figure). Issue 20's note: against the code before it
 (commit d847dcb), 146 of these 193 rows were refused correctly; 9 of the other 47 only because
 a parameter was renamed (``tensor_parallel`` became ``tensor_parallel_size``, ``pipeline_parallel``
-``pipeline_parallel_size``) or a function is new (``checks.check_bytes``, ``vllm.check_max_model_len``),
+``pipeline_parallel_size``) or a function is new (``checks.check_bytes``, ``predict.check_max_model_len``),
 and 38 were real faults: accepted, a wrong exception type, or a message naming another parameter.
 After it, 193 of 193. A review then found 64 more faults in model, prefix, scheduler, sim, engine and
 cache (the rows after "issue 20's review"): against the code before their fix (commit b31555c),
@@ -36,11 +36,19 @@ import pytest
 import torch
 
 import labkit  # noqa: F401  (first: Triton's interpreter without a GPU)
-from labkit import capacity, checks, costmodel, kernels, paging, pool, units, vllm, workloads
-from labkit import cache, calibration, diagrams, engine, model, prefix, pretrained, quant, real_vllm, scheduler, show, sim
-from labkit import forking, priority, reservation, skipahead
-from labkit.capacity import GiB, PRESETS, TEACHING_MODEL, ModelShape
-from labkit.widgets import load_explorer, paging_stepper, prefix_stepper
+from labkit import checks, units
+from labkit.caches import contiguous, paged, prefix_cached, quant_quality
+from labkit.kernels import launch, paged_attention, reference
+from labkit.memory import blocks, capacity, formats, paging, pool_plan, prefix
+from labkit.memory.capacity import PRESETS, TEACHING_MODEL, ModelShape
+from labkit.model import decoder, pretrained
+from labkit.serving import engine, request, scheduler
+from labkit.serving.sim import costmodel, fit, measure, percentiles, simulator, skipahead, workloads
+from labkit.serving.variants import forking, priority, reservation
+from labkit.teaching import diagrams, excerpts
+from labkit.teaching.widgets import load_explorer, paging_stepper, prefix_stepper
+from labkit.units import GiB
+from labkit.vllm_bridge import compare, predict, real
 
 
 @dataclass(frozen=True)
@@ -77,38 +85,38 @@ def cost_model() -> costmodel.CostModel:
     return costmodel.CostModel("teaching model", "RTX 4090 (24 GiB)")
 
 
-def pool_plan() -> pool.PoolPlan:
-    return pool.plan_pool()
+def a_pool_plan() -> pool_plan.PoolPlan:
+    return pool_plan.plan_pool()
 
 
-def tiny_config(**changes) -> model.DecoderConfig:
-    return model.DecoderConfig(vocab_size=32, hidden_size=16, intermediate_size=32, num_hidden_layers=1,
-                               num_attention_heads=2, num_key_value_heads=1, **changes)
+def tiny_config(**changes) -> decoder.DecoderConfig:
+    return decoder.DecoderConfig(vocab_size=32, hidden_size=16, intermediate_size=32, num_hidden_layers=1,
+                                 num_attention_heads=2, num_key_value_heads=1, **changes)
 
 
-def tiny_decoder() -> model.Decoder:
-    return model.Decoder.random(tiny_config())
+def tiny_decoder() -> decoder.Decoder:
+    return decoder.Decoder.random(tiny_config())
 
 
 def prefix_cache() -> prefix.PrefixCache:
     return prefix.PrefixCache(paging.BlockAllocator(8), 4)
 
 
-def paged_cache() -> cache.PagedKVCache:
-    return cache.PagedKVCache(tiny_config(), num_blocks=4, block_size=4)
+def paged_cache() -> paged.PagedKVCache:
+    return paged.PagedKVCache(tiny_config(), num_blocks=4, block_size=4)
 
 
-def int8_pool() -> cache.KVPool:
-    return cache.KVPool(tiny_config(), 4, 4, use_triton=False, kv_cache_dtype="int8_per_tensor")
+def int8_pool() -> paged.KVPool:
+    return paged.KVPool(tiny_config(), 4, 4, use_triton=False, kv_cache_dtype="int8_per_tensor")
 
 
-def int8_block_pool() -> cache.KVPool:
-    return cache.KVPool(tiny_config(), 4, 4, use_triton=False, kv_cache_dtype="int8_per_block")
+def int8_block_pool() -> paged.KVPool:
+    return paged.KVPool(tiny_config(), 4, 4, use_triton=False, kv_cache_dtype="int8_per_block")
 
 
-def a_request() -> scheduler.Request:
+def a_request() -> request.Request:
     """A waiting request of 3 prompt tokens and 1 output token (num_tokens 4)."""
-    return scheduler.Request([1, 2, 3], 4, output_token_ids=[5])
+    return request.Request([1, 2, 3], 4, output_token_ids=[5])
 
 
 def small_scheduler() -> scheduler.Scheduler:
@@ -123,12 +131,12 @@ def forking_scheduler() -> forking.ForkingScheduler:
     return sched
 
 
-def kv_cache() -> cache.KVCache:
-    return cache.KVCache(tiny_config())
+def kv_cache() -> contiguous.KVCache:
+    return contiguous.KVCache(tiny_config())
 
 
-def kv_pool() -> cache.KVPool:
-    return cache.KVPool(tiny_config(), 4, 4, use_triton=False)
+def kv_pool() -> paged.KVPool:
+    return paged.KVPool(tiny_config(), 4, 4, use_triton=False)
 
 
 # A small paged-attention problem: 2 sequences, 2 query heads, 1 KV head, head_dim 8, 16-token blocks.
@@ -149,10 +157,10 @@ SLOTS = torch.tensor([0, 1, 2], dtype=torch.int64)
 
 ATTN = (Q, K_CACHE, V_CACHE, BLOCK_TABLES, SEQ_LENS)
 # The same problem in quantized pools (appendix A3): int8 codes with per-block scales, int4 with group scales.
-INT8_BLOCK = quant.kv_quant("int8_per_block")
+INT8_BLOCK = formats.kv_quant("int8_per_block")
 (QK_CACHE, QK_SCALE), (QV_CACHE, QV_SCALE) = (INT8_BLOCK.empty_pool(4, 16, 1, 8) for _ in range(2))
 Q_KW = dict(kv_cache_dtype="int8_per_block", k_scale=QK_SCALE, v_scale=QV_SCALE)
-INT4 = quant.kv_quant("int4_per_group")
+INT4 = formats.kv_quant("int4_per_group")
 (K4_CACHE, K4_SCALE), (V4_CACHE, V4_SCALE) = (INT4.empty_pool(4, 16, 1, 8) for _ in range(2))
 # causal_attention's shapes: q [batch, q_len, Hq, D], k and v [batch, kv_len, Hkv, D]
 Q4 = torch.randn(1, 3, 2, 8, generator=torch.Generator().manual_seed(4))
@@ -249,124 +257,129 @@ CASES: list[tuple[str, Any, tuple, dict, type, str]] = [
      "bytes_per_sequence"),
     ("sequences_that_fit nan device", capacity.sequences_that_fit, (1, nan, 0), {}, ValueError, "device_bytes"),
     # ---- vllm
-    ("available total 0", vllm.available_kv_bytes, (0, 0.9, 0), {}, ValueError, "gpu_total_bytes"),
-    ("available utilization 0", vllm.available_kv_bytes, (GiB, 0, 0), {}, ValueError, "gpu_memory_utilization"),
-    ("available utilization 1.5", vllm.available_kv_bytes, (GiB, 1.5, 0), {}, ValueError,
+    ("available total 0", predict.available_kv_bytes, (0, 0.9, 0), {}, ValueError, "gpu_total_bytes"),
+    ("available utilization 0", predict.available_kv_bytes, (GiB, 0, 0), {}, ValueError, "gpu_memory_utilization"),
+    ("available utilization 1.5", predict.available_kv_bytes, (GiB, 1.5, 0), {}, ValueError,
      "gpu_memory_utilization"),
-    ("available non-KV negative", vllm.available_kv_bytes, (GiB, 0.9, -1), {}, ValueError, "non_kv_bytes"),
-    ("available non-KV inf", vllm.available_kv_bytes, (GiB, 0.9, inf), {}, ValueError, "non_kv_bytes"),
-    ("report unknown model", vllm.kv_cache_report, ("Llama-9", 8 * GiB), REPORT, ValueError, "model"),
-    ("report block 24", vllm.kv_cache_report, ("Llama-3-8B", 8 * GiB), REPORT | {"block_size": 24}, ValueError,
+    ("available non-KV negative", predict.available_kv_bytes, (GiB, 0.9, -1), {}, ValueError, "non_kv_bytes"),
+    ("available non-KV inf", predict.available_kv_bytes, (GiB, 0.9, inf), {}, ValueError, "non_kv_bytes"),
+    ("report unknown model", predict.kv_cache_report, ("Llama-9", 8 * GiB), REPORT, ValueError, "model"),
+    ("report block 24", predict.kv_cache_report, ("Llama-3-8B", 8 * GiB), REPORT | {"block_size": 24}, ValueError,
      "block_size"),
-    ("report block 0", vllm.kv_cache_report, ("Llama-3-8B", 8 * GiB), REPORT | {"block_size": 0}, ValueError,
+    ("report block 0", predict.kv_cache_report, ("Llama-3-8B", 8 * GiB), REPORT | {"block_size": 0}, ValueError,
      "block_size"),
-    ("report max_model_len 0", vllm.kv_cache_report, ("Llama-3-8B", 8 * GiB), {"max_model_len": 0}, ValueError,
+    ("report max_model_len 0", predict.kv_cache_report, ("Llama-3-8B", 8 * GiB), {"max_model_len": 0}, ValueError,
      "max_model_len"),
-    ("report max_model_len past the model's", vllm.kv_cache_report, ("Llama-3-8B", 20 * GiB),
+    ("report max_model_len past the model's", predict.kv_cache_report, ("Llama-3-8B", 20 * GiB),
      {"max_model_len": 65_536}, ValueError, "max_model_len"),
-    ("report batched tokens 0", vllm.kv_cache_report, ("Llama-3-8B", 8 * GiB),
+    ("report batched tokens 0", predict.kv_cache_report, ("Llama-3-8B", 8 * GiB),
      REPORT | {"max_num_batched_tokens": 0}, ValueError, "max_num_batched_tokens"),
-    ("report TP 5 on 8 KV heads", vllm.kv_cache_report, (SHAPE_40Q_8KV, 40 * GiB),
+    ("report TP 5 on 8 KV heads", predict.kv_cache_report, (SHAPE_40Q_8KV, 40 * GiB),
      REPORT | {"tensor_parallel_size": 5}, ValueError, "tensor_parallel_size"),
-    ("report TP 3 on 32 heads", vllm.kv_cache_report, ("Llama-3-8B", 8 * GiB), REPORT | {"tensor_parallel_size": 3},
+    ("report TP 3 on 32 heads", predict.kv_cache_report, ("Llama-3-8B", 8 * GiB), REPORT | {"tensor_parallel_size": 3},
      ValueError, "tensor_parallel_size"),
-    ("report PP 33", vllm.kv_cache_report, ("Llama-3-8B", 8 * GiB), REPORT | {"pipeline_parallel_size": 33},
+    ("report PP 33", predict.kv_cache_report, ("Llama-3-8B", 8 * GiB), REPORT | {"pipeline_parallel_size": 33},
      ValueError, "pipeline_parallel_size"),
-    ("report dtype fp4", vllm.kv_cache_report, ("Llama-3-8B", 8 * GiB), REPORT | {"kv_cache_dtype": "fp4"},
+    ("report dtype fp4", predict.kv_cache_report, ("Llama-3-8B", 8 * GiB), REPORT | {"kv_cache_dtype": "fp4"},
      ValueError, "kv_cache_dtype"),
-    ("report MLA per-token-head", vllm.kv_cache_report, ("DeepSeek-V3", 40 * GiB),
+    ("report MLA per-token-head", predict.kv_cache_report, ("DeepSeek-V3", 40 * GiB),
      {"max_model_len": 4096, "kv_cache_dtype": "fp8_per_token_head"}, ValueError, "kv_cache_dtype"),
-    ("report fp8_ds_mla without MLA", vllm.kv_cache_report, ("Llama-3-8B", 8 * GiB),
+    ("report fp8_ds_mla without MLA", predict.kv_cache_report, ("Llama-3-8B", 8 * GiB),
      REPORT | {"kv_cache_dtype": "fp8_ds_mla"}, ValueError, "kv_cache_dtype"),
-    ("report batches 0", vllm.kv_cache_report, ("Llama-3-8B", 8 * GiB), REPORT | {"batches_in_flight": 0},
+    ("report batches 0", predict.kv_cache_report, ("Llama-3-8B", 8 * GiB), REPORT | {"batches_in_flight": 0},
      ValueError, "batches_in_flight"),
-    ("report available nan", vllm.kv_cache_report, ("Llama-3-8B", nan), REPORT, ValueError, "available_kv_bytes"),
-    ("report available per stage", vllm.kv_cache_report, ("Llama-3-8B", [GiB, GiB]), REPORT, ValueError,
+    ("report available nan", predict.kv_cache_report, ("Llama-3-8B", nan), REPORT, ValueError, "available_kv_bytes"),
+    ("report available per stage", predict.kv_cache_report, ("Llama-3-8B", [GiB, GiB]), REPORT, ValueError,
      "available_kv_bytes"),
-    ("report negative available: vLLM's refusal", vllm.kv_cache_report, ("Llama-3-8B", -GiB), REPORT, ValueError,
+    ("report negative available: vLLM's refusal", predict.kv_cache_report, ("Llama-3-8B", -GiB), REPORT, ValueError,
      "gpu_memory_utilization"),
-    ("report allow-long not a bool", vllm.kv_cache_report, ("Llama-3-8B", 8 * GiB),
+    ("report allow-long not a bool", predict.kv_cache_report, ("Llama-3-8B", 8 * GiB),
      REPORT | {"allow_long_max_model_len": "1"}, TypeError, "allow_long_max_model_len"),
-    ("get_pp_indices rank too big", vllm.get_pp_indices, (61, 4, 4), {}, ValueError, "pp_rank"),
-    ("get_pp_indices rank negative", vllm.get_pp_indices, (61, -1, 4), {}, ValueError, "pp_rank"),
-    ("get_pp_indices too many stages", vllm.get_pp_indices, (4, 0, 5), {}, ValueError, "pipeline_parallel_size"),
-    ("page_size_bytes not a shape", vllm.page_size_bytes, ("Llama-3-8B",), {}, TypeError, "shape"),
-    ("page_size_bytes block 0", vllm.page_size_bytes, (LLAMA, 0), {}, ValueError, "block_size"),
-    ("page_size_bytes MLA int8 per head", vllm.page_size_bytes, (DEEPSEEK, 64, "int8_per_token_head"), {},
+    ("get_pp_indices rank too big", predict.get_pp_indices, (61, 4, 4), {}, ValueError, "pp_rank"),
+    ("get_pp_indices rank negative", predict.get_pp_indices, (61, -1, 4), {}, ValueError, "pp_rank"),
+    ("get_pp_indices too many stages", predict.get_pp_indices, (4, 0, 5), {}, ValueError, "pipeline_parallel_size"),
+    ("page_size_bytes not a shape", predict.page_size_bytes, ("Llama-3-8B",), {}, TypeError, "shape"),
+    ("page_size_bytes block 0", predict.page_size_bytes, (LLAMA, 0), {}, ValueError, "block_size"),
+    ("page_size_bytes MLA int8 per head", predict.page_size_bytes, (DEEPSEEK, 64, "int8_per_token_head"), {},
      ValueError, "kv_cache_dtype"),
-    ("check_max_model_len 0", vllm.check_max_model_len, (LLAMA, 0), {}, ValueError, "max_model_len"),
+    ("check_max_model_len 0", predict.check_max_model_len, (LLAMA, 0), {}, ValueError, "max_model_len"),
     # ---- kernels
-    ("launch_settings kernel", kernels.launch_settings, ("bogus", torch.float16, 128, (8, 0)), {}, ValueError,
+    ("launch_settings kernel", launch.launch_settings, ("bogus", torch.float16, 128, (8, 0)), {}, ValueError,
      "kernel"),
-    ("launch_settings head_dim 0", kernels.launch_settings, ("decode", torch.float16, 0, (8, 0)), {}, ValueError,
+    ("launch_settings head_dim 0", launch.launch_settings, ("decode", torch.float16, 0, (8, 0)), {}, ValueError,
      "head_dim"),
-    ("launch_settings head_dim 512", kernels.launch_settings, ("decode", torch.float16, 512, (8, 0)), {},
+    ("launch_settings head_dim 512", launch.launch_settings, ("decode", torch.float16, 512, (8, 0)), {},
      ValueError, "head_dim"),
-    ("launch_settings dtype", kernels.launch_settings, ("decode", torch.int8, 64, (8, 0)), {}, ValueError, "dtype"),
-    ("launch_settings capability", kernels.launch_settings, ("decode", torch.float16, 64, (8,)), {}, ValueError,
+    ("launch_settings dtype", launch.launch_settings, ("decode", torch.int8, 64, (8, 0)), {}, ValueError, "dtype"),
+    ("launch_settings capability", launch.launch_settings, ("decode", torch.float16, 64, (8,)), {}, ValueError,
      "capability"),
-    ("launch_settings max_len", kernels.launch_settings, ("decode", torch.float16, 64, (8, 0), 0), {}, ValueError,
+    ("launch_settings max_len", launch.launch_settings, ("decode", torch.float16, 64, (8, 0), 0), {}, ValueError,
      "max_len"),
-    ("choose_num_splits no seqs", kernels.choose_num_splits, (0, 8, 4096), {}, ValueError, "num_seqs"),
-    ("choose_num_splits no heads", kernels.choose_num_splits, (1, 0, 4096), {}, ValueError, "num_kv_heads"),
-    ("choose_num_splits no length", kernels.choose_num_splits, (1, 8, 0), {}, ValueError, "max_seq_len"),
-    ("choose_num_splits target 0", kernels.choose_num_splits, (1, 8, 4096), {"target_programs": 0}, ValueError,
+    ("choose_num_splits no seqs", launch.choose_num_splits, (0, 8, 4096), {}, ValueError, "num_seqs"),
+    ("choose_num_splits no heads", launch.choose_num_splits, (1, 0, 4096), {}, ValueError, "num_kv_heads"),
+    ("choose_num_splits no length", launch.choose_num_splits, (1, 8, 0), {}, ValueError, "max_seq_len"),
+    ("choose_num_splits target 0", launch.choose_num_splits, (1, 8, 4096), {"target_programs": 0}, ValueError,
      "target_programs"),
-    ("write_kv slot out of range", kernels.write_kv, (K_NEW, V_NEW, K_CACHE, V_CACHE,
-                                                      torch.tensor([0, 1, 64])), {}, ValueError, "slot_mapping"),
-    ("write_kv duplicate slots", kernels.write_kv, (K_NEW, V_NEW, K_CACHE, V_CACHE, torch.tensor([0, 5, 5])), {},
+    ("write_kv slot out of range", paged_attention.write_kv, (K_NEW, V_NEW, K_CACHE, V_CACHE,
+                                                              torch.tensor([0, 1, 64])), {}, ValueError, "slot_mapping"),
+    ("write_kv duplicate slots", paged_attention.write_kv, (K_NEW, V_NEW, K_CACHE, V_CACHE, torch.tensor([0, 5, 5])), {},
      ValueError, "slot_mapping"),
-    ("write_kv k dims", kernels.write_kv, (K_NEW[0], V_NEW[0], K_CACHE, V_CACHE, SLOTS[:1]), {}, ValueError, "k"),
-    ("write_kv v dtype", kernels.write_kv, (K_NEW, V_NEW.double(), K_CACHE, V_CACHE, SLOTS), {}, ValueError, "v"),
-    ("decode seq_lens 0", kernels.paged_decode_attention,
+    ("write_kv k dims", paged_attention.write_kv, (K_NEW[0], V_NEW[0], K_CACHE, V_CACHE, SLOTS[:1]), {}, ValueError, "k"),
+    ("write_kv v dtype", paged_attention.write_kv, (K_NEW, V_NEW.double(), K_CACHE, V_CACHE, SLOTS), {}, ValueError, "v"),
+    ("decode seq_lens 0", paged_attention.paged_decode_attention,
      (Q, K_CACHE, V_CACHE, BLOCK_TABLES, torch.tensor([0, 5], dtype=torch.int32)), {}, ValueError, "seq_lens"),
-    ("decode seq_lens past the table", kernels.paged_decode_attention,
+    ("decode seq_lens past the table", paged_attention.paged_decode_attention,
      (Q, K_CACHE, V_CACHE, BLOCK_TABLES, torch.tensor([40, 5], dtype=torch.int32)), {}, ValueError, "seq_lens"),
-    ("decode scale", kernels.paged_decode_attention, ATTN, {"scale": -1.0}, ValueError, "scale"),
-    ("decode num_splits", kernels.paged_decode_attention, ATTN, {"num_splits": 0}, ValueError, "num_splits"),
-    ("decode q int", kernels.paged_decode_attention, (Q.long(),) + ATTN[1:], {}, ValueError, "q"),
-    ("decode block id", kernels.paged_decode_attention,
+    ("decode scale", paged_attention.paged_decode_attention, ATTN, {"scale": -1.0}, ValueError, "scale"),
+    ("decode num_splits", paged_attention.paged_decode_attention, ATTN, {"num_splits": 0}, ValueError, "num_splits"),
+    ("decode q int", paged_attention.paged_decode_attention, (Q.long(),) + ATTN[1:], {}, ValueError, "q"),
+    ("decode block id", paged_attention.paged_decode_attention,
      (Q, K_CACHE, V_CACHE, torch.tensor([[0, 9], [2, 3]], dtype=torch.int32), SEQ_LENS), {}, ValueError,
      "block_tables"),
-    ("decode block_tables int64", kernels.paged_decode_attention,
+    ("decode block_tables int64", paged_attention.paged_decode_attention,
      (Q, K_CACHE, V_CACHE, BLOCK_TABLES.long(), SEQ_LENS), {}, ValueError, "block_tables"),
-    ("decode out shape", kernels.paged_decode_attention, ATTN, {"out": torch.empty(3, 2, 8)}, ValueError, "out"),
-    ("decode heads not a multiple", kernels.paged_decode_attention,
+    ("decode out shape", paged_attention.paged_decode_attention, ATTN, {"out": torch.empty(3, 2, 8)}, ValueError, "out"),
+    ("decode heads not a multiple", paged_attention.paged_decode_attention,
      (torch.randn(2, 3, 8), *_kv(heads=2), BLOCK_TABLES, SEQ_LENS), {}, ValueError, "num_kv_heads"),
-    ("prefill cu_seqlens end", kernels.paged_prefill_attention,
+    ("prefill cu_seqlens end", paged_attention.paged_prefill_attention,
      ATTN + (torch.tensor([0, 1, 3], dtype=torch.int32),), {}, ValueError, "cu_seqlens_q"),
-    ("prefill cu_seqlens length", kernels.paged_prefill_attention,
+    ("prefill cu_seqlens length", paged_attention.paged_prefill_attention,
      ATTN + (torch.tensor([0, 2], dtype=torch.int32),), {}, ValueError, "cu_seqlens_q"),
-    ("prefill v_cache shape", kernels.paged_prefill_attention,
+    ("prefill v_cache shape", paged_attention.paged_prefill_attention,
      (Q, K_CACHE, V_CACHE[:2], BLOCK_TABLES, SEQ_LENS, CU_SEQLENS), {}, ValueError, "v_cache"),
     # ---- quantized pools (appendix A3): nothing written, no scale changed
-    ("write_kv unknown kv dtype", kernels.write_kv, (K_NEW, V_NEW, QK_CACHE, QV_CACHE, SLOTS),
+    ("write_kv unknown kv dtype", paged_attention.write_kv, (K_NEW, V_NEW, QK_CACHE, QV_CACHE, SLOTS),
      Q_KW | {"kv_cache_dtype": "int3_per_block"}, ValueError, "kv_cache_dtype"),
-    ("write_kv scale shape", kernels.write_kv, (K_NEW, V_NEW, QK_CACHE, QV_CACHE, SLOTS),
+    ("write_kv scale shape", paged_attention.write_kv, (K_NEW, V_NEW, QK_CACHE, QV_CACHE, SLOTS),
      Q_KW | {"k_scale": torch.zeros(4)}, ValueError, "k_scale"),
-    ("write_kv scale dtype", kernels.write_kv, (K_NEW, V_NEW, QK_CACHE, QV_CACHE, SLOTS),
+    ("write_kv scale dtype", paged_attention.write_kv, (K_NEW, V_NEW, QK_CACHE, QV_CACHE, SLOTS),
      Q_KW | {"v_scale": QV_SCALE.double()}, ValueError, "v_scale"),
-    ("write_kv scales without a format", kernels.write_kv, (K_NEW, V_NEW, K_CACHE, V_CACHE, SLOTS),
+    ("write_kv scales without a format", paged_attention.write_kv, (K_NEW, V_NEW, K_CACHE, V_CACHE, SLOTS),
      {"k_scale": QK_SCALE, "v_scale": QV_SCALE}, ValueError, "k_scale"),
-    ("write_kv int4 odd head_dim", kernels.write_kv, (K_NEW[..., :7], V_NEW[..., :7], K4_CACHE, V4_CACHE, SLOTS),
+    ("write_kv int4 odd head_dim", paged_attention.write_kv, (K_NEW[..., :7], V_NEW[..., :7], K4_CACHE, V4_CACHE, SLOTS),
      {"kv_cache_dtype": "int4_per_group", "k_scale": K4_SCALE, "v_scale": V4_SCALE}, ValueError, "head_dim"),
-    ("write_kv codes of another format", kernels.write_kv, (K_NEW, V_NEW, K4_CACHE, V4_CACHE, SLOTS),
+    ("write_kv codes of another format", paged_attention.write_kv, (K_NEW, V_NEW, K4_CACHE, V4_CACHE, SLOTS),
      Q_KW, ValueError, "k_cache"),
-    ("write_kv per-block gap", kernels.write_kv, (K_NEW, V_NEW, QK_CACHE, QV_CACHE, torch.tensor([0, 1, 3])),
+    ("write_kv per-block gap", paged_attention.write_kv, (K_NEW, V_NEW, QK_CACHE, QV_CACHE, torch.tensor([0, 1, 3])),
      Q_KW, ValueError, "slot_mapping"),
-    ("write_kv per-tensor scale 0", kernels.write_kv, (K_NEW, V_NEW, *quant.kv_quant("int8_per_tensor").empty_pool(
-        4, 16, 1, 8)[:1], quant.kv_quant("int8_per_tensor").empty_pool(4, 16, 1, 8)[0], SLOTS),
+    ("write_kv per-tensor scale 0", paged_attention.write_kv, (K_NEW, V_NEW, *formats.kv_quant("int8_per_tensor").empty_pool(
+        4, 16, 1, 8)[:1], formats.kv_quant("int8_per_tensor").empty_pool(4, 16, 1, 8)[0], SLOTS),
      {"kv_cache_dtype": "int8_per_tensor", "k_scale": torch.zeros(1), "v_scale": torch.ones(1)}, ValueError,
      "k_scale"),
-    ("decode unknown kv dtype", kernels.paged_decode_attention, (Q, QK_CACHE, QV_CACHE, BLOCK_TABLES, SEQ_LENS),
+    # the reference write checks the scales as the kernel's does: one rule, in labkit.memory.formats
+    ("write_kv_ref per-tensor scale nan", reference.write_kv_ref, (K_NEW, V_NEW, *formats.kv_quant(
+        "int8_per_tensor").empty_pool(4, 16, 1, 8)[:1], formats.kv_quant("int8_per_tensor").empty_pool(4, 16, 1, 8)[0],
+        SLOTS), {"kv_cache_dtype": "int8_per_tensor", "k_scale": torch.ones(1), "v_scale": torch.full((1,), nan)},
+     ValueError, "v_scale"),
+    ("decode unknown kv dtype", paged_attention.paged_decode_attention, (Q, QK_CACHE, QV_CACHE, BLOCK_TABLES, SEQ_LENS),
      Q_KW | {"kv_cache_dtype": "fp8"}, ValueError, "kv_cache_dtype"),
-    ("decode scale shape", kernels.paged_decode_attention, (Q, QK_CACHE, QV_CACHE, BLOCK_TABLES, SEQ_LENS),
+    ("decode scale shape", paged_attention.paged_decode_attention, (Q, QK_CACHE, QV_CACHE, BLOCK_TABLES, SEQ_LENS),
      Q_KW | {"v_scale": QV_SCALE[:, :, None]}, ValueError, "v_scale"),
-    ("prefill scale missing", kernels.paged_prefill_attention,
+    ("prefill scale missing", paged_attention.paged_prefill_attention,
      (Q, QK_CACHE, QV_CACHE, BLOCK_TABLES, SEQ_LENS, CU_SEQLENS), Q_KW | {"k_scale": None}, ValueError, "k_scale"),
-    ("launch_settings quantized", kernels.launch_settings, ("decode", torch.float16, 64, (8, 0)),
+    ("launch_settings quantized", launch.launch_settings, ("decode", torch.float16, 64, (8, 0)),
      {"quantized": "yes"}, ValueError, "quantized"),
-    ("KVPool unknown kv dtype", cache.KVPool, (tiny_config(), 4, 4), {"kv_cache_dtype": "int2"}, ValueError,
+    ("KVPool unknown kv dtype", paged.KVPool, (tiny_config(), 4, 4), {"kv_cache_dtype": "int2"}, ValueError,
      "kv_cache_dtype"),
     ("KVPool.set_scales length", On(int8_pool, "set_scales"), ([0.1, 0.1], [0.1]), {}, ValueError, "k_scales"),
     ("KVPool.set_scales nan", On(int8_pool, "set_scales"), ([0.1], [nan]), {}, ValueError, "v_scales"),
@@ -376,15 +389,15 @@ CASES: list[tuple[str, Any, tuple, dict, type, str]] = [
      "kv_cache_dtype"),
     ("kv_cache_bytes length", capacity.kv_cache_bytes, (TEACHING_MODEL, -1, "int8_per_block"), {}, ValueError,
      "length"),
-    ("quant.kv_quant", quant.kv_quant, ("e4m3",), {}, ValueError, "kv_cache_dtype"),
-    ("KVQuant.bytes_per_token odd", On(lambda: quant.kv_quant("int4_per_tensor"), "bytes_per_token"), (2, 2, 9),
+    ("quant.kv_quant", formats.kv_quant, ("e4m3",), {}, ValueError, "kv_cache_dtype"),
+    ("KVQuant.bytes_per_token odd", On(lambda: formats.kv_quant("int4_per_tensor"), "bytes_per_token"), (2, 2, 9),
      {}, ValueError, "head_dim"),
-    ("quant.greedy_agreement lengths", quant.greedy_agreement, ([[1]], [[1], [2]]), {}, ValueError, "references"),
-    ("quant.sample_text name", quant.sample_text, ("novel",), {}, ValueError, "name"),
-    ("quant.next_token_loss one token", quant.next_token_loss, (tiny_decoder(), [1]), {}, ValueError, "token_ids"),
+    ("quant.greedy_agreement lengths", quant_quality.greedy_agreement, ([[1]], [[1], [2]]), {}, ValueError, "references"),
+    ("quant.sample_text name", quant_quality.sample_text, ("novel",), {}, ValueError, "name"),
+    ("quant.next_token_loss one token", quant_quality.next_token_loss, (tiny_decoder(), [1]), {}, ValueError, "token_ids"),
     # ---- paging
-    ("blocks_needed tokens", paging.blocks_needed, (-1, 16), {}, ValueError, "num_tokens"),
-    ("blocks_needed block_size", paging.blocks_needed, (1, 0), {}, ValueError, "block_size"),
+    ("blocks_needed tokens", blocks.blocks_needed, (-1, 16), {}, ValueError, "num_tokens"),
+    ("blocks_needed block_size", blocks.blocks_needed, (1, 0), {}, ValueError, "block_size"),
     ("BlockAllocator 0", paging.BlockAllocator, (0,), {}, ValueError, "num_blocks"),
     ("allocator free unknown id", On(allocator_with_one_used, "free"), (99,), {}, ValueError, "block_id"),
     ("allocator double free", On(allocator_with_one_used, "free"), (1,), {}, ValueError, "block_id"),
@@ -401,21 +414,21 @@ CASES: list[tuple[str, Any, tuple, dict, type, str]] = [
     ("table slots negative start", On(table_of_five_tokens, "slots"), (-1, 2), {}, ValueError, "start"),
     ("table new_blocks_for negative", On(table_of_five_tokens, "new_blocks_for"), (-1,), {}, ValueError, "n"),
     # ---- pool
-    ("plan_pool device negative", pool.plan_pool, (), {"device_bytes": -1}, ValueError, "device_bytes"),
-    ("plan_pool device inf", pool.plan_pool, (), {"device_bytes": inf}, ValueError, "device_bytes"),
-    ("plan_pool set aside too big", pool.plan_pool, (), {"set_aside_bytes": 25 * GiB}, ValueError,
+    ("plan_pool device negative", pool_plan.plan_pool, (), {"device_bytes": -1}, ValueError, "device_bytes"),
+    ("plan_pool device inf", pool_plan.plan_pool, (), {"device_bytes": inf}, ValueError, "device_bytes"),
+    ("plan_pool set aside too big", pool_plan.plan_pool, (), {"set_aside_bytes": 25 * GiB}, ValueError,
      "set_aside_bytes"),
-    ("plan_pool no whole block", pool.plan_pool, (), {"set_aside_bytes": 24 * GiB - 1}, ValueError,
+    ("plan_pool no whole block", pool_plan.plan_pool, (), {"set_aside_bytes": 24 * GiB - 1}, ValueError,
      "set_aside_bytes"),
-    ("plan_pool block 0", pool.plan_pool, (), {"block_size": 0}, ValueError, "block_size"),
-    ("plan_pool max_num_seqs 0", pool.plan_pool, (), {"max_num_seqs": 0}, ValueError, "max_num_seqs"),
-    ("plan_pool model", pool.plan_pool, (), {"model": "teaching model"}, TypeError, "model"),
-    ("PoolPlan.host_metadata_bytes", On(pool_plan, "host_metadata_bytes"), (-1,), {}, ValueError,
+    ("plan_pool block 0", pool_plan.plan_pool, (), {"block_size": 0}, ValueError, "block_size"),
+    ("plan_pool max_num_seqs 0", pool_plan.plan_pool, (), {"max_num_seqs": 0}, ValueError, "max_num_seqs"),
+    ("plan_pool model", pool_plan.plan_pool, (), {"model": "teaching model"}, TypeError, "model"),
+    ("PoolPlan.host_metadata_bytes", On(a_pool_plan, "host_metadata_bytes"), (-1,), {}, ValueError,
      "bytes_per_block"),
-    ("reservation_shares empty", pool.reservation_shares, ([],), {}, ValueError, "requests"),
-    ("reservation_shares max_len 0", pool.reservation_shares, ([workloads.RequestSpec(**GOOD_SPEC)],),
+    ("reservation_shares empty", pool_plan.reservation_shares, ([],), {}, ValueError, "requests"),
+    ("reservation_shares max_len 0", pool_plan.reservation_shares, ([workloads.RequestSpec(**GOOD_SPEC)],),
      {"max_len": 0}, ValueError, "max_len"),
-    ("reservation_shares max_len short", pool.reservation_shares, ([workloads.RequestSpec(**GOOD_SPEC)],),
+    ("reservation_shares max_len short", pool_plan.reservation_shares, ([workloads.RequestSpec(**GOOD_SPEC)],),
      {"max_len": 5}, ValueError, "max_len"),
     # ---- workloads
     ("RequestSpec output_len 0", workloads.RequestSpec, (), GOOD_SPEC | {"output_len": 0}, ValueError,
@@ -456,15 +469,15 @@ CASES: list[tuple[str, Any, tuple, dict, type, str]] = [
     ("CostModel.prefill_time prompt", On(cost_model, "prefill_time"), (0,), {}, ValueError, "prompt_len"),
     ("CostModel.prefill_time chunk", On(cost_model, "prefill_time"), (10,), {"chunk": 0}, ValueError, "chunk"),
     # ---- model (configuration) and pretrained
-    ("DecoderConfig vocab 0", model.DecoderConfig, (), {"vocab_size": 0}, ValueError, "vocab_size"),
-    ("DecoderConfig groups", model.DecoderConfig, (), {"num_attention_heads": 6, "num_key_value_heads": 4},
+    ("DecoderConfig vocab 0", decoder.DecoderConfig, (), {"vocab_size": 0}, ValueError, "vocab_size"),
+    ("DecoderConfig groups", decoder.DecoderConfig, (), {"num_attention_heads": 6, "num_key_value_heads": 4},
      ValueError, "num_attention_heads"),
-    ("DecoderConfig odd head_dim", model.DecoderConfig, (), {"head_dim": 3}, ValueError, "head_dim"),
-    ("DecoderConfig rope_theta", model.DecoderConfig, (), {"rope_theta": -1.0}, ValueError, "rope_theta"),
-    ("DecoderConfig rms_norm_eps", model.DecoderConfig, (), {"rms_norm_eps": 0.0}, ValueError, "rms_norm_eps"),
-    ("DecoderConfig.from_dict model_type", model.DecoderConfig.from_dict, ({"model_type": "gpt2"},), {},
+    ("DecoderConfig odd head_dim", decoder.DecoderConfig, (), {"head_dim": 3}, ValueError, "head_dim"),
+    ("DecoderConfig rope_theta", decoder.DecoderConfig, (), {"rope_theta": -1.0}, ValueError, "rope_theta"),
+    ("DecoderConfig rms_norm_eps", decoder.DecoderConfig, (), {"rms_norm_eps": 0.0}, ValueError, "rms_norm_eps"),
+    ("DecoderConfig.from_dict model_type", decoder.DecoderConfig.from_dict, ({"model_type": "gpt2"},), {},
      ValueError, "model_type"),
-    ("DecoderConfig.from_dict activation", model.DecoderConfig.from_dict, ({"hidden_act": "gelu"},), {},
+    ("DecoderConfig.from_dict activation", decoder.DecoderConfig.from_dict, ({"hidden_act": "gelu"},), {},
      ValueError, "hidden_act"),
     ("Decoder.forward float ids", On(tiny_decoder, "forward"), (torch.zeros(1, 3),), {}, ValueError, "input_ids"),
     ("Decoder.forward id past vocab", On(tiny_decoder, "forward"), (torch.tensor([[1, 40]]),), {}, ValueError,
@@ -474,47 +487,47 @@ CASES: list[tuple[str, Any, tuple, dict, type, str]] = [
     ("from_pretrained no config.json", pretrained.from_pretrained, (folder_without_config(),), {},
      ValueError, "path_or_repo_id"),
     # ---- cache, prefix, scheduler, sim, engine: rows their current code already refuses correctly
-    ("generate no prompt", cache.generate, (tiny_decoder(), [], 2), {}, ValueError, "prompt_ids"),
-    ("KVPool blocks 0", cache.KVPool, (tiny_config(), 0, 4), {}, ValueError, "num_blocks"),
+    ("generate no prompt", contiguous.generate, (tiny_decoder(), [], 2), {}, ValueError, "prompt_ids"),
+    ("KVPool blocks 0", paged.KVPool, (tiny_config(), 0, 4), {}, ValueError, "num_blocks"),
     ("PagedKVCache.free_sequence unknown", On(paged_cache, "free_sequence"), (99,), {}, ValueError, "seq_id"),
     ("hash_chain block 0", prefix.hash_chain, ([1, 2, 3], 0), {}, ValueError, "block_size"),
     ("PrefixCache block 0", prefix.PrefixCache, (paging.BlockAllocator(4), 0), {}, ValueError, "block_size"),
     ("PrefixCache.share hit", On(prefix_cache, "share"), ("hit", [1], KEY), {}, ValueError, "hit"),
-    ("scheduler Request empty prompt", scheduler.Request, ([], 4), {}, ValueError, "prompt_token_ids"),
-    ("scheduler Request max_new_tokens", scheduler.Request, ([1, 2], 0), {}, ValueError, "max_new_tokens"),
+    ("scheduler Request empty prompt", request.Request, ([], 4), {}, ValueError, "prompt_token_ids"),
+    ("scheduler Request max_new_tokens", request.Request, ([1, 2], 0), {}, ValueError, "max_new_tokens"),
     ("Scheduler block 0", scheduler.Scheduler, (), {"num_blocks": 8, "block_size": 0}, ValueError, "block_size"),
-    ("Simulator block 0", sim.Simulator, (), {"num_blocks": 8, "block_size": 0}, ValueError, "block_size"),
-    ("Simulator blocks 0", sim.Simulator, (), {"num_blocks": 0}, ValueError, "num_blocks"),
+    ("Simulator block 0", simulator.Simulator, (), {"num_blocks": 8, "block_size": 0}, ValueError, "block_size"),
+    ("Simulator blocks 0", simulator.Simulator, (), {"num_blocks": 0}, ValueError, "num_blocks"),
     ("Engine model", engine.Engine, ("not a model", 8), {}, ValueError, "model"),
     # ---- model, prefix, scheduler, sim, engine, cache: issue 20's review (refused correctly since)
-    ("causal_attention 2-D q", model.causal_attention, (Q4[0, :, 0], K4, V4), {}, ValueError, "q"),
-    ("causal_attention k and v shapes differ", model.causal_attention, (Q4, K4, V4[:, :2]), {}, ValueError, "v"),
-    ("causal_attention head_dim differs", model.causal_attention, (Q4, K4[..., :4], V4[..., :4]), {}, ValueError,
+    ("causal_attention 2-D q", decoder.causal_attention, (Q4[0, :, 0], K4, V4), {}, ValueError, "q"),
+    ("causal_attention k and v shapes differ", decoder.causal_attention, (Q4, K4, V4[:, :2]), {}, ValueError, "v"),
+    ("causal_attention head_dim differs", decoder.causal_attention, (Q4, K4[..., :4], V4[..., :4]), {}, ValueError,
      "head_dim"),
-    ("causal_attention kv shorter than q", model.causal_attention, (Q4, K4[:, :2], V4[:, :2]), {}, ValueError,
+    ("causal_attention kv shorter than q", decoder.causal_attention, (Q4, K4[:, :2], V4[:, :2]), {}, ValueError,
      "kv_len"),
-    ("causal_attention batch differs", model.causal_attention, (Q4, K4.expand(2, -1, -1, -1), V4.expand(2, -1, -1, -1)),
+    ("causal_attention batch differs", decoder.causal_attention, (Q4, K4.expand(2, -1, -1, -1), V4.expand(2, -1, -1, -1)),
      {}, ValueError, "batch"),
-    ("causal_attention int q", model.causal_attention, (Q4.long(), K4.long(), V4.long()), {}, ValueError, "q"),
-    ("causal_attention scale negative", model.causal_attention, (Q4, K4, V4), {"scale": -1.0}, ValueError, "scale"),
-    ("DecoderConfig rope_theta str", model.DecoderConfig, (), {"rope_theta": "x"}, ValueError, "rope_theta"),
-    ("DecoderConfig rope_theta inf", model.DecoderConfig, (), {"rope_theta": inf}, ValueError, "rope_theta"),
-    ("DecoderConfig rms_norm_eps str", model.DecoderConfig, (), {"rms_norm_eps": "x"}, ValueError, "rms_norm_eps"),
-    ("DecoderConfig tie_word_embeddings str", model.DecoderConfig, (), {"tie_word_embeddings": "no"}, ValueError,
+    ("causal_attention int q", decoder.causal_attention, (Q4.long(), K4.long(), V4.long()), {}, ValueError, "q"),
+    ("causal_attention scale negative", decoder.causal_attention, (Q4, K4, V4), {"scale": -1.0}, ValueError, "scale"),
+    ("DecoderConfig rope_theta str", decoder.DecoderConfig, (), {"rope_theta": "x"}, ValueError, "rope_theta"),
+    ("DecoderConfig rope_theta inf", decoder.DecoderConfig, (), {"rope_theta": inf}, ValueError, "rope_theta"),
+    ("DecoderConfig rms_norm_eps str", decoder.DecoderConfig, (), {"rms_norm_eps": "x"}, ValueError, "rms_norm_eps"),
+    ("DecoderConfig tie_word_embeddings str", decoder.DecoderConfig, (), {"tie_word_embeddings": "no"}, ValueError,
      "tie_word_embeddings"),
-    ("DecoderConfig qkv_bias str", model.DecoderConfig, (), {"qkv_bias": "no"}, ValueError, "qkv_bias"),
-    ("Decoder.random seed -1", model.Decoder.random, (tiny_config(),), {"seed": -1}, ValueError, "seed"),
-    ("Decoder.random config dict", model.Decoder.random, ({"vocab_size": 32},), {}, TypeError, "config"),
-    ("Decoder config dict", model.Decoder, ({"vocab_size": 32},), {}, TypeError, "config"),
+    ("DecoderConfig qkv_bias str", decoder.DecoderConfig, (), {"qkv_bias": "no"}, ValueError, "qkv_bias"),
+    ("Decoder.random seed -1", decoder.Decoder.random, (tiny_config(),), {"seed": -1}, ValueError, "seed"),
+    ("Decoder.random config dict", decoder.Decoder.random, ({"vocab_size": 32},), {}, TypeError, "config"),
+    ("Decoder config dict", decoder.Decoder, ({"vocab_size": 32},), {}, TypeError, "config"),
     ("Decoder.forward negative positions", On(tiny_decoder, "forward"), (torch.tensor([[1, 2]]),),
      {"positions": torch.tensor([[-1, 0]])}, ValueError, "positions"),
     ("Decoder.forward positions list", On(tiny_decoder, "forward"), (torch.tensor([[1, 2]]),),
      {"positions": [[0, 1]]}, ValueError, "positions"),
-    ("extra_blocks computed -1", prefix.extra_blocks, (-1, 0, 1, 4), {}, ValueError, "num_computed_tokens"),
-    ("extra_blocks held -1", prefix.extra_blocks, (0, -1, 1, 4), {}, ValueError, "num_blocks_held"),
-    ("extra_blocks revived -1", prefix.extra_blocks, (0, 0, 1, 4), {"revived_blocks": -1}, ValueError,
+    ("extra_blocks computed -1", blocks.extra_blocks, (-1, 0, 1, 4), {}, ValueError, "num_computed_tokens"),
+    ("extra_blocks held -1", blocks.extra_blocks, (0, -1, 1, 4), {}, ValueError, "num_blocks_held"),
+    ("extra_blocks revived -1", blocks.extra_blocks, (0, 0, 1, 4), {"revived_blocks": -1}, ValueError,
      "revived_blocks"),
-    ("extra_blocks shared_tail str", prefix.extra_blocks, (1, 1, 1, 4), {"shared_tail": "no"}, ValueError,
+    ("extra_blocks shared_tail str", blocks.extra_blocks, (1, 1, 1, 4), {"shared_tail": "no"}, ValueError,
      "shared_tail"),
     ("block_hash negative token", prefix.block_hash, (None, [-1], KEY), {}, ValueError, "token_ids"),
     ("block_hash float token", prefix.block_hash, (None, [1.5], KEY), {}, ValueError, "token_ids"),
@@ -530,14 +543,14 @@ CASES: list[tuple[str, Any, tuple, dict, type, str]] = [
     ("Request.token_ids reversed", On(a_request, "token_ids"), (2, 1), {}, ValueError, "stop"),
     ("Request.token_ids past the end", On(a_request, "token_ids"), (0, 100), {}, ValueError, "stop"),
     ("Request.token_ids negative start", On(a_request, "token_ids"), (-1, 2), {}, ValueError, "start"),
-    ("Request num_computed_tokens -1", scheduler.Request, ([1, 2], 2), {"num_computed_tokens": -1}, ValueError,
+    ("Request num_computed_tokens -1", request.Request, ([1, 2], 2), {"num_computed_tokens": -1}, ValueError,
      "num_computed_tokens"),
-    ("Request num_computed_tokens past the tokens", scheduler.Request, ([1, 2], 2), {"num_computed_tokens": 5},
+    ("Request num_computed_tokens past the tokens", request.Request, ([1, 2], 2), {"num_computed_tokens": 5},
      ValueError, "num_computed_tokens"),
-    ("Request status str", scheduler.Request, ([1, 2], 2), {"status": "running"}, ValueError, "status"),
-    ("Request output id negative", scheduler.Request, ([1, 2], 2), {"output_token_ids": [-1]}, ValueError,
+    ("Request status str", request.Request, ([1, 2], 2), {"status": "running"}, ValueError, "status"),
+    ("Request output id negative", request.Request, ([1, 2], 2), {"output_token_ids": [-1]}, ValueError,
      "output_token_ids"),
-    ("Request request_id unhashable", scheduler.Request, ([1, 2], 2), {"request_id": [1]}, ValueError, "request_id"),
+    ("Request request_id unhashable", request.Request, ([1, 2], 2), {"request_id": [1]}, ValueError, "request_id"),
     ("advance_decodes max_steps 0", skipahead.advance_decodes, (small_scheduler(), 0, lambda r, n: [1] * n,
                                                                lambda *a: True), {}, ValueError, "max_steps"),
     ("advance_decodes sched", skipahead.advance_decodes, ("s", 1, lambda r, n: [1] * n, lambda *a: True), {},
@@ -551,42 +564,42 @@ CASES: list[tuple[str, Any, tuple, dict, type, str]] = [
     ("ReservingScheduler max_len without max_model_len", reservation.ReservingScheduler, (8, 4), {}, ValueError,
      "max_model_len"),
     ("check_allocation orca", reservation.check_allocation, ("orca", 8), {}, ValueError, "allocation"),
-    ("ForkingScheduler.fork a waiting request", On(forking_scheduler, "fork"), (scheduler.Request([1], 1),), {},
+    ("ForkingScheduler.fork a waiting request", On(forking_scheduler, "fork"), (request.Request([1], 1),), {},
      ValueError, "request"),
     ("Scheduler.postprocess nothing in flight", On(small_scheduler, "postprocess"), (None, []), {}, ValueError,
      "step"),
-    ("weighted_percentile q 101", sim.weighted_percentile, WEIGHTS + (101,), {}, ValueError, "q"),
-    ("weighted_percentile q -1", sim.weighted_percentile, WEIGHTS + (-1,), {}, ValueError, "q"),
-    ("weighted_percentile q nan", sim.weighted_percentile, WEIGHTS + (nan,), {}, ValueError, "q"),
-    ("weighted_percentile empty", sim.weighted_percentile, (np.array([]), np.array([]), 50), {}, ValueError,
+    ("weighted_percentile q 101", percentiles.weighted_percentile, WEIGHTS + (101,), {}, ValueError, "q"),
+    ("weighted_percentile q -1", percentiles.weighted_percentile, WEIGHTS + (-1,), {}, ValueError, "q"),
+    ("weighted_percentile q nan", percentiles.weighted_percentile, WEIGHTS + (nan,), {}, ValueError, "q"),
+    ("weighted_percentile empty", percentiles.weighted_percentile, (np.array([]), np.array([]), 50), {}, ValueError,
      "values"),
-    ("weighted_percentile lengths differ", sim.weighted_percentile, (WEIGHTS[0], np.array([1.0]), 50), {},
+    ("weighted_percentile lengths differ", percentiles.weighted_percentile, (WEIGHTS[0], np.array([1.0]), 50), {},
      ValueError, "weights"),
-    ("weighted_percentile negative weight", sim.weighted_percentile, (WEIGHTS[0], np.array([-1.0, 1.0]), 50), {},
+    ("weighted_percentile negative weight", percentiles.weighted_percentile, (WEIGHTS[0], np.array([-1.0, 1.0]), 50), {},
      ValueError, "weights"),
-    ("Simulator.run not specs", On(lambda: sim.Simulator(num_blocks=64), "run"), ([1],), {}, ValueError,
+    ("Simulator.run not specs", On(lambda: simulator.Simulator(num_blocks=64), "run"), ([1],), {}, ValueError,
      "requests"),
-    ("Simulator.run progress str", On(lambda: sim.Simulator(num_blocks=64), "run"),
+    ("Simulator.run progress str", On(lambda: simulator.Simulator(num_blocks=64), "run"),
      ([workloads.RequestSpec(**GOOD_SPEC)],), {"progress": "no"}, ValueError, "progress"),
     ("Engine use_triton str", engine.Engine, (tiny_decoder(), 8), {"use_triton": "no"}, ValueError, "use_triton"),
     ("Engine scheduler_cls", engine.Engine, (tiny_decoder(), 8), {"scheduler_cls": dict}, ValueError,
      "scheduler_cls"),
-    ("generate negative token", cache.generate, (tiny_decoder(), [-1], 1), {}, ValueError, "prompt_ids"),
-    ("generate token past vocab", cache.generate, (tiny_decoder(), [99], 1), {}, ValueError, "prompt_ids"),
-    ("generate str prompt", cache.generate, (tiny_decoder(), "ab", 1), {}, ValueError, "prompt_ids"),
-    ("generate model", cache.generate, ("m", [1], 1), {}, ValueError, "model"),
-    ("generate use_cache str", cache.generate, (tiny_decoder(), [1], 1), {"use_cache": "no"}, ValueError,
+    ("generate negative token", contiguous.generate, (tiny_decoder(), [-1], 1), {}, ValueError, "prompt_ids"),
+    ("generate token past vocab", contiguous.generate, (tiny_decoder(), [99], 1), {}, ValueError, "prompt_ids"),
+    ("generate str prompt", contiguous.generate, (tiny_decoder(), "ab", 1), {}, ValueError, "prompt_ids"),
+    ("generate model", contiguous.generate, ("m", [1], 1), {}, ValueError, "model"),
+    ("generate use_cache str", contiguous.generate, (tiny_decoder(), [1], 1), {"use_cache": "no"}, ValueError,
      "use_cache"),
-    ("generate_paged token past vocab", cache.generate_paged, (tiny_decoder(), [[99]], 1), {}, ValueError,
+    ("generate_paged token past vocab", paged.generate_paged, (tiny_decoder(), [[99]], 1), {}, ValueError,
      "prompts"),
-    ("generate_with_prefix_cache kv", cache.generate_with_prefix_cache, (tiny_decoder(), "kv", [1], 1), {},
+    ("generate_with_prefix_cache kv", prefix_cached.generate_with_prefix_cache, (tiny_decoder(), "kv", [1], 1), {},
      ValueError, "kv"),
-    ("KVCache config", cache.KVCache, ("c",), {}, ValueError, "config"),
+    ("KVCache config", contiguous.KVCache, ("c",), {}, ValueError, "config"),
     ("KVCache.attend 2-D q", On(kv_cache, "attend"), (0, Q4[0, :, 0], K4, V4), {}, ValueError, "q"),
     ("KVPool.copy_blocks past the pool", On(kv_pool, "copy_blocks"), ([(0, 9)],), {}, ValueError, "copies"),
     ("KVPool.copy_blocks negative", On(kv_pool, "copy_blocks"), ([(0, -1)],), {}, ValueError, "copies"),
-    ("PrefixKVCache reuse str", cache.PrefixKVCache, (tiny_config(), 4, 4), {"reuse": "no"}, ValueError, "reuse"),
-    ("PrefixKVCache model_name int", cache.PrefixKVCache, (tiny_config(), 4, 4), {"model_name": 3}, ValueError,
+    ("PrefixCachedPool reuse str", prefix_cached.PrefixCachedPool, (tiny_config(), 4, 4), {"reuse": "no"}, ValueError, "reuse"),
+    ("PrefixCachedPool model_name int", prefix_cached.PrefixCachedPool, (tiny_config(), 4, 4), {"model_name": 3}, ValueError,
      "model_name"),
     # ---- widgets
     ("paging stepper prompt_len", paging_stepper.Request, ("A", 0, -1, 3), {}, ValueError, "prompt_len"),
@@ -602,28 +615,28 @@ CASES: list[tuple[str, Any, tuple, dict, type, str]] = [
     ("diagram empty prompt", diagrams.prefill_decode_diagram, ([], [1], 2), {}, ValueError, "prompt_tokens"),
     ("diagram num_layers", diagrams.prefill_decode_diagram, ([1], [1], 0), {}, ValueError, "num_layers"),
     ("roadmap chapter", diagrams.roadmap, ("07",), {}, ValueError, "chapter"),
-    ("excerpt first marker gone", show.excerpt, (paging.blocks_needed, "no such line"), {}, ValueError, "first"),
-    ("excerpt last marker gone", show.excerpt, (paging.blocks_needed, "def", "no such line"), {}, ValueError, "last"),
+    ("excerpt first marker gone", excerpts.excerpt, (blocks.blocks_needed, "no such line"), {}, ValueError, "first"),
+    ("excerpt last marker gone", excerpts.excerpt, (blocks.blocks_needed, "def", "no such line"), {}, ValueError, "last"),
     # issue 29: vLLM on a CPU, the pinned fit, the real vLLM's settings
-    ("cpu budget 1.5 GiB", vllm.cpu_kv_cache_bytes, (1.5,), {}, ValueError, "kvcache_space_gib"),
-    ("report cpu block 16", vllm.kv_cache_report, ("Llama-3-8B", 8 * GiB),
+    ("cpu budget 1.5 GiB", predict.cpu_kv_cache_bytes, (1.5,), {}, ValueError, "kvcache_space_gib"),
+    ("report cpu block 16", predict.kv_cache_report, ("Llama-3-8B", 8 * GiB),
      REPORT | {"block_size": 16, "device_type": "cpu"}, ValueError, "block_size"),
-    ("report device tpu", vllm.kv_cache_report, ("Llama-3-8B", 8 * GiB), REPORT | {"device_type": "tpu"}, ValueError,
+    ("report device tpu", predict.kv_cache_report, ("Llama-3-8B", 8 * GiB), REPORT | {"device_type": "tpu"}, ValueError,
      "device_type"),
-    ("report override 0", vllm.kv_cache_report, ("Llama-3-8B", 8 * GiB), REPORT | {"num_gpu_blocks_override": 0},
+    ("report override 0", predict.kv_cache_report, ("Llama-3-8B", 8 * GiB), REPORT | {"num_gpu_blocks_override": 0},
      ValueError, "num_gpu_blocks_override"),
-    ("stream bandwidth 1 KiB", calibration.measure_stream_bandwidth, (1024,), {}, ValueError, "nbytes"),
-    ("fit_steps bandwidth nan", calibration.fit_steps, ([calibration.StepSample(1, 0, 1.0, 0.1)] * 3,
-     calibration.model_cost(tiny_config(), 4), float("nan")), {}, ValueError, "memory_bandwidth"),
-    ("fit_steps 2 samples", calibration.fit_steps, ([calibration.StepSample(1, 0, 1.0, 0.1)] * 2,
-     calibration.model_cost(tiny_config(), 4), 1e10), {}, ValueError, "samples"),
-    ("real vLLM block 0", real_vllm.engine_args, (), {"block_size": 0}, ValueError, "block_size"),
-    ("real vLLM override 1", real_vllm.engine_args, (), {"num_gpu_blocks_override": 1}, ValueError,
+    ("stream bandwidth 1 KiB", measure.measure_stream_bandwidth, (1024,), {}, ValueError, "nbytes"),
+    ("fit_steps bandwidth nan", fit.fit_steps, ([measure.StepSample(1, 0, 1.0, 0.1)] * 3,
+     fit.model_cost(tiny_config(), 4), float("nan")), {}, ValueError, "memory_bandwidth"),
+    ("fit_steps 2 samples", fit.fit_steps, ([measure.StepSample(1, 0, 1.0, 0.1)] * 2,
+     fit.model_cost(tiny_config(), 4), 1e10), {}, ValueError, "samples"),
+    ("real vLLM block 0", real.engine_args, (), {"block_size": 0}, ValueError, "block_size"),
+    ("real vLLM override 1", real.engine_args, (), {"num_gpu_blocks_override": 1}, ValueError,
      "num_gpu_blocks_override"),
-    ("real vLLM prefix caching str", real_vllm.engine_args, (), {"enable_prefix_caching": "no"}, ValueError,
+    ("real vLLM prefix caching str", real.engine_args, (), {"enable_prefix_caching": "no"}, ValueError,
      "enable_prefix_caching"),
-    ("real vLLM threads 0", real_vllm.vllm_env, (), {"threads": 0}, ValueError, "threads"),
-    ("chat workload repeats", real_vllm.chat_workload, (None, 2, 2), {}, ValueError, "num_repeats"),
+    ("real vLLM threads 0", real.vllm_env, (), {"threads": 0}, ValueError, "threads"),
+    ("chat workload repeats", compare.chat_workload, (None, 2, 2), {}, ValueError, "num_repeats"),
 ]
 
 
@@ -634,7 +647,8 @@ def snapshot(x: Any, depth: int = 0, seen: set[int] | None = None) -> Any:
     """A comparable deep copy of ``x``'s state: tensors by value, objects attribute by attribute."""
     seen = set() if seen is None else seen
     if isinstance(x, torch.Tensor):
-        return ("tensor", str(x.dtype), tuple(x.shape), x.detach().cpu().reshape(-1).tolist())
+        # bit for bit: an uninitialised tensor may hold NaN, which equals nothing as a number
+        return ("tensor", str(x.dtype), tuple(x.shape), x.detach().cpu().contiguous().reshape(-1).view(torch.uint8).tolist())
     if isinstance(x, np.ndarray):
         return ("array", str(x.dtype), x.tolist())
     if isinstance(x, float):
@@ -690,9 +704,13 @@ def test_the_table_is_large_and_covers_every_public_module():
         fn = call.factory if isinstance(call, On) else call
         modules.add(getattr(fn, "__module__", "") or "")
     covered = {m for m in modules if m.startswith("labkit.")}
-    for name in ("checks", "units", "capacity", "vllm", "kernels", "quant", "paging", "pool", "workloads", "costmodel",
-                 "model", "cache", "prefix", "scheduler", "sim", "engine", "widgets.paging_stepper",
-                 "widgets.load_explorer", "widgets.prefix_stepper", "diagrams", "show"):
+    for name in ("checks", "units", "memory.blocks", "memory.capacity", "memory.formats", "memory.paging",
+                 "memory.pool_plan", "memory.prefix", "model.decoder", "kernels.paged_attention", "kernels.launch",
+                 "caches.contiguous", "caches.paged", "caches.prefix_cached", "caches.quant_quality",
+                 "serving.request", "serving.scheduler", "serving.engine", "serving.sim.workloads",
+                 "serving.sim.costmodel", "serving.sim.simulator", "serving.sim.percentiles", "vllm_bridge.predict",
+                 "teaching.widgets.paging_stepper", "teaching.widgets.load_explorer", "teaching.widgets.prefix_stepper",
+                 "teaching.diagrams", "teaching.excerpts"):
         assert f"labkit.{name}" in covered, name
 
 

@@ -49,13 +49,13 @@ def test_every_notebook_keeps_to_the_word_limit(notebook):
 
 @pytest.mark.parametrize("source", SOURCES, ids=lambda p: p.stem)
 def test_every_chapter_opens_with_the_roadmap_its_prerequisites_and_a_time(source):
-    from labkit.diagrams import ROADMAP_CHAPTERS
+    from labkit.teaching.diagrams import ROADMAP_CHAPTERS
 
     cells = jupytext.read(source).cells
     title, figure, opener = cells[0], cells[1], cells[2]
     chapter = source.stem[:2]
     assert title.cell_type == "markdown" and title.source.startswith(f"# {chapter} · "), source.name
-    assert chapter in ROADMAP_CHAPTERS, f"labkit.diagrams.ROADMAP_CHAPTERS has no {chapter}"
+    assert chapter in ROADMAP_CHAPTERS, f"labkit.teaching.diagrams.ROADMAP_CHAPTERS has no {chapter}"
     assert figure.cell_type == "code" and f'roadmap("{chapter}")' in figure.source, \
         f"{source.name}: the cell after the title must draw roadmap({chapter!r})"
     assert opener.cell_type == "markdown", source.name

@@ -3,7 +3,7 @@
 The test starts JupyterLab on 127.0.0.1 with a random token and port, opens a copy
 of chapters/02_cost_per_token.ipynb, runs all cells, moves the "device memory"
 slider with the keyboard as a reader would, and checks that the displayed number
-of sequences that fit becomes what labkit.capacity computes for the new setting.
+of sequences that fit becomes what labkit.memory.capacity computes for the new setting.
 It also checks that JupyterLab did not greet the reader with its "Jupyter news"
 question: the repository's settings (installed by `make setup`) turn it off, and
 the test leaves JupyterLab's own settings alone.
@@ -32,9 +32,9 @@ from pathlib import Path
 
 import pytest
 
-from labkit import capacity
-from labkit.capacity import GiB
-from labkit.widgets.capacity_explorer import KV_DTYPES, PLAIN_BYTES
+from labkit.memory import capacity
+from labkit.teaching.widgets.capacity_explorer import KV_DTYPES, PLAIN_BYTES
+from labkit.units import GiB
 
 ROOT = Path(__file__).resolve().parent.parent
 NOTEBOOK = ROOT / "chapters" / "02_cost_per_token.ipynb"
@@ -170,7 +170,7 @@ def test_capacity_explorer_in_chromium(jupyter_lab, tmp_path):
                                        "settings with `make setup` (jupyterlab-settings/kv-cache-labs.json5)")
 
             def expected_fit() -> int:
-                """What labkit.capacity says for the setting the controls show now."""
+                """What labkit.memory.capacity says for the setting the controls show now."""
                 menu = page.locator(".widget-dropdown", has=page.locator(".widget-label", has_text="KV cache dtype"))
                 kv = dict(KV_DTYPES)[menu.locator("select").input_value()]  # the option shown: its label
                 shape = capacity.ModelShape("x", int(readout_number(page, "layers")),

@@ -15,9 +15,9 @@ from pathlib import Path
 import pytest
 import torch
 
-from labkit import answers, quizzes
-from labkit.exercises import Exercises
-from labkit.prefix import CacheKey, block_hash
+from labkit.memory.prefix import CacheKey, block_hash
+from labkit.teaching import answers, quizzes
+from labkit.teaching.exercises import Exercises
 from test_exercise_checkers import chapter, verdict
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -275,7 +275,7 @@ def test_a_wrong_build_it_answer_gets_a_cross(stem, exercise, wrong):
 
 def test_every_wrong_answer_is_right_elsewhere():
     """The wrong answers differ from the solution in one rule only: their shared helpers are right."""
-    from labkit import build_it
+    from labkit.teaching import build_it
 
     ex = Exercises("x", strict=True)
     ex.check_behaviour("01", lambda kc, vc, q, k, v: (torch.cat([kc, k[None]]), torch.cat([vc, v[None]]),
@@ -296,7 +296,7 @@ def _book(stem: str) -> str:
 
 
 def test_no_reader_cell_holds_an_expected_value():
-    """Every value checker in the book names its exercise; labkit.answers computes the value."""
+    """Every value checker in the book names its exercise; labkit.teaching.answers computes the value."""
     stems = sorted(p.stem for p in (ROOT / "book").glob("*.py"))
     named = []
     for stem in stems:
@@ -352,7 +352,7 @@ def test_every_draw_of_chapter_04s_cases_refutes_each_wrong_answer():
     """A chapter draws its hidden cases once; each draw on its own must refute every wrong answer.
     Found by this loop: when both rounds' prompts used the default key and the prompt was two blocks
     long, hashing without the key gave every right count (about 1 draw in 250)."""
-    from labkit.build_it import cached_tokens_cases
+    from labkit.teaching.build_it import cached_tokens_cases
 
     for _ in range(400):
         cases = cached_tokens_cases()

@@ -3,8 +3,8 @@
 import pytest
 import torch
 
-from labkit.cache import KVCache, generate
-from labkit.model import Decoder, DecoderConfig
+from labkit.caches.contiguous import KVCache, generate
+from labkit.model.decoder import Decoder, DecoderConfig
 
 CFG = DecoderConfig(vocab_size=101, hidden_size=64, intermediate_size=128, num_hidden_layers=3,
                     num_attention_heads=4, num_key_value_heads=1)
@@ -77,8 +77,8 @@ def test_bad_input():
 
 
 def test_generate_stops_right_after_a_stop_token():
-    from labkit.cache import generate
-    from labkit.model import Decoder, DecoderConfig
+    from labkit.caches.contiguous import generate
+    from labkit.model.decoder import Decoder, DecoderConfig
 
     model = Decoder.random(DecoderConfig(), seed=0)
     free = generate(model, [1, 2, 3], 8).tokens

@@ -1,4 +1,4 @@
-"""labkit.calibration: measured engine steps, a fitted device, and the engine on the wall clock."""
+"""labkit.serving.sim: measured engine steps, a fitted device, and the engine on the wall clock."""
 
 from __future__ import annotations
 
@@ -6,12 +6,13 @@ import numpy as np
 import pytest
 
 import labkit  # noqa: F401  (first: Triton's interpreter without a GPU)
-from labkit.calibration import (StepFit, StepSample, chat_requests, fit_device, fit_steps, measure_steps, measure_stream_bandwidth,
-                               model_cost, serve_in_real_time)
-from labkit.costmodel import CostModel, Device
-from labkit.engine import Engine
-from labkit.model import Decoder, DecoderConfig
-from labkit.workloads import RequestSpec
+from labkit.model.decoder import Decoder, DecoderConfig
+from labkit.serving.engine import Engine
+from labkit.serving.sim.costmodel import CostModel, Device
+from labkit.serving.sim.fit import StepFit, fit_device, fit_steps, model_cost
+from labkit.serving.sim.measure import StepSample, measure_steps, measure_stream_bandwidth
+from labkit.serving.sim.realtime import serve_in_real_time
+from labkit.serving.sim.workloads import RequestSpec, chat_requests
 
 CONFIG = DecoderConfig(vocab_size=128, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
                        num_attention_heads=4, num_key_value_heads=2)
@@ -149,7 +150,7 @@ def smol():
     """The real model in float32 and its tokenizer, loaded once for the tests that time it."""
     import torch
 
-    from labkit.pretrained import from_pretrained, load_tokenizer, real_model
+    from labkit.model.pretrained import from_pretrained, load_tokenizer, real_model
 
     path = real_model()
     return from_pretrained(path, dtype=torch.float32), load_tokenizer(path)
@@ -163,8 +164,8 @@ def test_the_simulator_predicts_a_budget_comparison_on_the_real_model(budgets, s
     A busy machine can still bend one attempt, so there are up to three, each calibrated afresh."""
     import torch
 
-    from labkit.pretrained import chat_token_ids
-    from labkit.sim import Simulator
+    from labkit.model.pretrained import chat_token_ids
+    from labkit.serving.sim.simulator import Simulator
 
     smol, tokenizer = smol
     threads = torch.get_num_threads()
@@ -210,7 +211,7 @@ def test_the_fitted_simulator_predicts_held_out_requests_on_the_real_model(smol)
     afresh (a busy machine bends one attempt, a wrong model every attempt)."""
     import torch
 
-    from labkit.sim import Simulator
+    from labkit.serving.sim.simulator import Simulator
 
     smol, tokenizer = smol
     threads = torch.get_num_threads()

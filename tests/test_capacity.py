@@ -1,4 +1,4 @@
-"""labkit.capacity: the byte formula against real tensors and plain references; presets; sharding; capacity."""
+"""labkit.memory.capacity: the byte formula against real tensors and plain references; presets; sharding; capacity."""
 
 from __future__ import annotations
 
@@ -12,10 +12,12 @@ matplotlib.use("Agg")
 import pytest
 import torch
 
-from labkit import capacity, paging, units
-from labkit.cache import KVCache
-from labkit.capacity import GiB, KiB, MiB, PRESETS, TEACHING_MODEL, ModelShape
-from labkit.model import Decoder, DecoderConfig
+from labkit.caches.contiguous import KVCache
+from labkit.memory import capacity
+from labkit.memory.blocks import blocks_needed
+from labkit.memory.capacity import PRESETS, TEACHING_MODEL, ModelShape
+from labkit.model.decoder import Decoder, DecoderConfig
+from labkit.units import GiB, KiB, MiB, format_bytes
 
 
 def allocated_bytes(length: int, num_layers: int, num_kv_heads: int, head_dim: int, dtype: torch.dtype) -> int:
@@ -67,13 +69,12 @@ def test_element_size_agrees_with_torch_for_every_torch_name():
     assert capacity.element_size("BF16") == 2
 
 
-def test_blocks_are_paging_blocks():
-    assert capacity.blocks_needed is paging.blocks_needed
+def test_a_sequence_takes_whole_blocks():
     assert TEACHING_MODEL.block_bytes(16) == 16 * TEACHING_MODEL.bytes_per_token()
     for length in [1, 15, 16, 17, 37]:
-        blocks = capacity.blocks_needed(length, 16)
-        assert blocks * TEACHING_MODEL.block_bytes(16) >= TEACHING_MODEL.cache_bytes(length)
-        assert (blocks - 1) * TEACHING_MODEL.block_bytes(16) < TEACHING_MODEL.cache_bytes(length)
+        n = blocks_needed(length, 16)
+        assert n * TEACHING_MODEL.block_bytes(16) >= TEACHING_MODEL.cache_bytes(length)
+        assert (n - 1) * TEACHING_MODEL.block_bytes(16) < TEACHING_MODEL.cache_bytes(length)
 
 
 # ------------------------------------------------------------------ the article's figures, as printed
@@ -81,7 +82,7 @@ def test_blocks_are_paging_blocks():
 
 def test_format_bytes_prints_the_articles_figures():
     t = TEACHING_MODEL
-    f = capacity.format_bytes
+    f = format_bytes
     assert f(t.bytes_per_token(), "bytes") == "131,072 bytes"
     assert f(t.bytes_per_token()) == "128 KiB"
     assert f(t.cache_bytes(8192)) == "1 GiB"
@@ -90,14 +91,8 @@ def test_format_bytes_prints_the_articles_figures():
     assert f(t.cache_bytes(8192 + 4096 + 2048)) == "1.75 GiB"
     assert f(3 * t.cache_bytes(8192)) == "3 GiB"
     assert f(t.block_bytes(16)) == "2 MiB"
-    assert f((capacity.blocks_needed(37, 16) * 16 - 37) * t.bytes_per_token()) == "1.375 MiB"
+    assert f((blocks_needed(37, 16) * 16 - 37) * t.bytes_per_token()) == "1.375 MiB"
     assert f(3 * t.block_bytes(16)) == "6 MiB"
-
-
-def test_format_bytes_without_a_unit_is_units_format_bytes():
-    rng = random.Random(0)
-    for n in [0, 1, 999, 1024, 131072, 1.5 * GiB] + [rng.randint(0, 2**45) for _ in range(50)]:
-        assert capacity.format_bytes(n) == units.format_bytes(n)
 
 
 def test_format_bytes_with_a_unit_parses_back_to_the_value():
@@ -105,11 +100,11 @@ def test_format_bytes_with_a_unit_parses_back_to_the_value():
     for unit, size in [("KiB", KiB), ("MiB", MiB), ("GiB", GiB)]:
         for _ in range(30):
             n = rng.randint(0, 2**40)
-            text = capacity.format_bytes(n, unit)
+            text = format_bytes(n, unit)
             assert text.endswith(" " + unit)
             assert abs(float(text.split()[0].replace(",", "")) - n / size) <= 0.0005 + 1e-12
     with pytest.raises(ValueError, match="unit must be one of"):
-        capacity.format_bytes(1, "GB")
+        format_bytes(1, "GB")
 
 
 # ------------------------------------------------------------------ presets and config.json
@@ -213,12 +208,12 @@ def test_from_config_defaults_and_overrides():
 def test_one_config_one_answer_through_both_paths():
     # Gemma 2's config.json says float32; vLLM serves it in bf16. As a dict through kv_cache_report
     # and through ModelShape.from_config it is the same shape: 2 × 16 × 8 × 256 × 2 = 131,072 B pages.
-    from labkit import vllm
+    from labkit.vllm_bridge import predict
     config = capacity.PRESET_CONFIGS["Gemma-2-9B"]
     shape = ModelShape.from_config(config)
     assert shape.dtype_bytes == 2 and shape == ModelShape.from_config(config, dtype="bfloat16")
-    by_dict = vllm.kv_cache_report(config, 20 * GiB, max_model_len=8192)
-    by_shape = vllm.kv_cache_report(shape, 20 * GiB, max_model_len=8192)
+    by_dict = predict.kv_cache_report(config, 20 * GiB, max_model_len=8192)
+    by_shape = predict.kv_cache_report(shape, 20 * GiB, max_model_len=8192)
     assert by_dict == by_shape and by_dict.page_size_bytes == 131_072
 
 
@@ -439,7 +434,7 @@ def test_query_heads_must_be_a_multiple_of_kv_heads(heads, kv_heads):
 
 
 def test_explorer_readout_follows_its_sliders():
-    from labkit.widgets.capacity_explorer import CapacityExplorer
+    from labkit.teaching.widgets.capacity_explorer import CapacityExplorer
 
     explorer = CapacityExplorer()
     fit = re.search(r'class="capacity-fit">([\d,]+)<', explorer.readout.value).group(1)
@@ -461,7 +456,7 @@ def test_explorer_readout_follows_its_sliders():
 
 
 def test_explorer_warns_past_the_presets_context_limit():
-    from labkit.widgets.capacity_explorer import CapacityExplorer
+    from labkit.teaching.widgets.capacity_explorer import CapacityExplorer
 
     explorer = CapacityExplorer(preset="Llama-3-8B", context_len=8192, device_gib=80, reserved_gib=20)
     limit = PRESETS["Llama-3-8B"].max_position_embeddings
@@ -480,7 +475,7 @@ def test_explorer_warns_past_the_presets_context_limit():
 
 
 def test_static_figure_draws_lengths_past_the_limit_dotted():
-    from labkit.widgets.capacity_explorer import CONTEXTS, static_figure
+    from labkit.teaching.widgets.capacity_explorer import CONTEXTS, static_figure
 
     fig = static_figure(["Gemma-2-9B", "Qwen2.5-7B"], 60 * GiB)
     lines = [line for line in fig.axes[0].get_lines() if len(line.get_xdata())]
@@ -493,8 +488,8 @@ def test_static_figure_draws_lengths_past_the_limit_dotted():
 
 
 def test_explorer_shows_what_vllm_would_print():
-    from labkit import vllm
-    from labkit.widgets.capacity_explorer import CapacityExplorer
+    from labkit.teaching.widgets.capacity_explorer import CapacityExplorer
+    from labkit.vllm_bridge import predict
 
     explorer = CapacityExplorer()  # the article's device: 24 GiB, 17 GiB set aside, utilization 1.0
     assert "Available KV cache memory: 7.0 GiB" in explorer.readout.value
@@ -502,8 +497,8 @@ def test_explorer_shows_what_vllm_would_print():
     explorer.sliders["gpu_memory_utilization"].value = 0.92
     assert "Available KV cache memory: 5.08 GiB" in explorer.readout.value
     explorer.preset.value = "Gemma-2-9B"  # the windows are budgeted as vLLM does: not the plain formula
-    expected = vllm.kv_cache_report("Gemma-2-9B", vllm.available_kv_bytes(24 * GiB, 0.92, 17 * GiB),
-                                    max_model_len=8192).log_lines()
+    expected = predict.kv_cache_report("Gemma-2-9B", predict.available_kv_bytes(24 * GiB, 0.92, 17 * GiB),
+                                       max_model_len=8192).log_lines()
     assert explorer.setting.vllm_lines() == expected
     explorer.sliders["context_len"].value = 131072  # past Gemma 2's 8,192: vLLM's config check refuses first
     assert explorer.setting.vllm_lines()[0].startswith("ValueError: User-specified max_model_len (131072) is "
@@ -517,8 +512,8 @@ def test_explorer_shows_what_vllm_would_print():
 def test_explorer_kv_dtype_menu_follows_the_formula_and_vllm():
     """The KV cache dtype menu (appendix A3): bytes from capacity.kv_cache_bytes, scales included, and
     vLLM's readout started with its nearest kv_cache_dtype, MLA's fp8 block and refusals included."""
-    from labkit import vllm
-    from labkit.widgets.capacity_explorer import KV_DTYPES, CapacityExplorer
+    from labkit.teaching.widgets.capacity_explorer import KV_DTYPES, CapacityExplorer
+    from labkit.vllm_bridge import predict
 
     explorer = CapacityExplorer()
     assert explorer.kv_dtype.value == "bfloat16" and explorer.setting.bytes_per_token == 128 * 1024
@@ -537,8 +532,8 @@ def test_explorer_kv_dtype_menu_follows_the_formula_and_vllm():
     assert fits == {"float32": 3, "bfloat16": 7, "fp8_per_tensor": 14, "int8_per_block": 13, "int4_per_group": 22}
     explorer.kv_dtype.value = "int4_per_group"
     assert "kv_cache_dtype=int4_per_token_head" in explorer.readout.value
-    expected = vllm.kv_cache_report(TEACHING_MODEL, 7 * GiB, max_model_len=8192,
-                                    kv_cache_dtype="int4_per_token_head").log_lines()
+    expected = predict.kv_cache_report(TEACHING_MODEL, 7 * GiB, max_model_len=8192,
+                                       kv_cache_dtype="int4_per_token_head").log_lines()
     assert explorer.setting.vllm_lines() == expected
     explorer.preset.value = "DeepSeek-V3"  # MLA: fp8 on FlashMLA's 64-token blocks; int8/int4 refused
     explorer.kv_dtype.value = "fp8_per_tensor"

@@ -1,4 +1,4 @@
-"""labkit.device decides before kernels exist; exercise checkers never break a chapter."""
+"""labkit.kernels.device decides before kernels exist; exercise checkers never break a chapter."""
 
 import importlib.util
 import os
@@ -9,8 +9,8 @@ import pytest
 import torch
 
 import labkit
-from labkit.device import RUNTIME, Runtime
-from labkit.exercises import Exercises
+from labkit.kernels.device import RUNTIME, Runtime
+from labkit.teaching.exercises import Exercises
 
 
 def test_runtime_matches_the_machine():
@@ -101,7 +101,7 @@ def test_strict_checker_raises():
                                                     ((7, 5), "compiled", True), ((6, 1), "unavailable", False)])
 def test_gpu_decisions(monkeypatch, capability, mode, bf16):
     """What labkit decides on GPUs it has never seen here: each branch of _decide, with CUDA faked."""
-    from labkit import device
+    from labkit.kernels import device
 
     monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
     monkeypatch.setattr(torch.cuda, "get_device_capability", lambda *a: capability)

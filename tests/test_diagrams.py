@@ -1,4 +1,4 @@
-"""labkit.diagrams draws what the run counted: one box per prompt token, one cell per layer and position."""
+"""labkit.teaching.diagrams draws what the run counted: one box per prompt token, one cell per layer and position."""
 
 import matplotlib
 
@@ -6,7 +6,7 @@ matplotlib.use("Agg")
 
 from matplotlib.patches import Rectangle  # noqa: E402
 
-from labkit.diagrams import DECODE_COLOUR, PREFILL_COLOUR, prefill_decode_diagram  # noqa: E402
+from labkit.teaching.diagrams import DECODE_COLOUR, PREFILL_COLOUR, prefill_decode_diagram  # noqa: E402
 
 
 def test_the_cache_has_a_cell_per_layer_and_position():
@@ -27,7 +27,7 @@ def test_the_roadmap_lights_exactly_the_chapters_parts():
     import pytest
     from matplotlib.colors import to_rgba
 
-    from labkit.diagrams import HIGHLIGHT_COLOUR, ROADMAP_CHAPTERS, ROADMAP_PARTS, roadmap
+    from labkit.teaching.diagrams import HIGHLIGHT_COLOUR, ROADMAP_CHAPTERS, ROADMAP_PARTS, roadmap
 
     assert {f"0{i}" for i in range(1, 7)} | {f"A{i}" for i in range(1, 7)} == set(ROADMAP_CHAPTERS)
     for chapter, (name, parts) in ROADMAP_CHAPTERS.items():

@@ -1,6 +1,6 @@
-"""labkit.engine: continuous batching gives the same greedy tokens as generating each prompt alone.
+"""labkit.serving.engine: continuous batching gives the same greedy tokens as generating each prompt alone.
 
-The reference is chapter 01's contiguous cache (``labkit.cache.generate``), one prompt at a
+The reference is chapter 01's contiguous cache (``labkit.caches.contiguous.generate``), one prompt at a
 time. The engine mixes prompts in one flattened batch, splits long prompts into chunks,
 reuses cached prefixes, copies shared tail blocks on write and preempts when its pool is
 too small; none of that may change a single token. The K/V pools start poisoned with NaN,
@@ -18,10 +18,10 @@ import pytest
 import torch
 
 import labkit  # first: sets up Triton's interpreter without a GPU
-from labkit.cache import generate
-from labkit.engine import Engine
-from labkit.forking import ForkingScheduler
-from labkit.model import Decoder, DecoderConfig
+from labkit.caches.contiguous import generate
+from labkit.model.decoder import Decoder, DecoderConfig
+from labkit.serving.engine import Engine
+from labkit.serving.variants.forking import ForkingScheduler
 
 CONFIG = DecoderConfig(vocab_size=97, hidden_size=32, intermediate_size=64, num_hidden_layers=2,
                        num_attention_heads=4, num_key_value_heads=2)
@@ -211,18 +211,18 @@ def test_the_engine_inherits_the_gate_and_parses_stop_ids_once(model):
 def test_kernel_backend_says_what_attend_runs(model, monkeypatch):
     """Issue 22: a chapter prints what runs, not what it assumes. use_triton=False is always the
     references; use_triton=True is Triton (compiled or interpreted) unless a fallback reason holds."""
-    from labkit import kernels
+    from labkit.kernels import fallback
 
     refs = Engine(model, num_blocks=8, block_size=4, use_triton=False).backend
     assert refs.kernel_backend() == "the kernels' PyTorch references (use_triton=False)"
     triton_pool = Engine(model, num_blocks=8, block_size=4).backend
     said = triton_pool.kernel_backend()
     mode = labkit.RUNTIME.triton_mode
-    if kernels.fallback_reason(triton_pool.dtype, triton_pool.device) is None:
+    if fallback.fallback_reason(triton_pool.dtype, triton_pool.device) is None:
         assert said.startswith("the Triton kernels, ")
         assert ("compiled for the GPU" in said) == (mode == "compiled")
         assert ("interpreter" in said) == (mode == "interpreter")
     else:
         assert said.startswith("the kernels' PyTorch references (")
-    monkeypatch.setattr(kernels, "fallback_reason", lambda dtype, device: "no Triton on this machine")
+    monkeypatch.setattr(fallback, "fallback_reason", lambda dtype, device: "no Triton on this machine")
     assert triton_pool.kernel_backend() == "the kernels' PyTorch references (no Triton on this machine)"

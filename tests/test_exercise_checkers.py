@@ -27,7 +27,7 @@ from typing import Any, Callable
 
 import pytest
 
-from labkit.exercises import Exercises
+from labkit.teaching.exercises import Exercises
 
 ROOT = Path(__file__).resolve().parent.parent
 
@@ -170,12 +170,12 @@ def _tail(blocks: int, n: int, bs: int) -> tuple[int, int]:
 
 
 def blocks_per_request_03(ns, request):
-    from labkit import vllm
-    return lambda n, bs: _tail(vllm._blocks_per_request(None, bs, n, 0), n, bs)
+    from labkit.vllm_bridge import predict
+    return lambda n, bs: _tail(predict._blocks_per_request(None, bs, n, 0), n, bs)
 
 
 def extra_blocks_helper_03(ns, request):
-    from labkit.prefix import _extra_blocks
+    from labkit.memory.blocks import _extra_blocks
     return lambda n, bs: _tail(_extra_blocks(0, 0, n, bs), n, bs)
 
 
@@ -263,12 +263,12 @@ def pool_made_before_05(ns, request):
 
 
 def blocks_per_request_05(ns, request):
-    from labkit import vllm
+    from labkit.vllm_bridge import predict
 
     def answer(c, held, t, bs, shared):
         if t == 0:
             return 0
-        return max(0, vllm._blocks_per_request(None, bs, c + t, 0) - held) + (1 if shared and c % bs else 0)
+        return max(0, predict._blocks_per_request(None, bs, c + t, 0) - held) + (1 if shared and c % bs else 0)
     return answer
 
 
@@ -281,7 +281,7 @@ def ignores_held_05(ns, request):
 
 
 def times_from_sums_06(ns, request):
-    from labkit.costmodel import DEVICES, CostModel, Device
+    from labkit.serving.sim.costmodel import DEVICES, CostModel, Device
     models = {d.memory_bandwidth: CostModel("teaching model", Device(d.name, d.memory_bytes, d.memory_bandwidth, 1e30))
               for d in DEVICES.values()}  # made before the check: the answer only calls the method
     return lambda b, c, bw: float(models[bw].times_from_sums(b, [b * c], [0])[0]) * 1e3
@@ -289,14 +289,15 @@ def times_from_sums_06(ns, request):
 
 def predict_06(ns, request):
     import numpy as np
-    from labkit.calibration import StepSample, _predict
-    from labkit.costmodel import MODEL_COSTS
+    from labkit.serving.sim.costmodel import MODEL_COSTS
+    from labkit.serving.sim.fit import _predict
+    from labkit.serving.sim.measure import StepSample
     return lambda b, c, bw: float(_predict(MODEL_COSTS["teaching model"], [StepSample(b, b * c, 0.0, 0.0)],
                                            np.array([bw]), np.array([1e30]))[0, 0]) * 1e3
 
 
 def model_shape_01(ns, request):
-    from labkit.capacity import ModelShape
+    from labkit.memory.capacity import ModelShape
     return lambda L, h, d, t, e: ModelShape("mine", L, h, d, e).cache_bytes(t)
 
 
@@ -461,7 +462,7 @@ def test_a_metered_function_keeps_its_count_and_its_function_out_of_reach():
     import copy
     import pickle
 
-    from labkit.exercises import Metered, TooManyCalls, calls_made
+    from labkit.teaching.guards import Metered, TooManyCalls, calls_made
 
     m = Metered(lambda x: 2 * x, limit=2)
     assert not hasattr(m, "__closure__") and not hasattr(m, "__dict__") and not hasattr(m, "__wrapped__")
@@ -476,7 +477,7 @@ def test_a_metered_function_keeps_its_count_and_its_function_out_of_reach():
 
 
 def test_hidden_cases_differ_from_run_to_run():
-    from labkit.exercises import hidden_rng, torch_generator
+    from labkit.teaching.guards import hidden_rng, torch_generator
     import torch
 
     draws = {tuple(hidden_rng().random() for _ in range(3)) for _ in range(5)}
@@ -523,7 +524,7 @@ def test_logging_in_an_answer_is_no_process(capsys):
     """``logging`` asks ``multiprocessing`` for the process name: that is not handing work to a process."""
     import logging
 
-    from labkit.paging import blocks_needed
+    from labkit.memory.blocks import blocks_needed
 
     def logs(n, bs):
         logging.getLogger("a reader").warning("computing %d tokens", n)
@@ -537,7 +538,7 @@ def test_the_watch_puts_back_a_profiler_it_found(capsys):
     """cProfile (a C profiler) and a Python profiler are both running again after a check."""
     import cProfile
 
-    from labkit.paging import blocks_needed
+    from labkit.memory.blocks import blocks_needed
 
     def sum_blocks(n, bs):
         return -(-n // bs)
@@ -569,7 +570,7 @@ def test_triton_launches_records_the_kernel_that_ran():
     import triton.language as tl
 
     import labkit  # noqa: F401  (the interpreter where there is no GPU)
-    from labkit.exercises import is_triton_kernel, triton_launches
+    from labkit.teaching.guards import is_triton_kernel, triton_launches
 
     @triton.jit
     def double(x_ptr, n, BLOCK: tl.constexpr):

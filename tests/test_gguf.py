@@ -1,4 +1,4 @@
-"""labkit.gguf: GGUF files read by the book's own code, checked against the references.
+"""labkit.model.gguf: GGUF files read by the book's own code, checked against the references.
 
 * Dequantization of every supported type equals ggml-org's ``gguf.quants.dequantize``.
 * A small Llama written to GGUF here (``gguf.GGUFWriter``, llama.cpp's Q/K row order, several
@@ -21,8 +21,8 @@ import torch
 gguf = pytest.importorskip("gguf")
 from gguf import GGMLQuantizationType as Q  # noqa: E402
 
-from labkit import gguf as lg  # noqa: E402
-from labkit.pretrained import from_pretrained, load_tokenizer, real_model  # noqa: E402
+from labkit.model import gguf as lg, gguf_decoder  # noqa: E402  (ggml-org's package is `gguf`) # noqa: E402
+from labkit.model.pretrained import from_pretrained, load_tokenizer, real_model  # noqa: E402
 
 TYPES = ["F32", "F16", "BF16", "Q8_0", "Q4_0", "Q4_1"]
 
@@ -154,12 +154,12 @@ def test_unpermute_inverts_llama_cpp():
     for heads in (1, 2, 8):
         stored = torch.from_numpy(llama_cpp_permute(w.numpy(), heads))
         assert not torch.equal(stored, w)
-        assert torch.equal(lg.unpermute_rope_rows(stored, heads), w)
+        assert torch.equal(gguf_decoder.unpermute_rope_rows(stored, heads), w)
 
 
 def test_metadata_becomes_the_config(tiny):
     file = lg.read_gguf(tiny[0])
-    cfg = lg.decoder_config(file)
+    cfg = gguf_decoder.decoder_config(file)
     assert (cfg.num_hidden_layers, cfg.hidden_size, cfg.intermediate_size) == (2, 64, 96)
     assert (cfg.num_attention_heads, cfg.num_key_value_heads, cfg.head_dim) == (4, 2, 16)
     assert (cfg.vocab_size, cfg.max_position_embeddings, cfg.eos_token_id) == (128, 256, 2)
@@ -169,7 +169,7 @@ def test_metadata_becomes_the_config(tiny):
 
 def test_state_dict_recovers_the_weights_in_hf_order(tiny):
     path, weights = tiny
-    ours = lg.state_dict(lg.read_gguf(path))
+    ours = gguf_decoder.state_dict(lg.read_gguf(path))
     assert set(ours) == set(weights)
     for name, value in weights.items():
         np.testing.assert_array_equal(ours[name].numpy(), value, err_msg=name)
@@ -231,7 +231,7 @@ def test_unsupported_type_fails_before_anything_is_dequantized(tmp_path, monkeyp
     path = tmp_path / "q5.gguf"
     write_tiny_llama(path, types={"mlp": "Q5_0"})
     calls = []
-    monkeypatch.setattr(lg, "dequantize", lambda t: calls.append(t.name))
+    monkeypatch.setattr(gguf_decoder, "dequantize", lambda t: calls.append(t.name))
     with pytest.raises(ValueError, match=r"q5\.gguf.*stored as Q5_0.*supported: F32, F16, BF16, Q8_0, Q4_0, Q4_1"):
         from_pretrained(path)
     assert calls == []  # nothing half-loaded
@@ -255,7 +255,7 @@ def real_path():
 def test_real_model_is_the_packaged_gguf(real_path, monkeypatch):
     assert real_path.name == "SmolLM2-135M-Instruct.Q4_1.gguf"
     file = lg.read_gguf(real_path)
-    cfg = lg.decoder_config(file)
+    cfg = gguf_decoder.decoder_config(file)
     assert (cfg.num_hidden_layers, cfg.num_attention_heads, cfg.num_key_value_heads, cfg.head_dim) == (30, 9, 3, 64)
     assert (cfg.hidden_size, cfg.vocab_size, cfg.eos_token_id, cfg.tie_word_embeddings) == (576, 49152, 2, True)
     assert file.types() == {"Q8_0": 1, "F32": 61, "Q4_1": 210}
@@ -312,8 +312,8 @@ QUESTIONS = ["What is a KV cache?", "Why does it grow with context?", "What is p
 def test_engine_equals_transformers_generate_under_preemption(real_pair):
     """Three chat requests sharing a system prompt, in a pool that forces a preemption: every greedy
     token equals transformers' ``generate`` (one request at a time, same file, float32)."""
-    from labkit.engine import Engine
-    from labkit.pretrained import chat_token_ids
+    from labkit.model.pretrained import chat_token_ids
+    from labkit.serving.engine import Engine
 
     model, ref, tok = real_pair
     new_tokens, block = 10, 8

@@ -1,4 +1,4 @@
-"""labkit.gguf against hostile files: a table of crafted files and a seeded mutation fuzz.
+"""labkit.model.gguf against hostile files: a table of crafted files and a seeded mutation fuzz.
 
 Model files come from the internet, so the reader is tested as an attacker would test it:
 
@@ -522,13 +522,13 @@ def _reset_peak() -> bool:
 
 def worker(warm_up: str) -> None:
     """Read jobs (JSON lines: id, path, calls) from stdin; write one JSON line per job to stdout."""
-    import labkit.gguf as lg
-    from labkit.pretrained import from_pretrained
+    from labkit.model import gguf as lg, gguf_decoder
+    from labkit.model.pretrained import from_pretrained
 
-    calls = {"model": from_pretrained, "tokenizer": lg.load_gguf_tokenizer}
+    calls = {"model": from_pretrained, "tokenizer": gguf_decoder.load_gguf_tokenizer}
     for _ in range(2):  # imports, threads and allocator arenas in place before the cap and the clock
         from_pretrained(warm_up)
-        lg.load_gguf_tokenizer(warm_up)
+        gguf_decoder.load_gguf_tokenizer(warm_up)
         lg._read_gguf.cache_clear()
     cap = _status_kb("VmSize") * 1024 + AS_HEADROOM
     resource.setrlimit(resource.RLIMIT_AS, (cap, resource.getrlimit(resource.RLIMIT_AS)[1]))
@@ -777,7 +777,7 @@ def test_the_writer_here_writes_what_ggml_reads(seed_path):
     """The seeds are valid GGUF files to ggml-org's reader, which reads them as labkit does."""
     import gguf
 
-    from labkit import gguf as lg
+    from labkit.model import gguf as lg
 
     for name, data in fuzz_seeds().items():
         path = write_parts(seed_path.parent / f"check-{name}.gguf", [data])
@@ -857,13 +857,12 @@ def test_mutated_files_load_or_are_refused_fast_and_small(worker_run):
 
 
 def test_a_huge_block_count_is_refused_before_anything_is_built_or_dequantized(tmp_path, monkeypatch):
-    from labkit import gguf as lg
-    from labkit import pretrained
+    from labkit.model import gguf as lg, gguf_decoder, pretrained
 
     path = write_parts(tmp_path / "deep.gguf", SEED.set("llama.block_count", U32, 100_000).parts())
     built, dequantized = [], []
     monkeypatch.setattr(pretrained, "Decoder", lambda *a, **k: built.append(a))
-    monkeypatch.setattr(lg, "dequantize", lambda t: dequantized.append(t.name))
+    monkeypatch.setattr(gguf_decoder, "dequantize", lambda t: dequantized.append(t.name))
     with pytest.raises(lg.GGUFError, match="llama.block_count is 100,000") as err:
         pretrained.from_pretrained(path)
     assert built == [] and dequantized == []
@@ -872,29 +871,29 @@ def test_a_huge_block_count_is_refused_before_anything_is_built_or_dequantized(t
 
 
 def test_shapes_are_checked_before_anything_is_dequantized(tmp_path, monkeypatch):
-    from labkit import gguf as lg
+    from labkit.model import gguf as lg, gguf_decoder
 
     wide = lg.read_gguf(write_parts(tmp_path / "wide.gguf", SEED.set("llama.feed_forward_length", U32, 64).parts()))
     seed = lg.read_gguf(write_parts(tmp_path / "seed.gguf", SEED.parts()))
     dequantized = []
-    monkeypatch.setattr(lg, "dequantize", lambda t: dequantized.append(t.name))
+    monkeypatch.setattr(gguf_decoder, "dequantize", lambda t: dequantized.append(t.name))
     with pytest.raises(lg.GGUFError, match=r"ffn_gate.weight' has shape \(32, 32\); the GGUF file's metadata implies"):
-        lg.state_dict(wide)
-    config = lg.decoder_config(seed)  # a config given by the caller is checked against the file too
+        gguf_decoder.state_dict(wide)
+    config = gguf_decoder.decoder_config(seed)  # a config given by the caller is checked against the file too
     with pytest.raises(lg.GGUFError, match=r"implies \(48, 32\)"):
-        lg.state_dict(seed, replace(config, intermediate_size=48))
+        gguf_decoder.state_dict(seed, replace(config, intermediate_size=48))
     assert dequantized == []
 
 
 def test_unpermute_refuses_rows_that_do_not_split_into_heads():
     import torch
 
-    from labkit import gguf as lg
+    from labkit.model import gguf_decoder
 
     with pytest.raises(ValueError, match="num_heads: 32 rows do not split into 3 heads"):
-        lg.unpermute_rope_rows(torch.zeros(32, 4), 3)
+        gguf_decoder.unpermute_rope_rows(torch.zeros(32, 4), 3)
     with pytest.raises(ValueError, match="of an even size"):
-        lg.unpermute_rope_rows(torch.zeros(6, 4), 2)
+        gguf_decoder.unpermute_rope_rows(torch.zeros(6, 4), 2)
 
 
 if __name__ == "__main__" and sys.argv[1:2] == ["--worker"]:

@@ -20,7 +20,8 @@ PROGRAM = """
 {first}
 import torch
 import labkit
-from labkit import kernels
+from labkit.kernels.paged_attention import paged_decode_attention
+from labkit.kernels.reference import paged_decode_attention_ref
 assert labkit.RUNTIME.triton_mode == "interpreter", labkit.RUNTIME
 gen = torch.Generator().manual_seed(0)
 k_cache = torch.randn(6, 8, 2, 32, generator=gen)
@@ -28,8 +29,8 @@ v_cache = torch.randn(6, 8, 2, 32, generator=gen)
 block_tables = torch.tensor([[4, 1, 5], [0, 2, 3]], dtype=torch.int32)
 seq_lens = torch.tensor([19, 9], dtype=torch.int32)
 q = torch.randn(2, 4, 32, generator=gen)
-out = kernels.paged_decode_attention(q, k_cache, v_cache, block_tables, seq_lens, num_splits=2)
-ref = kernels.paged_decode_attention_ref(q, k_cache, v_cache, block_tables, seq_lens)
+out = paged_decode_attention(q, k_cache, v_cache, block_tables, seq_lens, num_splits=2)
+ref = paged_decode_attention_ref(q, k_cache, v_cache, block_tables, seq_lens)
 print("max error", float((out - ref).abs().max()))
 assert torch.allclose(out, ref, atol=1e-5)
 """
@@ -49,8 +50,8 @@ def test_any_import_order_runs_the_interpreted_kernels(first):
 def test_triton_interpret_0_keeps_the_compiler_and_falls_back():
     """TRITON_INTERPRET=0 on a CPU machine: kernels stay compilable (for ahead-of-time compiles), calls use the reference."""
     code = ("import labkit, triton.language as tl; from triton.runtime.jit import JITFunction; "
-            "from labkit import kernels; print(labkit.RUNTIME.triton_mode, "
-            "isinstance(kernels._paged_decode_kernel, JITFunction), isinstance(tl.zeros, JITFunction))")
+            "from labkit.kernels import triton_paged; print(labkit.RUNTIME.triton_mode, "
+            "isinstance(triton_paged.paged_decode_kernel, JITFunction), isinstance(tl.zeros, JITFunction))")
     env = dict(os.environ, TRITON_INTERPRET="0", LABKIT_DEVICE="cpu")
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, env=env, check=True,
                          timeout=300).stdout

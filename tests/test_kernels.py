@@ -20,9 +20,9 @@ import pytest
 import torch
 
 import labkit
-from labkit import kernels
-from labkit.model import causal_attention
-from labkit.device import Runtime
+from labkit.kernels import cpu, fallback, launch, paged_attention, reference
+from labkit.kernels.device import Runtime
+from labkit.model.decoder import causal_attention
 
 TOL = {  # (atol, rtol) against the float64 reference; bf16 stores truncate in the interpreter
     torch.float32: (2e-5, 1e-5),
@@ -30,7 +30,7 @@ TOL = {  # (atol, rtol) against the float64 reference; bf16 stores truncate in t
     torch.bfloat16: (1e-2, 1.6e-2),
 }
 DEVICE = labkit.DEVICE
-needs_kernels = pytest.mark.skipif(kernels.fallback_reason(torch.float32, labkit.DEVICE) is not None,
+needs_kernels = pytest.mark.skipif(fallback.fallback_reason(torch.float32, labkit.DEVICE) is not None,
                                    reason="Triton kernels cannot run here")
 
 
@@ -85,10 +85,10 @@ def decode_case(lens, num_heads, num_kv_heads, head_dim, block_size, dtype, seed
     k_cache, v_cache, block_tables, seq_lens = make_pool(lens, num_kv_heads, head_dim, block_size, dtype, gen)
     q = torch.randn(len(lens), num_heads, head_dim, generator=gen).to(dtype).to(DEVICE)
     out = torch.full_like(q, float("nan"))
-    got = kernels.paged_decode_attention(q, k_cache, v_cache, block_tables, seq_lens, out=out, **kwargs)
+    got = paged_attention.paged_decode_attention(q, k_cache, v_cache, block_tables, seq_lens, out=out, **kwargs)
     assert got is out
-    ref = kernels.paged_decode_attention_ref(cpu64(q), cpu64(k_cache), cpu64(v_cache), block_tables.cpu(),
-                                             seq_lens.cpu(), kwargs.get("scale"))
+    ref = reference.paged_decode_attention_ref(cpu64(q), cpu64(k_cache), cpu64(v_cache), block_tables.cpu(),
+                                               seq_lens.cpu(), kwargs.get("scale"))
     return out, ref, (q, k_cache, v_cache, block_tables, seq_lens)
 
 
@@ -136,7 +136,7 @@ def test_decode_ignores_poisoned_slots_and_table_padding():
         k_cache[last, (n - 1) % 16 + 1 :] = 1e4
         v_cache[last, (n - 1) % 16 + 1 :] = -1e4
     block_tables[:, -1] = 10**6
-    again = kernels.paged_decode_attention(q, k_cache, v_cache, block_tables, seq_lens)
+    again = paged_attention.paged_decode_attention(q, k_cache, v_cache, block_tables, seq_lens)
     assert torch.equal(again, out)
 
 
@@ -150,14 +150,14 @@ def test_batched_decode_reference_equals_the_per_sequence_reference(heads, block
     k_cache, v_cache, block_tables, seq_lens = make_pool(lens, heads[1], 32, block_size, torch.float64, gen,
                                                          device="cpu")
     q = torch.randn(len(lens), heads[0], 32, generator=gen, dtype=torch.float64)
-    ref = kernels.paged_decode_attention_ref(q, k_cache, v_cache, block_tables, seq_lens)
-    got = kernels.paged_decode_attention_batched(q, k_cache, v_cache, block_tables, seq_lens)
+    ref = reference.paged_decode_attention_ref(q, k_cache, v_cache, block_tables, seq_lens)
+    got = cpu.paged_decode_attention_batched(q, k_cache, v_cache, block_tables, seq_lens)
     assert not got.isnan().any()
     torch.testing.assert_close(got, ref, rtol=1e-12, atol=1e-12)
     block_tables[:, -1] = 10**6  # padding past every sequence's blocks is never read
-    torch.testing.assert_close(kernels.paged_decode_attention_batched(q, k_cache, v_cache, block_tables, seq_lens),
+    torch.testing.assert_close(cpu.paged_decode_attention_batched(q, k_cache, v_cache, block_tables, seq_lens),
                                ref, rtol=1e-12, atol=1e-12)
-    half = kernels.paged_decode_attention_batched(q.float(), k_cache.float(), v_cache.float(), block_tables, seq_lens)
+    half = cpu.paged_decode_attention_batched(q.float(), k_cache.float(), v_cache.float(), block_tables, seq_lens)
     assert half.dtype == torch.float32 and (half.double() - ref).abs().max() < 1e-5
 
 
@@ -170,8 +170,8 @@ def test_mixed_step_on_the_cpu_equals_the_per_sequence_reference():
     k_cache, v_cache, block_tables, seq_lens = make_pool(lens, 2, 16, 4, torch.float64, gen, device="cpu")
     cu = torch.tensor([0] + q_lens).cumsum(0).to(torch.int32)
     q = torch.randn(sum(q_lens), 4, 16, generator=gen, dtype=torch.float64)
-    ref = kernels.paged_prefill_attention_ref(q, k_cache, v_cache, block_tables, seq_lens, cu)
-    got = kernels.paged_attention_batched(q, k_cache, v_cache, block_tables, seq_lens, cu)
+    ref = reference.paged_prefill_attention_ref(q, k_cache, v_cache, block_tables, seq_lens, cu)
+    got = cpu.paged_attention_batched(q, k_cache, v_cache, block_tables, seq_lens, cu)
     assert not got.isnan().any()
     torch.testing.assert_close(got, ref, rtol=1e-12, atol=1e-12)
 
@@ -184,24 +184,24 @@ def test_split_k_agrees_with_single_pass(dtype, num_splits):
     lens = [1, 40, 333, 520]
     single, ref, args = decode_case(lens, 10, 2, 80, 16, dtype, seed=num_splits)
     split = torch.full_like(single, float("nan"))
-    kernels.paged_decode_attention(*args, num_splits=num_splits, out=split)
+    paged_attention.paged_decode_attention(*args, num_splits=num_splits, out=split)
     assert_close_to(split, ref, dtype)
     atol, rtol = TOL[dtype]
     torch.testing.assert_close(cpu64(split), cpu64(single), atol=atol, rtol=rtol)
 
 
 def test_split_plan_is_chosen_for_long_contexts_with_few_sequences():
-    splits, per_split = kernels.choose_num_splits(1, 1, 4096, "cpu", block_n=64)
+    splits, per_split = launch.choose_num_splits(1, 1, 4096, "cpu", block_n=64)
     assert splits > 1 and per_split % 64 == 0 and splits * per_split >= 4096 > (splits - 1) * per_split
-    assert per_split >= kernels.MIN_TOKENS_PER_SPLIT
-    assert kernels.choose_num_splits(64, 8, 4096, "cpu") == (1, 4096)  # enough programs already
-    assert kernels.choose_num_splits(1, 1, 300, "cpu") == (1, 300)  # too short to be worth it
+    assert per_split >= launch.MIN_TOKENS_PER_SPLIT
+    assert launch.choose_num_splits(64, 8, 4096, "cpu") == (1, 4096)  # enough programs already
+    assert launch.choose_num_splits(1, 1, 300, "cpu") == (1, 300)  # too short to be worth it
 
 
 @needs_kernels
 def test_auto_split_path_matches_reference():
     lens = [1100]
-    splits, _ = kernels.choose_num_splits(1, 1, lens[0], DEVICE)
+    splits, _ = launch.choose_num_splits(1, 1, lens[0], DEVICE)
     assert splits > 1
     out, ref, _ = decode_case(lens, 4, 1, 64, 32, torch.float32, seed=3)
     assert_close_to(out, ref, torch.float32)
@@ -214,11 +214,11 @@ def prefill_case(lens, q_lens, num_heads, num_kv_heads, head_dim, block_size, dt
     k_cache, v_cache, block_tables, seq_lens = make_pool(lens, num_kv_heads, head_dim, block_size, dtype, gen)
     cu = torch.tensor([0] + torch.tensor(q_lens).cumsum(0).tolist(), dtype=torch.int32)
     q = torch.randn(int(cu[-1]), num_heads, head_dim, generator=gen).to(dtype)
-    ref = kernels.paged_prefill_attention_ref(cpu64(q), cpu64(k_cache), cpu64(v_cache), block_tables.cpu(),
-                                              seq_lens.cpu(), cu)
+    ref = reference.paged_prefill_attention_ref(cpu64(q), cpu64(k_cache), cpu64(v_cache), block_tables.cpu(),
+                                                seq_lens.cpu(), cu)
     q, cu = q.to(DEVICE), cu.to(DEVICE)
     out = torch.full_like(q, float("nan"))
-    kernels.paged_prefill_attention(q, k_cache, v_cache, block_tables, seq_lens, cu, out=out)
+    paged_attention.paged_prefill_attention(q, k_cache, v_cache, block_tables, seq_lens, cu, out=out)
     return out, ref
 
 
@@ -247,8 +247,8 @@ def test_prefill_of_one_query_equals_decode():
     k_cache, v_cache, block_tables, seq_lens = make_pool([7, 16, 30], 2, 64, 8, torch.float32, gen)
     q = torch.randn(3, 6, 64, generator=gen).to(DEVICE)
     cu = torch.arange(4, dtype=torch.int32, device=DEVICE)
-    pre = kernels.paged_prefill_attention(q, k_cache, v_cache, block_tables, seq_lens, cu)
-    dec = kernels.paged_decode_attention(q, k_cache, v_cache, block_tables, seq_lens)
+    pre = paged_attention.paged_prefill_attention(q, k_cache, v_cache, block_tables, seq_lens, cu)
+    dec = paged_attention.paged_decode_attention(q, k_cache, v_cache, block_tables, seq_lens)
     torch.testing.assert_close(pre, dec, atol=1e-6, rtol=1e-6)
 
 
@@ -262,9 +262,9 @@ def test_compiled_launch_settings_in_the_interpreter(monkeypatch, capability, dt
     sm80 float16 keeps 16-bit tiles for tl.dot; a T4 upcasts bfloat16 loads to float32 with
     small tiles. Both must match the reference, with and without split-K, and in prefill.
     """
-    monkeypatch.setattr(kernels, "_launch_capability", lambda: capability)
-    monkeypatch.setattr(kernels, "_group_tile", lambda g: max(16, kernels._next_pow2(g)))
-    settings = kernels.launch_settings("decode", dtype, 80, capability)
+    monkeypatch.setattr(launch, "launch_capability", lambda: capability)
+    monkeypatch.setattr(launch, "_group_tile", lambda g: max(16, launch._next_pow2(g)))
+    settings = launch.launch_settings("decode", dtype, 80, capability)
     assert settings.upcast is (capability < (8, 0)) and settings.block_d == 128
     for splits in (1, 3):
         out, ref, _ = decode_case([1, 17, 150], 10, 2, 80, 16, dtype, seed=splits, num_splits=splits)
@@ -276,7 +276,7 @@ def test_compiled_launch_settings_in_the_interpreter(monkeypatch, capability, dt
 @needs_kernels
 def test_merge_reads_many_splits_in_chunks():
     """More splits than the merge kernel's tile (MERGE_BLOCK_K): the running maximum carries across chunks."""
-    splits = 2 * kernels.MERGE_BLOCK_K + 3
+    splits = 2 * launch.MERGE_BLOCK_K + 3
     out, ref, _ = decode_case([1, splits * 4, 97], 4, 2, 64, 8, torch.float32, seed=12, num_splits=splits)
     assert_close_to(out, ref, torch.float32)
 
@@ -317,8 +317,8 @@ def test_write_kv_matches_reference(dtype, slot_dtype):
     v = torch.randn(10, hkv, d, generator=gen).to(dtype).to(DEVICE)
     slots = slots.to(DEVICE)
     k_ref, v_ref = k_cache.clone(), v_cache.clone()
-    kernels.write_kv_ref(k, v, k_ref, v_ref, slots.to(slot_dtype))
-    kernels.write_kv(k, v, k_cache, v_cache, slots.to(slot_dtype))
+    reference.write_kv_ref(k, v, k_ref, v_ref, slots.to(slot_dtype))
+    paged_attention.write_kv(k, v, k_cache, v_cache, slots.to(slot_dtype))
     assert_guards_untouched(k_buf)
     assert_guards_untouched(v_buf)
     assert torch.equal(k_cache, k_ref) and torch.equal(v_cache, v_ref)  # a copy: bit-exact
@@ -358,14 +358,14 @@ def test_decode_and_prefill_with_strided_index_tensors_and_views():
     tables = spread(spread(block_tables, 1, 10**6), 0, 10**6)
     lens_view, cu_view = spread(seq_lens, 0, 0), spread(cu, 0, 10**6)
     q = torch.randn(len(lens), 64, 4, generator=gen).to(DEVICE).transpose(1, 2)  # [num_seqs, 4, 64], stride(-1) = 4
-    ref = kernels.paged_decode_attention_ref(cpu64(q), cpu64(k_cache), cpu64(v_cache), block_tables.cpu(),
-                                             seq_lens.cpu())
-    out = kernels.paged_decode_attention(q, k_view, v_view, tables, lens_view)
+    ref = reference.paged_decode_attention_ref(cpu64(q), cpu64(k_cache), cpu64(v_cache), block_tables.cpu(),
+                                               seq_lens.cpu())
+    out = paged_attention.paged_decode_attention(q, k_view, v_view, tables, lens_view)
     assert_close_to(out, ref, torch.float32)
     qp = torch.randn(int(cu[-1]), 64, 4, generator=gen).to(DEVICE).transpose(1, 2)
-    ref = kernels.paged_prefill_attention_ref(cpu64(qp), cpu64(k_cache), cpu64(v_cache), block_tables.cpu(),
-                                              seq_lens.cpu(), cu.cpu())
-    out = kernels.paged_prefill_attention(qp, k_view, v_view, tables, lens_view, cu_view)
+    ref = reference.paged_prefill_attention_ref(cpu64(qp), cpu64(k_cache), cpu64(v_cache), block_tables.cpu(),
+                                                seq_lens.cpu(), cu.cpu())
+    out = paged_attention.paged_prefill_attention(qp, k_view, v_view, tables, lens_view, cu_view)
     assert_close_to(out, ref, torch.float32)
 
 
@@ -381,8 +381,8 @@ def test_write_kv_with_strided_inputs_and_a_cache_view():
     k = torch.randn(7, d, hkv, generator=gen).to(DEVICE).transpose(1, 2)  # head_dim not dense: stride(-1) = 2
     v = torch.randn(7, d, hkv, generator=gen).to(DEVICE).transpose(1, 2)
     k_ref, v_ref = k_cache.clone(), v_cache.clone()
-    kernels.write_kv_ref(k, v, k_ref, v_ref, slots)
-    kernels.write_kv(k, v, k_cache, v_cache, spread(slots, 0, 0))  # gaps of slot 0: read wrongly, they'd clash
+    reference.write_kv_ref(k, v, k_ref, v_ref, slots)
+    paged_attention.write_kv(k, v, k_cache, v_cache, spread(slots, 0, 0))  # gaps of slot 0: read wrongly, they'd clash
     assert_guards_untouched(k_buf)
     assert_guards_untouched(v_buf)
     assert torch.equal(k_cache, k_ref) and torch.equal(v_cache, v_ref)
@@ -402,44 +402,50 @@ def test_write_then_attend_round_trip():
     v_cache = torch.full((6, bs, hkv, d), float("nan"), device=DEVICE)
     table = torch.tensor([4, 0, 5, 2], dtype=torch.int32, device=DEVICE)
     slots = torch.tensor([int(table[p // bs]) * bs + p % bs for p in range(n)], device=DEVICE)
-    kernels.write_kv(k, v, k_cache, v_cache, slots)
-    out = kernels.paged_prefill_attention(q, k_cache, v_cache, table[None],
-                                          torch.tensor([n], dtype=torch.int32, device=DEVICE),
-                                          torch.tensor([0, n], dtype=torch.int32, device=DEVICE))
+    paged_attention.write_kv(k, v, k_cache, v_cache, slots)
+    out = paged_attention.paged_prefill_attention(q, k_cache, v_cache, table[None],
+                                                  torch.tensor([n], dtype=torch.int32, device=DEVICE),
+                                                  torch.tensor([0, n], dtype=torch.int32, device=DEVICE))
     torch.testing.assert_close(cpu64(out), expected, atol=2e-5, rtol=1e-5)
 
 
 # -- falling back to the reference ----------------------------------------------------------------
 
+def pretend_runtime(monkeypatch, runtime: Runtime) -> None:
+    """What labkit decided about the machine, replaced where the kernels read it: the fallback and the launches."""
+    monkeypatch.setattr(fallback, "RUNTIME", runtime)
+    monkeypatch.setattr(launch, "RUNTIME", runtime)
+
+
 def test_fallback_runs_the_reference(monkeypatch):
-    monkeypatch.setattr(kernels, "RUNTIME", Runtime(torch.device("cpu"), "unavailable", "testing the fallback"))
-    assert "testing the fallback" in kernels.fallback_reason(torch.float32, "cpu")
+    pretend_runtime(monkeypatch, Runtime(torch.device("cpu"), "unavailable", "testing the fallback"))
+    assert "testing the fallback" in fallback.fallback_reason(torch.float32, "cpu")
 
     def no_triton(*args, **kwargs):
         raise AssertionError("the Triton launcher ran although the kernels cannot run")
 
-    for name in ("_decode_triton", "_prefill_triton", "_write_kv_triton"):
-        monkeypatch.setattr(kernels, name, no_triton)
+    for name in ("decode_triton", "prefill_triton", "write_kv_triton"):
+        monkeypatch.setattr(launch, name, no_triton)
     gen = torch.Generator().manual_seed(2)
     k_cache, v_cache, block_tables, seq_lens = make_pool([3, 9], 1, 64, 8, torch.float32, gen, device="cpu")
     q = torch.randn(2, 2, 64, generator=gen)
-    monkeypatch.setattr(kernels, "_warned", set())
+    monkeypatch.setattr(fallback, "_warned", set())
     with pytest.warns(RuntimeWarning, match="reference instead of Triton: .*testing the fallback"):
-        out = kernels.paged_decode_attention(q, k_cache, v_cache, block_tables, seq_lens)
-    assert torch.equal(out, kernels.paged_decode_attention_ref(q, k_cache, v_cache, block_tables, seq_lens))
+        out = paged_attention.paged_decode_attention(q, k_cache, v_cache, block_tables, seq_lens)
+    assert torch.equal(out, reference.paged_decode_attention_ref(q, k_cache, v_cache, block_tables, seq_lens))
     cu = torch.tensor([0, 1, 2], dtype=torch.int32)
-    out = kernels.paged_prefill_attention(q, k_cache, v_cache, block_tables, seq_lens, cu)
+    out = paged_attention.paged_prefill_attention(q, k_cache, v_cache, block_tables, seq_lens, cu)
     assert not out.isnan().any()
-    kernels.write_kv(q[:, :1], q[:, :1], k_cache, v_cache, torch.tensor([0, -1]))
+    paged_attention.write_kv(q[:, :1], q[:, :1], k_cache, v_cache, torch.tensor([0, -1]))
     assert torch.equal(k_cache[0, 0], q[0, :1])
 
 
 def pretend_compiled(monkeypatch, broken: list[str]) -> list[str]:
     """A compiled runtime whose Triton launchers in ``broken`` raise; CPU tensors stand in for CUDA ones."""
-    monkeypatch.setattr(kernels, "RUNTIME", Runtime(torch.device("cpu"), "compiled", "pretend GPU", (9, 0)))
-    monkeypatch.setattr(kernels, "fallback_reason", lambda dtype, device: None)
-    monkeypatch.setattr(kernels, "_warned", set())
-    monkeypatch.setattr(kernels, "_failed_launches", {})
+    pretend_runtime(monkeypatch, Runtime(torch.device("cpu"), "compiled", "pretend GPU", (9, 0)))
+    monkeypatch.setattr(fallback, "fallback_reason", lambda dtype, device: None)
+    monkeypatch.setattr(fallback, "_warned", set())
+    monkeypatch.setattr(fallback, "failed_launches", {})
     calls: list[str] = []
 
     def make(name):
@@ -449,35 +455,35 @@ def pretend_compiled(monkeypatch, broken: list[str]) -> list[str]:
         return launcher
 
     for name in broken:
-        monkeypatch.setattr(kernels, name, make(name))
+        monkeypatch.setattr(launch, name, make(name))
     return calls
 
 
 def test_failed_launch_on_a_gpu_warns_once_and_runs_the_reference(monkeypatch):
-    calls = pretend_compiled(monkeypatch, ["_decode_triton", "_prefill_triton", "_write_kv_triton"])
+    calls = pretend_compiled(monkeypatch, ["decode_triton", "prefill_triton", "write_kv_triton"])
     gen = torch.Generator().manual_seed(4)
     k_cache, v_cache, block_tables, seq_lens = make_pool([3, 9], 1, 64, 8, torch.float32, gen, device="cpu")
     q = torch.randn(2, 2, 64, generator=gen)
     out = torch.full_like(q, float("nan"))
     with pytest.warns(RuntimeWarning, match=r"paged_decode_attention kernel failed to compile or launch for "
-                                            r"torch.float32, head_dim 64 \(RuntimeError: _decode_triton: sm_999"):
-        got = kernels.paged_decode_attention(q, k_cache, v_cache, block_tables, seq_lens, out=out)
+                                            r"torch.float32, head_dim 64 \(RuntimeError: decode_triton: sm_999"):
+        got = paged_attention.paged_decode_attention(q, k_cache, v_cache, block_tables, seq_lens, out=out)
     assert got is out
-    assert torch.equal(out, kernels.paged_decode_attention_ref(q, k_cache, v_cache, block_tables, seq_lens))
+    assert torch.equal(out, reference.paged_decode_attention_ref(q, k_cache, v_cache, block_tables, seq_lens))
     with warnings.catch_warnings():
         warnings.simplefilter("error")  # the second call neither warns again nor retries the launch
-        again = kernels.paged_decode_attention(q, k_cache, v_cache, block_tables, seq_lens)
-    assert torch.equal(again, out) and calls == ["_decode_triton"]
+        again = paged_attention.paged_decode_attention(q, k_cache, v_cache, block_tables, seq_lens)
+    assert torch.equal(again, out) and calls == ["decode_triton"]
 
     cu = torch.tensor([0, 1, 2], dtype=torch.int32)
-    with pytest.warns(RuntimeWarning, match=r"paged_prefill_attention kernel failed .*_prefill_triton: sm_999"):
-        out = kernels.paged_prefill_attention(q, k_cache, v_cache, block_tables, seq_lens, cu)
-    assert torch.equal(out, kernels.paged_prefill_attention_ref(q, k_cache, v_cache, block_tables, seq_lens, cu))
+    with pytest.warns(RuntimeWarning, match=r"paged_prefill_attention kernel failed .*prefill_triton: sm_999"):
+        out = paged_attention.paged_prefill_attention(q, k_cache, v_cache, block_tables, seq_lens, cu)
+    assert torch.equal(out, reference.paged_prefill_attention_ref(q, k_cache, v_cache, block_tables, seq_lens, cu))
     k_ref, v_ref = k_cache.clone(), v_cache.clone()
     new_k, new_v, slots = q[:, :1] + 1, q[:, :1] - 1, torch.tensor([5, -1])
-    kernels.write_kv_ref(new_k, new_v, k_ref, v_ref, slots)
-    with pytest.warns(RuntimeWarning, match=r"write_kv kernel failed .*_write_kv_triton: sm_999"):
-        kernels.write_kv(new_k, new_v, k_cache, v_cache, slots)
+    reference.write_kv_ref(new_k, new_v, k_ref, v_ref, slots)
+    with pytest.warns(RuntimeWarning, match=r"write_kv kernel failed .*write_kv_triton: sm_999"):
+        paged_attention.write_kv(new_k, new_v, k_cache, v_cache, slots)
     torch.testing.assert_close(k_cache, k_ref, atol=0, rtol=0, equal_nan=True)  # the pool's free slots hold NaN
     torch.testing.assert_close(v_cache, v_ref, atol=0, rtol=0, equal_nan=True)
 
@@ -487,12 +493,12 @@ def test_failed_launch_in_the_interpreter_is_an_error(monkeypatch):
     def broken(*args, **kwargs):
         raise RuntimeError("a bug in the kernel")
 
-    monkeypatch.setattr(kernels, "_decode_triton", broken)
+    monkeypatch.setattr(launch, "decode_triton", broken)
     args = _decode_args()
     with warnings.catch_warnings():
         warnings.simplefilter("error")  # no silent fallback either
         with pytest.raises(RuntimeError, match="a bug in the kernel"):
-            kernels.paged_decode_attention(**args)
+            paged_attention.paged_decode_attention(**args)
 
 
 @pytest.mark.skipif(labkit.RUNTIME.triton_mode != "compiled" or labkit.DEVICE.type != "cuda",
@@ -501,8 +507,8 @@ def test_compiled_kernels_run_on_the_gpu_without_falling_back():
     """On a GPU the tests above must exercise the compiled kernels, not compare the reference with itself."""
     dtypes = [torch.float16, torch.float32] + ([torch.bfloat16] if labkit.RUNTIME.bf16_supported else [])
     for dtype in dtypes:
-        assert kernels.fallback_reason(dtype, DEVICE) is None, dtype
-    assert kernels.fallback_reason(torch.float32, "cpu") is not None  # CPU tensors would fall back
+        assert fallback.fallback_reason(dtype, DEVICE) is None, dtype
+    assert fallback.fallback_reason(torch.float32, "cpu") is not None  # CPU tensors would fall back
     with warnings.catch_warnings():
         warnings.simplefilter("error")  # a failed compile or launch warns and falls back: make it fail here
         for dtype in dtypes:
@@ -512,13 +518,13 @@ def test_compiled_kernels_run_on_the_gpu_without_falling_back():
             out, ref = prefill_case([9, 40], [9, 20], 8, 2, 128, 16, dtype, seed=10)
             assert out.device.type == "cuda"
             assert_close_to(out, ref, dtype)
-    assert not kernels._failed_launches, kernels._failed_launches  # noqa: SLF001 - none so far in this process
+    assert not fallback.failed_launches, fallback.failed_launches  # noqa: SLF001 - none so far in this process
 
 
 @pytest.mark.skipif(labkit.RUNTIME.triton_mode != "interpreter", reason="interpreter only")
 def test_fallback_reason_in_the_interpreter():
-    assert kernels.fallback_reason(torch.float32, "cpu") is None
-    assert "CPU tensors" in kernels.fallback_reason(torch.float32, "cuda")
+    assert fallback.fallback_reason(torch.float32, "cpu") is None
+    assert "CPU tensors" in fallback.fallback_reason(torch.float32, "cuda")
 
 
 # -- bad input ----------------------------------------------------------------------------------
@@ -571,7 +577,7 @@ def test_decode_rejects_bad_input(key, make_bad, match):
     args = _decode_args()
     args[key] = make_bad(args)
     with pytest.raises(ValueError, match=match):
-        kernels.paged_decode_attention(**args)
+        paged_attention.paged_decode_attention(**args)
 
 
 def test_decode_rejects_q_on_another_device_naming_the_caches():
@@ -579,7 +585,7 @@ def test_decode_rejects_q_on_another_device_naming_the_caches():
     args = _decode_args()
     args["q"] = args["q"].to("meta")
     with pytest.raises(ValueError, match=r"^k_cache must be on q's device \(meta\), got cpu"):
-        kernels.paged_decode_attention(**args)
+        paged_attention.paged_decode_attention(**args)
 
 
 def test_caches_must_be_dense_in_head_dim():
@@ -587,7 +593,7 @@ def test_caches_must_be_dense_in_head_dim():
     for name in ("k_cache", "v_cache"):
         args[name] = args[name].transpose(-1, -2).contiguous().transpose(-1, -2)  # same strides, stride(-1) = 8
     with pytest.raises(ValueError, match=r"^k_cache must be contiguous in head_dim"):
-        kernels.paged_decode_attention(**args)
+        paged_attention.paged_decode_attention(**args)
 
 
 BAD_PREFILL = [
@@ -605,16 +611,16 @@ def test_prefill_rejects_bad_input(name, cu):
     args = _decode_args()
     q = torch.randn(4, 4, 64)
     with pytest.raises(ValueError, match=rf"^{name} must"):
-        kernels.paged_prefill_attention(q, args["k_cache"], args["v_cache"], args["block_tables"],
-                                        args["seq_lens"], cu)
+        paged_attention.paged_prefill_attention(q, args["k_cache"], args["v_cache"], args["block_tables"],
+                                                args["seq_lens"], cu)
 
 
 def test_prefill_rejects_more_queries_than_positions():
     args = _decode_args()  # seq_lens [5, 12]
     q = torch.randn(8, 4, 64)
     with pytest.raises(ValueError, match=r"query count \(from cu_seqlens_q\) must be <= its seq_lens entry"):
-        kernels.paged_prefill_attention(q, args["k_cache"], args["v_cache"], args["block_tables"],
-                                        args["seq_lens"], torch.tensor([0, 6, 8], dtype=torch.int32))
+        paged_attention.paged_prefill_attention(q, args["k_cache"], args["v_cache"], args["block_tables"],
+                                                args["seq_lens"], torch.tensor([0, 6, 8], dtype=torch.int32))
 
 
 @pytest.mark.parametrize("change,match", [
@@ -636,12 +642,12 @@ def test_write_kv_rejects_bad_input_and_changes_nothing(change, match):
     k_cache, v_cache = args["k_cache"], args["v_cache"]
     change(args)
     with pytest.raises(ValueError, match=match):
-        kernels.write_kv(**args)
+        paged_attention.write_kv(**args)
     assert not k_cache.any() and not v_cache.any()
 
 
 def test_gather_kv_reads_blocks_in_table_order():
     cache = torch.arange(5 * 4, dtype=torch.float32).view(5, 4, 1, 1)  # slot s holds the number s
-    got = kernels.gather_kv(cache, torch.tensor([3, 0, 4], dtype=torch.int32), 10).flatten()
+    got = reference.gather_kv(cache, torch.tensor([3, 0, 4], dtype=torch.int32), 10).flatten()
     assert got.tolist() == [12, 13, 14, 15, 0, 1, 2, 3, 16, 17]
     assert math.isclose(float(got.sum()), sum([12, 13, 14, 15, 0, 1, 2, 3, 16, 17]))

@@ -64,8 +64,8 @@ def test_the_subset_reaches_every_kernel_and_both_launch_rules(subset):
         decode = [r for r in rows if r["gpu"] == gpu and r["kernel"] in ("decode", "prefill")]
         assert {r["upcast"] for r in decode} == ({True} if gpu == "sm75" else {True, False}), gpu
     # The launches were recorded from the public functions, not written down here: their tiles
-    # are what labkit.kernels.launch_settings chose for each target.
-    from labkit.kernels import launch_settings  # noqa: PLC0415
+    # are what labkit.kernels.launch.launch_settings chose for each target.
+    from labkit.kernels.launch import launch_settings  # noqa: PLC0415
     import torch  # noqa: PLC0415
 
     for r in rows:

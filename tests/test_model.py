@@ -3,7 +3,7 @@
 import pytest
 import torch
 
-from labkit.model import Decoder, DecoderConfig, causal_attention, rope_inv_freq
+from labkit.model.decoder import Decoder, DecoderConfig, causal_attention, rope_inv_freq
 
 TINY = DecoderConfig(vocab_size=97, hidden_size=64, intermediate_size=96, num_hidden_layers=2,
                      num_attention_heads=4, num_key_value_heads=2)

@@ -1,4 +1,4 @@
-"""Block allocator, block tables and the paged KV cache (labkit.paging).
+"""Block allocator, block tables and the paged KV cache (labkit.memory.paging).
 
 The model and every tensor it is fed live on ``labkit.DEVICE`` (where ``PagedKVCache`` puts its
 pool by default), so on a GPU the paged cache runs the compiled Triton kernels.
@@ -9,14 +9,16 @@ from __future__ import annotations
 import math
 import random
 
+import numpy as np
 import pytest
 import torch
 
-from labkit import DEVICE
-from labkit.cache import KVCache, generate
-from labkit.model import Decoder, DecoderConfig
-from labkit.cache import PagedKVCache, generate_paged
-from labkit.paging import BlockAllocator, BlockTable, OutOfBlocksError, blocks_needed
+from labkit.caches.contiguous import KVCache, generate
+from labkit.caches.paged import PagedKVCache, generate_paged
+from labkit.kernels.device import DEVICE
+from labkit.memory.blocks import blocks_needed
+from labkit.memory.paging import BlockAllocator, BlockTable, OutOfBlocksError
+from labkit.model.decoder import Decoder, DecoderConfig
 
 
 def snapshot(alloc: BlockAllocator) -> tuple:
@@ -36,6 +38,22 @@ def test_blocks_needed_is_ceiling_division():
             blocks_needed(bad, 16)
     with pytest.raises(ValueError, match="block_size"):
         blocks_needed(10, 0)
+
+
+def test_blocks_needed_counts_arrays_of_lengths_element_by_element():
+    """One rule for every block count (issue 37): the kernels count torch lengths, the pool plan numpy ones."""
+    lengths = [0, 1, 15, 16, 17, 37, 300]
+    want = [math.ceil(n / 16) for n in lengths]
+    for array in (np.array(lengths), np.array(lengths, dtype=np.int32), torch.tensor(lengths),
+                  torch.tensor(lengths, dtype=torch.int32)):
+        got = blocks_needed(array, 16)
+        assert type(got) is type(array) and got.tolist() == want
+    assert blocks_needed(np.array([], dtype=np.int64), 16).size == 0
+    for bad in (np.array([1.5]), torch.tensor([2.0]), torch.tensor([True]), np.array([3, -1]), torch.tensor([-2])):
+        with pytest.raises(ValueError, match="num_tokens"):
+            blocks_needed(bad, 16)
+    with pytest.raises(ValueError, match="block_size"):
+        blocks_needed(torch.tensor([3]), 0)
 
 
 def test_allocator_hands_out_each_block_once():
@@ -255,7 +273,7 @@ def test_paged_cache_rejects_bad_arguments():
 
 def test_stepper_simulation_is_consistent():
     pytest.importorskip("ipywidgets", reason="the widget module needs ipywidgets (absent on bare GPU images)")
-    from labkit.widgets.paging_stepper import DEFAULT_WORKLOAD, Request, simulate
+    from labkit.teaching.widgets.paging_stepper import DEFAULT_WORKLOAD, Request, simulate
 
     snaps = simulate(DEFAULT_WORKLOAD, num_blocks=16, block_size=4)
     assert snaps[-1].used_blocks == 0 and snaps[-1].tables == {}
@@ -284,7 +302,7 @@ def test_stepper_block_ids_are_legible():
     import matplotlib.pyplot as plt
     from matplotlib.patches import Rectangle
 
-    from labkit.widgets.paging_stepper import draw_block_tables, draw_pool, simulate
+    from labkit.teaching.widgets.paging_stepper import draw_block_tables, draw_pool, simulate
 
     matplotlib.use("Agg")
     snap = simulate(num_blocks=16, block_size=4)[7]
@@ -333,8 +351,8 @@ def test_a_bool_is_not_a_block_id():
 def test_decode_only_means_one_new_token_per_sequence():
     """q_lens [2, 0] has as many tokens as sequences, but it is not a decode step: it must take the
     prefill kernel, and its output must match the float64 reference."""
-    from labkit import kernels
-    from labkit.cache import AttentionMetadata
+    from labkit.caches.paged import AttentionMetadata
+    from labkit.kernels import reference
 
     torch.manual_seed(0)
     bs, heads, kv_heads, dim = 4, 2, 1, 8
@@ -344,9 +362,9 @@ def test_decode_only_means_one_new_token_per_sequence():
     assert not meta.decode_only
     assert AttentionMetadata.build([[0], [2]], [3, 2], [1, 1], [2, 9], DEVICE).decode_only
     q = torch.randn(2, heads, dim, device=DEVICE)
-    ref = kernels.paged_prefill_attention_ref(q.double(), k_cache.double(), v_cache.double(), meta.block_tables,
-                                              meta.seq_lens, meta.cu_seqlens_q)
-    from labkit.cache import KVPool  # its attend picks the kernel from meta.decode_only
+    ref = reference.paged_prefill_attention_ref(q.double(), k_cache.double(), v_cache.double(), meta.block_tables,
+                                                meta.seq_lens, meta.cu_seqlens_q)
+    from labkit.caches.paged import KVPool  # its attend picks the kernel from meta.decode_only
     cfg = DecoderConfig(vocab_size=10, hidden_size=16, intermediate_size=16, num_hidden_layers=1,
                         num_attention_heads=heads, num_key_value_heads=kv_heads, head_dim=dim)
     pool = KVPool(cfg, num_blocks=4, block_size=bs, use_triton=False)

@@ -1,4 +1,4 @@
-"""Tests for labkit.prefix: hash chain, matching, sharing, copy-on-write, eviction.
+"""Tests for labkit.memory.prefix: hash chain, matching, sharing, copy-on-write, eviction.
 
 The property tests model the K/V pool as a dict slot -> content, where the content of
 a token's slot is (computation key, the whole token prefix up to and including it):
@@ -17,8 +17,8 @@ from hypothesis import HealthCheck, settings
 from hypothesis import strategies as st
 from hypothesis.stateful import RuleBasedStateMachine, initialize, invariant, precondition, rule
 
-from labkit.paging import BlockAllocator, BlockTable, OutOfBlocksError
-from labkit.prefix import CacheKey, CachedBlockTable, PrefixCache, PrefixCacheStats, block_hash, hash_chain
+from labkit.memory.paging import BlockAllocator, BlockTable, OutOfBlocksError
+from labkit.memory.prefix import CachedBlockTable, CacheKey, PrefixCache, PrefixCacheStats, block_hash, hash_chain
 
 
 def reference_chain(tokens, block_size, key):
@@ -449,9 +449,9 @@ TestWeakHashMachine.settings = _settings
 def test_prefix_kv_cache_reuse_gives_the_same_tokens_and_logits():
     import torch
 
-    from labkit.cache import generate
-    from labkit.model import Decoder, DecoderConfig
-    from labkit.cache import PrefixKVCache, generate_with_prefix_cache
+    from labkit.caches.contiguous import generate
+    from labkit.caches.prefix_cached import PrefixCachedPool, generate_with_prefix_cache
+    from labkit.model.decoder import Decoder, DecoderConfig
 
     cfg = DecoderConfig(vocab_size=97, hidden_size=32, intermediate_size=64, num_hidden_layers=2,
                         num_attention_heads=4, num_key_value_heads=2)
@@ -459,8 +459,8 @@ def test_prefix_kv_cache_reuse_gives_the_same_tokens_and_logits():
     gen = torch.Generator().manual_seed(5)
     shared = torch.randint(0, 97, (13,), generator=gen).tolist()   # ragged: not a multiple of the block size
     prompts = [shared + torch.randint(0, 97, (n,), generator=gen).tolist() for n in (1, 4, 7)]
-    on = PrefixKVCache(cfg, num_blocks=32, block_size=4, reuse=True)
-    off = PrefixKVCache(cfg, num_blocks=32, block_size=4, reuse=False)
+    on = PrefixCachedPool(cfg, num_blocks=32, block_size=4, reuse=True)
+    off = PrefixCachedPool(cfg, num_blocks=32, block_size=4, reuse=False)
     for i, prompt in enumerate(prompts):
         a = generate_with_prefix_cache(model, on, prompt, 2)
         b = generate_with_prefix_cache(model, off, prompt, 2)
@@ -479,13 +479,13 @@ def test_generate_with_prefix_cache_rejects_out_of_vocab_ids_and_changes_nothing
 
     import torch
 
-    from labkit.model import Decoder, DecoderConfig
-    from labkit.cache import PrefixKVCache, generate_with_prefix_cache
+    from labkit.caches.prefix_cached import PrefixCachedPool, generate_with_prefix_cache
+    from labkit.model.decoder import Decoder, DecoderConfig
 
     cfg = DecoderConfig(vocab_size=50, hidden_size=32, intermediate_size=64, num_hidden_layers=2,
                         num_attention_heads=4, num_key_value_heads=2)
     model = Decoder.random(cfg, seed=1)
-    kv = PrefixKVCache(cfg, num_blocks=8, block_size=4)
+    kv = PrefixCachedPool(cfg, num_blocks=8, block_size=4)
     shared = list(range(10, 19))
     generate_with_prefix_cache(model, kv, shared, 2)  # two full blocks now cached
 
@@ -507,12 +507,12 @@ def test_generate_with_prefix_cache_rejects_out_of_vocab_ids_and_changes_nothing
 
 
 def test_prefix_kv_cache_checks_its_use():
-    from labkit.model import DecoderConfig
-    from labkit.cache import PrefixKVCache
+    from labkit.caches.prefix_cached import PrefixCachedPool
+    from labkit.model.decoder import DecoderConfig
 
     cfg = DecoderConfig(vocab_size=16, hidden_size=16, intermediate_size=16, num_hidden_layers=1,
                         num_attention_heads=2, num_key_value_heads=1)
-    kv = PrefixKVCache(cfg, num_blocks=4, block_size=2)
+    kv = PrefixCachedPool(cfg, num_blocks=4, block_size=2)
     with pytest.raises(ValueError, match="begin"):
         kv.extend([1])
     kv.begin([1, 2, 3])
@@ -525,7 +525,7 @@ def test_prefix_kv_cache_checks_its_use():
 
 # ------------------------------------------------------------------------------- the widget
 def test_story_is_consistent_and_shows_every_event():
-    from labkit.widgets.prefix_stepper import story
+    from labkit.teaching.widgets.prefix_stepper import story
 
     snaps = story()
     for s in snaps:
@@ -543,7 +543,7 @@ def test_stepper_widget_and_static_figure():
     import matplotlib
 
     matplotlib.use("Agg")
-    from labkit.widgets.prefix_stepper import PrefixStepper, static_figure, story
+    from labkit.teaching.widgets.prefix_stepper import PrefixStepper, static_figure, story
 
     w = PrefixStepper()
     first = w.caption.value
@@ -577,14 +577,14 @@ def test_two_models_never_share_kv_through_one_prefix_pool():
     the first model's K/V (and must produce exactly what it produces without a cache)."""
     import torch
 
-    from labkit.cache import generate
-    from labkit.model import Decoder, DecoderConfig
-    from labkit.cache import PrefixKVCache, generate_with_prefix_cache
+    from labkit.caches.contiguous import generate
+    from labkit.caches.prefix_cached import PrefixCachedPool, generate_with_prefix_cache
+    from labkit.model.decoder import Decoder, DecoderConfig
 
     cfg = DecoderConfig(vocab_size=64, hidden_size=32, intermediate_size=64, num_hidden_layers=2,
                         num_attention_heads=4, num_key_value_heads=2, head_dim=8)
     first, second = Decoder.random(cfg, seed=0), Decoder.random(cfg, seed=1)
-    kv = PrefixKVCache(cfg, num_blocks=32, block_size=4)
+    kv = PrefixCachedPool(cfg, num_blocks=32, block_size=4)
     prompt = list(range(1, 19))
     generate_with_prefix_cache(first, kv, prompt, 3)
     out = generate_with_prefix_cache(second, kv, prompt, 3)
@@ -598,7 +598,7 @@ def test_two_models_never_share_kv_through_one_prefix_pool():
 def test_stepper_says_what_an_evicted_block_held():
     """Issue 22: blocks 1 and 4 are evicted at step 7 and again at step 9. The ids are the same
     because the free queue hands them out again; the contents differ, and the stepper says so."""
-    from labkit.widgets.prefix_stepper import caption_text, story
+    from labkit.teaching.widgets.prefix_stepper import caption_text, story
 
     snaps = story()
     c_arrives, d_arrives = snaps[7], snaps[9]

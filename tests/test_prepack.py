@@ -1,4 +1,4 @@
-"""labkit.prepack: the oneDNN-packed linear layers compute what ``nn.Linear`` computes.
+"""labkit.model.prepack: the oneDNN-packed linear layers compute what ``nn.Linear`` computes.
 
 Packing changes the order of the float32 sums, not the arithmetic: results are compared with
 a tolerance, on random weights and inputs, with and without bias, through a whole model and
@@ -12,10 +12,10 @@ import torch
 from torch import nn
 
 import labkit  # noqa: F401  (sets up Triton before any kernel module)
-from labkit.cache import generate
-from labkit.engine import Engine
-from labkit.model import Decoder, DecoderConfig
-from labkit.prepack import PackedLinear, available, is_packed, prepack, unpack
+from labkit.caches.contiguous import generate
+from labkit.model.decoder import Decoder, DecoderConfig
+from labkit.model.prepack import PackedLinear, available, is_packed, prepack, unpack
+from labkit.serving.engine import Engine
 
 pytestmark = pytest.mark.skipif(not available(), reason="this PyTorch has no oneDNN")
 

@@ -1,4 +1,4 @@
-"""labkit.pretrained: real checkpoints load into the Decoder and give transformers' logits and tokens.
+"""labkit.model.pretrained: real checkpoints load into the Decoder and give transformers' logits and tokens.
 
 Everything is offline. transformers builds small random models of each supported variant
 and writes them with ``save_pretrained`` (one sharded); ``from_pretrained`` reads the
@@ -21,9 +21,9 @@ import pytest
 import torch
 
 import labkit  # first: sets up Triton's interpreter without a GPU
-from labkit.engine import Engine
-from labkit.model import Decoder, DecoderConfig
-from labkit.pretrained import from_pretrained, load_tokenizer, read_safetensors
+from labkit.model.decoder import Decoder, DecoderConfig
+from labkit.model.pretrained import from_pretrained, load_tokenizer, read_safetensors
+from labkit.serving.engine import Engine
 
 transformers = pytest.importorskip("transformers")
 safetensors_torch = pytest.importorskip("safetensors.torch")
@@ -246,7 +246,7 @@ def test_a_hub_id_offline_fails_fast_and_names_the_local_alternative(tmp_path):
             tried.append(args)
             raise OSError("the test refuses name lookups and connections")
         socket.getaddrinfo = socket.socket.connect = refuse
-        from labkit.pretrained import from_pretrained, load_tokenizer
+        from labkit.model.pretrained import from_pretrained, load_tokenizer
         for load in (from_pretrained, load_tokenizer):
             start = time.time()
             try:
@@ -318,8 +318,8 @@ def test_one_more_space_in_the_system_prompt_changes_the_ids(tokenizer_folder):
 
 @pytest.mark.parametrize("tied,scaled", [(False, False), (True, True)])
 def test_to_transformers_gives_the_same_logits_and_generate(tied, scaled):
-    from labkit.cache import generate
-    from labkit.pretrained import to_transformers
+    from labkit.caches.contiguous import generate
+    from labkit.model.pretrained import to_transformers
 
     scaling = {"rope_type": "llama3", "factor": 8.0, "low_freq_factor": 1.0, "high_freq_factor": 4.0,
                "original_max_position_embeddings": 64} if scaled else None
@@ -336,7 +336,7 @@ def test_to_transformers_gives_the_same_logits_and_generate(tied, scaled):
 
 
 def test_to_transformers_refuses_qkv_bias():
-    from labkit.pretrained import to_transformers
+    from labkit.model.pretrained import to_transformers
 
     with pytest.raises(ValueError, match="model"):
         to_transformers(Decoder.random(DecoderConfig(qkv_bias=True), seed=0))

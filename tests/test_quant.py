@@ -1,4 +1,4 @@
-"""A KV cache with fewer bytes per element (labkit.quant, and the quantized paths of labkit.kernels).
+"""A KV cache with fewer bytes per element (labkit.memory.formats, and the quantized paths of labkit.kernels).
 
 The arithmetic is checked against its definition (round-trip error bounds, int4 packing, the
 per-block rule that a block's scale only grows). The Triton kernels run in the interpreter on a
@@ -17,39 +17,42 @@ import pytest
 import torch
 
 import labkit
-from labkit import kernels, quant
-from labkit.cache import KVPool, PagedKVCache
-from labkit.model import Decoder, DecoderConfig
+from labkit.caches import quant_quality
+from labkit.caches.paged import KVPool, PagedKVCache
+from labkit.kernels import fallback, paged_attention, reference
+from labkit.memory import formats
+from labkit.model.decoder import Decoder, DecoderConfig
+from labkit.teaching import build_it
 
 DEVICE = labkit.DEVICE
-SCHEMES = quant.KV_CACHE_DTYPES[1:]
-needs_kernels = pytest.mark.skipif(kernels.fallback_reason(torch.float32, DEVICE) is not None,
+SCHEMES = formats.KV_CACHE_DTYPES[1:]
+needs_kernels = pytest.mark.skipif(fallback.fallback_reason(torch.float32, DEVICE) is not None,
                                    reason="Triton kernels cannot run here")
 
 
 # -- the arithmetic -------------------------------------------------------------------------------
 
 def test_names_parse_and_unknown_ones_are_refused():
-    assert len(SCHEMES) == 9 and quant.kv_quant("auto") is None
-    q = quant.kv_quant("int4_per_group")
+    assert len(SCHEMES) == 9 and formats.kv_quant("auto") is None
+    q = formats.kv_quant("int4_per_group")
     assert (q.element, q.scales, q.bits, q.qmax, q.storage_dtype) == ("int4", "group", 4, 7.0, torch.uint8)
     for bad in ("fp8", "int3_per_block", "", None, "INT8_PER_BLOCK"):
         with pytest.raises(ValueError, match="kv_cache_dtype must be one of"):
-            quant.kv_quant(bad)
+            formats.kv_quant(bad)
     with pytest.raises(ValueError, match="head_dim must be even for int4_per_block"):
-        quant.kv_quant("int4_per_block").storage_shape(2, 4, 1, 63)
+        formats.kv_quant("int4_per_block").storage_shape(2, 4, 1, 63)
 
 
-@pytest.mark.parametrize("element", list(quant.ELEMENTS))
+@pytest.mark.parametrize("element", list(formats.ELEMENTS))
 def test_round_trip_error_is_what_the_format_promises(element):
     """int8/int4: at most half a scale step. fp8 e4m3: at most 2^-4 relative in its normal range
     (3 mantissa bits), half of 2^-9 absolute below it (subnormal steps)."""
     gen = torch.Generator().manual_seed(1)
-    qmax = quant.ELEMENTS[element][1]
+    qmax = formats.ELEMENTS[element][1]
     x = torch.randn(4096, generator=gen) * 3
     x[0] = 3 * x.abs().max()  # past the range: clamped to qmax
     scale = float(x[1:].abs().max()) / qmax
-    back = quant.dequantize(quant.quantize(x, scale, element), scale)
+    back = formats.dequantize(formats.quantize(x, scale, element), scale)
     assert back[0] == qmax * scale
     err = (back[1:] - x[1:]).abs()
     if element == "fp8":
@@ -59,49 +62,49 @@ def test_round_trip_error_is_what_the_format_promises(element):
         assert (err[~normal] <= 2 ** -10 * scale * (1 + 1e-6)).all()
     else:
         assert (err <= scale / 2 * (1 + 1e-6)).all()
-        assert quant.quantize(torch.tensor([0.5, 1.5, 2.5, -0.5]) * scale, scale, element).tolist() == [0, 2, 2, 0]
+        assert formats.quantize(torch.tensor([0.5, 1.5, 2.5, -0.5]) * scale, scale, element).tolist() == [0, 2, 2, 0]
 
 
 def test_int4_packs_two_codes_per_byte():
     codes = torch.randint(-7, 8, (3, 5, 2, 16), dtype=torch.int8)
-    packed = quant.pack_int4(codes)
+    packed = formats.pack_int4(codes)
     assert packed.dtype == torch.uint8 and packed.shape == (3, 5, 2, 8)
-    assert torch.equal(quant.unpack_int4(packed), codes)
-    assert quant.pack_int4(torch.tensor([-7, 7], dtype=torch.int8)).item() == 1 | (15 << 4)  # code + 8 per nibble
+    assert torch.equal(formats.unpack_int4(packed), codes)
+    assert formats.pack_int4(torch.tensor([-7, 7], dtype=torch.int8)).item() == 1 | (15 << 4)  # code + 8 per nibble
 
 
 def test_per_block_scale_grows_rescales_earlier_codes_and_restarts_at_offset_zero():
-    q = quant.kv_quant("int8_per_block")
+    q = formats.kv_quant("int8_per_block")
     data, scale = q.empty_pool(2, 4, 1, 8)
     x = torch.full((3, 1, 8), 0.5)
     x[1] *= 4  # the second token is larger: the block's scale must grow
-    quant.write_quantized(x[:1], data, scale, torch.tensor([0]), q)
+    formats.write_quantized(x[:1], data, scale, torch.tensor([0]), q)
     assert scale[0, 0] == 0.5 / 127
-    quant.write_quantized(x[1:2], data, scale, torch.tensor([1]), q)
+    formats.write_quantized(x[1:2], data, scale, torch.tensor([1]), q)
     assert scale[0, 0] == 2.0 / 127  # max |x| so far over 127
-    back = quant.dequantize_pool(data, scale, q)[0, :2, 0]
+    back = formats.dequantize_pool(data, scale, q)[0, :2, 0]
     assert torch.allclose(back, x[:2, 0], atol=scale[0, 0].item() / 2)  # token 0 re-encoded for the new scale
-    quant.write_quantized(x[2:], data, scale, torch.tensor([0]), q)  # offset 0: the block starts again
+    formats.write_quantized(x[2:], data, scale, torch.tensor([0]), q)  # offset 0: the block starts again
     assert scale[0, 0] == 0.5 / 127
 
 
 def test_bytes_per_token_of_the_real_model():
     """SmolLM2-135M: 30 layers, 3 KV heads, head_dim 64, 23,040 bytes per token at bf16."""
-    per_token = {name: quant.kv_quant(name).bytes_per_token(30, 3, 64, 16) for name in SCHEMES}
+    per_token = {name: formats.kv_quant(name).bytes_per_token(30, 3, 64, 16) for name in SCHEMES}
     assert per_token["fp8_per_tensor"] == per_token["int8_per_tensor"] == 23_040 / 2
     assert per_token["int8_per_block"] == 11_520 + 2 * 30 * 3 * 4 / 16
     assert per_token["int8_per_group"] == 11_520 + 2 * 30 * 3 * 2 * 4
     assert per_token["int4_per_tensor"] == 23_040 / 4 and per_token["int4_per_group"] == 5_760 + 1_440
-    q = quant.kv_quant("int8_per_block")
+    q = formats.kv_quant("int8_per_block")
     assert q.cache_bytes(33, 30, 3, 64, 16) == 33 * 11_520 + 3 * 2 * 30 * 3 * 4  # three blocks' scales
 
 
 def test_greedy_agreement_counts_up_to_the_first_divergence():
     ref = [[1, 2, 3, 4], [5, 6, 7, 8]]
-    assert quant.greedy_agreement(ref, ref) == (1.0, 4.0)
-    assert quant.greedy_agreement(ref, [[1, 2, 9, 4], [0, 6, 7, 8]]) == (2 / 8, 1.0)  # later matches do not count
+    assert quant_quality.greedy_agreement(ref, ref) == (1.0, 4.0)
+    assert quant_quality.greedy_agreement(ref, [[1, 2, 9, 4], [0, 6, 7, 8]]) == (2 / 8, 1.0)  # later matches do not count
     with pytest.raises(ValueError, match="references and outputs"):
-        quant.greedy_agreement(ref, ref[:1])
+        quant_quality.greedy_agreement(ref, ref[:1])
 
 
 # -- the kernels against the references -----------------------------------------------------------
@@ -160,11 +163,11 @@ def same_bytes(a: torch.Tensor, b: torch.Tensor) -> bool:
 @needs_kernels
 @pytest.mark.parametrize("name", SCHEMES)
 def test_write_and_decode_kernels_equal_the_references(name):
-    q = quant.kv_quant(name)
+    q = formats.kv_quant(name)
     head_dim, block_size = SHAPES[name]
     seed = SCHEMES.index(name)
     pools = []
-    for write in (kernels.write_kv_ref, kernels.write_kv):
+    for write in (reference.write_kv_ref, paged_attention.write_kv):
         gen = torch.Generator().manual_seed(seed)  # the same pools, data and poison for both writers
         pools.append(write_sequences(write, q, name, LENS, 2, head_dim, block_size, gen))
     ref, got = pools
@@ -175,13 +178,13 @@ def test_write_and_decode_kernels_equal_the_references(name):
     query = torch.randn(len(LENS), 8, head_dim, generator=gen)  # GQA: 8 query heads on 2 KV heads
     out = torch.full_like(query, float("nan"))
     kw = dict(kv_cache_dtype=name, k_scale=ks, v_scale=vs)
-    kernels.paged_decode_attention(query.to(DEVICE), *(t.to(DEVICE) for t in (kc, vc, tables, lens)), out=out,
-                                   **{k: (v.to(DEVICE) if isinstance(v, torch.Tensor) else v) for k, v in kw.items()})
-    want = kernels.paged_decode_attention_ref(query.double(), kc, vc, tables, lens, **kw)
+    paged_attention.paged_decode_attention(query.to(DEVICE), *(t.to(DEVICE) for t in (kc, vc, tables, lens)), out=out,
+                                           **{k: (v.to(DEVICE) if isinstance(v, torch.Tensor) else v) for k, v in kw.items()})
+    want = reference.paged_decode_attention_ref(query.double(), kc, vc, tables, lens, **kw)
     assert not out.isnan().any(), "an output read a poisoned slot or scale, or was never written"
     torch.testing.assert_close(out.double().cpu(), want, atol=2e-5, rtol=1e-5)
     # and quantization did something: the answer is not the unquantized one
-    values = kernels.dequantize_blocks(kc, vc, ks, vs, name, tables, lens, torch.float64)
+    values = reference.dequantize_blocks(kc, vc, ks, vs, name, tables, lens, torch.float64)
     assert values[0].isfinite().any()
 
 
@@ -190,51 +193,78 @@ def test_quantized_decode_splits_and_bf16_queries():
     """Split-K over a quantized pool, and 16-bit queries (the dequantized tile meets q's dtype)."""
     name = "int4_per_group"
     gen = torch.Generator().manual_seed(7)
-    kc, vc, ks, vs, tables, lens = write_sequences(kernels.write_kv_ref, quant.kv_quant(name), name, [30, 3], 1,
+    kc, vc, ks, vs, tables, lens = write_sequences(reference.write_kv_ref, formats.kv_quant(name), name, [30, 3], 1,
                                                    32, 8, gen)
     kw = dict(kv_cache_dtype=name, k_scale=ks, v_scale=vs)
     query = torch.randn(2, 4, 32, generator=gen)
-    want = kernels.paged_decode_attention_ref(query.double(), kc, vc, tables, lens, **kw)
-    split = kernels.paged_decode_attention(query, kc, vc, tables, lens, num_splits=2, **kw)
+    want = reference.paged_decode_attention_ref(query.double(), kc, vc, tables, lens, **kw)
+    split = paged_attention.paged_decode_attention(query, kc, vc, tables, lens, num_splits=2, **kw)
     torch.testing.assert_close(split.double(), want, atol=2e-5, rtol=1e-5)
-    half = kernels.paged_decode_attention(query.bfloat16(), kc, vc, tables, lens, **kw)
+    half = paged_attention.paged_decode_attention(query.bfloat16(), kc, vc, tables, lens, **kw)
     torch.testing.assert_close(half.double(), want, atol=1e-2, rtol=1.6e-2)
 
 
+class Recording:
+    """A cache that records every ``attend`` call of a forward pass and passes it on."""
+
+    def __init__(self, cache):
+        self.cache, self.calls = cache, []
+
+    @property
+    def seq_len(self):
+        return self.cache.seq_len
+
+    def attend(self, layer_idx, q, k, v):
+        out = self.cache.attend(layer_idx, q, k, v)
+        self.calls.append((layer_idx, q.clone(), k.clone(), v.clone(), out.clone()))
+        return out
+
+
 @needs_kernels
-def test_a_quantized_paged_cache_gives_the_model_the_same_logits_with_triton_and_references():
-    """KVPool end to end: write, prefill (dequantized scratch pool) and decode, kernels against references."""
+def test_a_quantized_paged_cache_attends_with_triton_as_with_the_references():
+    """KVPool end to end: write, prefill (dequantized scratch pool) and decode, kernels against references.
+
+    The model runs on the references' cache; the Triton cache then gets the very same q, k and v, layer
+    by layer. (Running the model on each would feed layer 1 K/V that differ in the last bit, and a code
+    at a rounding tie may then differ by one on some CPUs: a test of the machine, not of the kernels.)
+    """
     cfg = DecoderConfig(vocab_size=64, hidden_size=32, intermediate_size=64, num_hidden_layers=2,
                         num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=64)
     model = Decoder.random(cfg, seed=3)
-    logits = []
-    for use_triton in (True, False):
-        cache = PagedKVCache(cfg, 4, 4, use_triton=use_triton, kv_cache_dtype="int8_per_block")
-        with torch.no_grad():
-            first = model(torch.tensor([[1, 2, 3, 4, 5, 6]]), cache=cache)[0, -1]
-            step = model(torch.tensor([[7]]), cache=cache)[0, -1]
-        logits.append(torch.stack([first, step]))
-    torch.testing.assert_close(logits[0], logits[1], atol=1e-5, rtol=1e-5)
+    ref_cache = PagedKVCache(cfg, 4, 4, use_triton=False, kv_cache_dtype="int8_per_block")
+    recording = Recording(ref_cache)
+    with torch.no_grad():
+        model(torch.tensor([[1, 2, 3, 4, 5, 6]]), cache=recording)  # prefill
+        model(torch.tensor([[7]]), cache=recording)  # decode
+    assert [c[0] for c in recording.calls] == [0, 1, 0, 1]
+    cache = PagedKVCache(cfg, 4, 4, use_triton=True, kv_cache_dtype="int8_per_block")
+    for layer_idx, q, k, v, want in recording.calls:
+        got = cache.attend(layer_idx, q, k, v)
+        torch.testing.assert_close(got, want, atol=1e-5, rtol=1e-5)
+    for ours, theirs in ((cache.k_caches, ref_cache.k_caches), (cache.v_caches, ref_cache.v_caches),
+                         (cache.k_scales, ref_cache.k_scales), (cache.v_scales, ref_cache.v_scales)):
+        for a, b in zip(ours, theirs):
+            assert torch.equal(a, b)  # the same codes and scales, bit for bit
     assert cache.bytes_per_block == 2 * 2 * (4 * 2 * 8) + 2 * 2 * 2 * 4  # codes (head_dim 8) + per-block scales
 
 
 def test_fp8_before_sm89_names_its_fallback():
-    assert kernels.kv_format_reason("fp8_per_block", (8, 0)).endswith(
+    assert fallback.kv_format_reason("fp8_per_block", (8, 0)).endswith(
         "the PyTorch reference (dequantize, then attend) runs instead")
-    assert "compute capability 8.9" in kernels.kv_format_reason("fp8_per_tensor", (7, 5))
-    assert kernels.kv_format_reason("fp8_per_tensor", (8, 9)) is None
-    assert kernels.kv_format_reason("int4_per_group", (7, 5)) is None  # integer codes compile everywhere
-    assert kernels.kv_format_reason("auto", (7, 5)) is None
+    assert "compute capability 8.9" in fallback.kv_format_reason("fp8_per_tensor", (7, 5))
+    assert fallback.kv_format_reason("fp8_per_tensor", (8, 9)) is None
+    assert fallback.kv_format_reason("int4_per_group", (7, 5)) is None  # integer codes compile everywhere
+    assert fallback.kv_format_reason("auto", (7, 5)) is None
 
 
 def test_per_block_write_refuses_a_gap_and_changes_nothing():
-    q = quant.kv_quant("int8_per_block")
+    q = formats.kv_quant("int8_per_block")
     kc, ks = q.empty_pool(2, 4, 1, 8)
     vc, vs = q.empty_pool(2, 4, 1, 8)
     before = [t.clone() for t in (kc, vc, ks, vs)]
     k = torch.randn(2, 1, 8)
     with pytest.raises(ValueError, match="slot_mapping must send the tokens written into one block"):
-        kernels.write_kv(k, k, kc, vc, torch.tensor([0, 2]), kv_cache_dtype="int8_per_block", k_scale=ks, v_scale=vs)
+        paged_attention.write_kv(k, k, kc, vc, torch.tensor([0, 2]), kv_cache_dtype="int8_per_block", k_scale=ks, v_scale=vs)
     assert all(torch.equal(a, b) for a, b in zip(before, (kc, vc, ks, vs)))
 
 
@@ -266,28 +296,28 @@ WRONG = {
 
 @pytest.mark.parametrize("seed", [0, 1, 2])
 def test_the_exercise_checker_passes_the_right_answer_and_fails_known_wrong_ones(seed):
-    cases = quant.exercise_cases(seed)
-    assert quant.exercise_problems((right_scales, right_quantize, right_dequantize), cases) == []
+    cases = build_it.kv_quant_cases(seed)
+    assert build_it.kv_quant_problems((right_scales, right_quantize, right_dequantize), cases) == []
     for label, answer in WRONG.items():
-        assert quant.exercise_problems(answer, cases), f"{label} passed the checker"
+        assert build_it.kv_quant_problems(answer, cases), f"{label} passed the checker"
 
 
 def test_the_exercise_checker_refuses_labkits_own_functions(capsys):
-    from labkit.exercises import Exercises
+    from labkit.teaching.exercises import Exercises
 
-    cheat = (right_scales, lambda x, s: quant.quantize(x, s[:, None, :, None], "int8"), right_dequantize)
-    cases = quant.exercise_cases(5)
+    cheat = (right_scales, lambda x, s: formats.quantize(x, s[:, None, :, None], "int8"), right_dequantize)
+    cases = build_it.kv_quant_cases(5)
     Exercises("A3_fewer_bytes_per_element").check_behaviour(
-        "Exercise", cheat, lambda a: quant.exercise_problems(a, cases), forbid=[quant.quantize, quant.dequantize])
-    assert "your answer calls `labkit.quant.quantize`" in capsys.readouterr().out
+        "Exercise", cheat, lambda a: build_it.kv_quant_problems(a, cases), forbid=[formats.quantize, formats.dequantize])
+    assert "your answer calls `labkit.memory.formats.quantize`" in capsys.readouterr().out
 
 
 def test_calibrate_measures_each_layers_range():
     cfg = DecoderConfig(vocab_size=64, hidden_size=32, intermediate_size=64, num_hidden_layers=2,
                         num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=64)
     model = Decoder.random(cfg, seed=0)
-    k_scales, v_scales = quant.calibrate(model, list(range(20)), quant.kv_quant("int8_per_tensor"))
-    observer = quant.AmaxObserver(2)
+    k_scales, v_scales = quant_quality.calibrate_kv_scales(model, list(range(20)), formats.kv_quant("int8_per_tensor"))
+    observer = quant_quality.AmaxObserver(2)
     with torch.no_grad():
         model(torch.tensor([list(range(20))]), cache=observer)
     assert k_scales == [a / 127 for a in observer.k_amax] and len(v_scales) == 2

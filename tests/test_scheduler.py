@@ -1,4 +1,4 @@
-"""labkit.scheduler: the article's budget pass, preemption, prefix hits and copy-on-write.
+"""labkit.serving.scheduler: the article's budget pass, preemption, prefix hits and copy-on-write.
 
 The scheduler holds no tensors, so these tests check it with a *symbolic* KV pool: the
 "K/V" written at a slot is the token prefix it was computed from. After every step each
@@ -16,13 +16,15 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from labkit.paging import BlockAllocator, blocks_needed
-from labkit.prefix import PrefixCache
-from labkit.forking import ForkingScheduler
-from labkit.priority import PriorityScheduler
-from labkit.reservation import ALLOCATIONS, ReservingScheduler, check_allocation, scheduler_class
-from labkit.scheduler import Request, RequestStatus, Scheduler, extra_blocks, plan_iteration
-from labkit.skipahead import advance_decodes
+from labkit.memory.blocks import blocks_needed, extra_blocks
+from labkit.memory.paging import BlockAllocator
+from labkit.memory.prefix import PrefixCache
+from labkit.serving.request import Request, RequestStatus
+from labkit.serving.scheduler import Scheduler, plan_iteration
+from labkit.serving.sim.skipahead import advance_decodes
+from labkit.serving.variants.forking import ForkingScheduler
+from labkit.serving.variants.priority import PriorityScheduler
+from labkit.serving.variants.reservation import ALLOCATIONS, ReservingScheduler, check_allocation, scheduler_class
 
 VOCAB = 50
 
@@ -989,6 +991,23 @@ def test_a_preempted_request_refinding_its_own_blocks_is_counted_apart():
     assert (stats.requests, stats.queries, stats.hits) == (2, 16, 0) and stats.hit_rate == 0
     assert (stats.preempted_requests, stats.preempted_queries, stats.preempted_hits) == (1, 8 + 1, 8)
     assert sum(s.stats.prefix_hit_tokens for s in steps) == 0 and sum(s.stats.preempted_hit_tokens for s in steps) == 8
+    assert a.num_cached_tokens == b.num_cached_tokens == 0  # the first admission's hit, as vLLM's Request keeps it
+
+
+def test_the_first_admissions_hit_is_counted_once_and_read_everywhere():
+    """One count of the first-admission hit (issue 37): the request keeps it (``num_cached_tokens``), the
+    steps that admitted it add it up (``prefix_hit_tokens``), the prefix cache's counters record it, and a
+    re-admission after a preemption changes none of them, whatever it re-finds."""
+    shared = list(range(1, 9))
+    sched = Scheduler(5, 4, 64)
+    first = sched.add_request(shared + [50, 51], 6)
+    second = sched.add_request(shared + [60, 61], 6)  # finds the 8 shared tokens, then is preempted
+    steps = run(sched, {})
+    assert second.num_preemptions >= 1
+    assert (first.num_cached_tokens, second.num_cached_tokens) == (0, 8)
+    stats = sched.prefix_cache.stats
+    assert stats.hits == sum(s.stats.prefix_hit_tokens for s in steps) == 8
+    assert stats.preempted_hits == sum(s.stats.preempted_hit_tokens for s in steps) > 0
 
 
 def test_a_chunked_prompt_is_one_query_of_all_its_tokens():
@@ -1019,13 +1038,13 @@ def test_freed_slot_is_refilled_at_the_next_step(seed):
     step. A slot left empty for a step, or a request admitted out of order, would take more."""
     import heapq
 
-    from labkit.replay import named_requests, serve
+    from labkit.serving.dry_run import dry_run, named_requests
 
     rng = random.Random(seed)
     slots, lengths = 4, [rng.randint(1, 30) for _ in range(17)]
     sched = Scheduler(num_blocks=400, block_size=4, max_num_batched_tokens=64, max_num_seqs=slots,
                       enable_prefix_caching=False)
-    steps = serve(sched, {0: named_requests((f"r{i}", rng.randint(2, 9), n) for i, n in enumerate(lengths))})
+    steps = dry_run(sched, {0: named_requests((f"r{i}", rng.randint(2, 9), n) for i, n in enumerate(lengths))})
     free_at = [0] * slots
     for n in lengths:
         heapq.heappush(free_at, heapq.heappop(free_at) + n)

@@ -1,33 +1,34 @@
-"""labkit.show prints exact excerpts of labkit's code, and refuses markers that are gone."""
+"""labkit.teaching.excerpts prints exact excerpts of labkit's code, and refuses markers that are gone."""
 
 import inspect
 
 import pytest
 
-from labkit import kernels, paging
-from labkit.show import excerpt, excerpt_lines
+from labkit.kernels import triton_paged
+from labkit.memory import blocks
+from labkit.teaching.excerpts import excerpt, excerpt_lines
 
 
 def test_excerpt_is_the_lines_between_the_markers(capsys):
-    number, lines = excerpt_lines(paging.blocks_needed, "def blocks_needed", "return")
-    source, start = inspect.getsourcelines(paging.blocks_needed)
+    number, lines = excerpt_lines(blocks.blocks_needed, "def blocks_needed", "return")
+    source, start = inspect.getsourcelines(blocks.blocks_needed)
     assert number == start and lines[0] == source[0]
     assert "return" in lines[-1] and all("return" not in l for l in lines[:-1])
-    excerpt(paging.blocks_needed, "def blocks_needed", "return")
+    excerpt(blocks.blocks_needed, "def blocks_needed", "return")
     out = capsys.readouterr().out.splitlines()
-    assert out[0].startswith("# paging.py, line ")
+    assert out[0].startswith("# memory/blocks.py, line ")
     assert out[1].split(None, 1)[1] == "def blocks_needed" + source[0].split("def blocks_needed", 1)[1].rstrip()
 
 
 def test_excerpt_reads_a_triton_kernel_dedented(capsys):
-    excerpt(kernels._paged_decode_kernel, "tl.program_id(0)")
+    excerpt(triton_paged.paged_decode_kernel, "tl.program_id(0)")
     out = capsys.readouterr().out.splitlines()
-    assert len(out) == 2 and out[0].startswith("# kernels.py, line ")
+    assert len(out) == 2 and out[0].startswith("# kernels/triton_paged.py, line ")
     assert out[1].split("  ", 1)[1].startswith("seq = tl.program_id(0)")  # no indentation left
 
 
 def test_missing_markers_raise():
     with pytest.raises(ValueError, match="first="):
-        excerpt_lines(paging.blocks_needed, "no such line")
+        excerpt_lines(blocks.blocks_needed, "no such line")
     with pytest.raises(ValueError, match="last="):
-        excerpt_lines(paging.blocks_needed, "def blocks_needed", "no such line")
+        excerpt_lines(blocks.blocks_needed, "def blocks_needed", "no such line")

@@ -1,4 +1,4 @@
-"""labkit.costmodel, labkit.workloads and labkit.sim (chapter 06).
+"""labkit.serving.sim.costmodel, labkit.serving.sim.workloads and labkit.serving.sim.simulator (chapter 06).
 
 The simulator is checked three ways: against chapter 05's real engine (the same
 schedule and the same blocks at every step), against itself (skip-ahead must give
@@ -11,20 +11,25 @@ from __future__ import annotations
 import math
 import os
 import random
+from types import SimpleNamespace
 
 import numpy as np
 import pytest
 
 import labkit  # noqa: F401
-from labkit.capacity import GiB, TEACHING_MODEL, ModelShape
-from labkit.costmodel import DEVICES, CostModel, ModelCost, get_device, get_model_cost
-from labkit.engine import Engine
-from labkit.model import Decoder, DecoderConfig
-from labkit.scheduler import Scheduler
-from labkit.pool import plan_pool, reservation_shares
-from labkit.sim import Simulator, weighted_percentile
-from labkit.workloads import (ALPACA, SHAREGPT, RequestSpec, long_document_questions, make_workload,
-                              poisson_arrivals, sharegpt_like)
+from labkit.memory.capacity import TEACHING_MODEL, ModelShape
+from labkit.memory.pool_plan import plan_pool, reservation_shares
+from labkit.model.decoder import Decoder, DecoderConfig
+from labkit.serving.engine import Engine
+from labkit.serving.scheduler import Scheduler
+from labkit.serving.sim.costmodel import DEVICES, CostModel, ModelCost, get_device, get_model_cost
+from labkit.serving.sim.percentiles import latency_percentiles, weighted_percentile
+from labkit.serving.sim.realtime import MeasuredRun
+from labkit.serving.sim.simulator import Simulator, step_sums
+from labkit.serving.sim.work import work_sums
+from labkit.serving.sim.workloads import (ALPACA, SHAREGPT, RequestSpec, long_document_questions, make_workload,
+                                          poisson_arrivals, sharegpt_like)
+from labkit.units import GiB
 
 # --------------------------------------------------------------------------- cost model
 
@@ -213,6 +218,48 @@ def test_weighted_percentile_equals_repeating_values():
             np.percentile(repeated, q, method="inverted_cdf")
 
 
+def test_the_simulator_and_a_measured_run_read_percentiles_by_one_definition():
+    """One percentile definition (issue 37): a simulated run's and a measured run's TTFT and ITL
+    percentiles are ``latency_percentiles``, the inverted CDF. Ten TTFTs of 1..10 s: the p50 is 5 s, a
+    value that occurred (linear interpolation, numpy's default, would say 5.5 s)."""
+    ttft = np.arange(1.0, 11.0)
+    assert latency_percentiles(ttft)["p50"] == 5.0 != np.percentile(ttft, 50)
+    measured = MeasuredRun(ttft=ttft, itl=ttft / 10, steps=[], outputs=[])
+    assert measured.ttft_percentiles() == latency_percentiles(ttft)
+    assert measured.itl_percentiles() == latency_percentiles(ttft / 10)
+    specs = sharegpt_like(40, arrival_rate=20.0, seed=3)
+    result = Simulator(CostModel("teaching model", "A100 80GB SXM"), num_blocks=400).run(specs)
+    assert result.ttft_percentiles() == latency_percentiles(result.ttft)
+    assert result.itl_percentiles() == latency_percentiles(result.itl, result.itl_weight)
+    for q in (50, 90, 99):
+        assert result.ttft_percentiles()[f"p{q}"] == np.percentile(result.ttft, q, method="inverted_cdf")
+        assert result.itl_percentiles()[f"p{q}"] == np.percentile(np.repeat(result.itl, result.itl_weight.astype(int)),
+                                                                   q, method="inverted_cdf")
+
+
+def test_vllms_steps_and_labkits_are_summed_by_one_rule():
+    """The step recorder of vLLM's driver and the simulator's ``step_sums`` both call ``work_sums``: the same
+    three sums for the same chunks, one a vLLM ``SchedulerOutput``, the other a labkit ``Step``."""
+    from labkit.vllm_bridge import driver  # imports only the standard library, and work.py by its path
+
+    sched = Scheduler(32, 4, 16)
+    for prompt in ([1, 2, 3, 4, 5, 6, 7], [8, 9, 10], list(range(20, 40))):
+        sched.add_request(prompt, 3)
+    step = sched.schedule()
+    sched.postprocess(step, [0] * len(step.sampling_chunks))
+    step = sched.schedule()  # decodes beside a chunk of the long prompt
+    new = [c for c in step.chunks if c.start == 0]
+    cached = [c for c in step.chunks if c.start > 0]
+    vllm_output = SimpleNamespace(
+        scheduled_new_reqs=[SimpleNamespace(req_id=c.request.request_id, num_computed_tokens=c.start) for c in new],
+        scheduled_cached_reqs=SimpleNamespace(req_ids=[c.request.request_id for c in cached],
+                                              num_computed_tokens=[c.start for c in cached]),
+        num_scheduled_tokens={c.request.request_id: c.num_tokens for c in step.chunks})
+    assert cached and driver.step_sums(vllm_output) == step_sums(step)
+    k, start = 3, 5
+    assert work_sums([(start, k)]) == (k, start, k * start + k * (k + 1) / 2)  # a chunk's causal pairs
+
+
 def test_itl_percentiles_are_nan_without_a_second_token():
     """One output token each: no interval to measure. weighted_percentile refuses empty input, the
     result says NaN (as before that check), and the summary still has its row."""
@@ -298,7 +345,7 @@ def test_the_engine_comparison_covers_hits_preemption_and_chunks(monkeypatch):
                 blocked.append(step.index)  # someone queued behind the skipped request was not tried
             return step
 
-    monkeypatch.setattr("labkit.sim.scheduler_class", lambda allocation: (Recording, {}))
+    monkeypatch.setattr("labkit.serving.sim.simulator.scheduler_class", lambda allocation: (Recording, {}))
     results, mid_prompt_chunks = [], 0
     for s, nb, b, sp in ENGINE_CASES:
         specs = tiny_workload(s, 8, shared=9, max_prompt=24, max_output=14, spread=sp)
@@ -496,7 +543,7 @@ def test_simulator_refuses_a_bad_allocation():
 def test_load_explorer_updates_with_its_controls():
     import matplotlib
     matplotlib.use("Agg")
-    from labkit.widgets.load_explorer import explore, load_explorer, readout
+    from labkit.teaching.widgets.load_explorer import explore, load_explorer, readout
 
     box = load_explorer()
     rate, system, block, pool, caching, table = box.children[:6]
@@ -514,7 +561,7 @@ def test_load_explorer_updates_with_its_controls():
 def test_load_explorer_system_prompt_is_shared_and_only_sharing_changes_with_caching():
     """The slider means a shared system prompt: every request starts with the same tokens, and turning
     prefix caching off keeps the prompts and changes only what is reused."""
-    from labkit.widgets.load_explorer import explore
+    from labkit.teaching.widgets.load_explorer import explore
 
     on = explore(2.0, 256, 16, 2.0, num_requests=30)
     off = explore(2.0, 256, 16, 2.0, num_requests=30, enable_prefix_caching=False)
@@ -561,7 +608,7 @@ def test_an_infinite_overhead_is_refused():
 
 @pytest.mark.parametrize("pool", [math.nan, math.inf])
 def test_pool_bytes_must_be_finite(pool):
-    from labkit import capacity
+    from labkit.memory import capacity
     with pytest.raises(ValueError, match="pool_bytes"):
         Simulator(pool_bytes=pool)
     with pytest.raises(ValueError, match="device_bytes"):
@@ -571,7 +618,7 @@ def test_pool_bytes_must_be_finite(pool):
 def test_a_bool_dtype_has_no_cache_bytes():
     import torch
 
-    from labkit.capacity import bytes_per_token
+    from labkit.memory.capacity import bytes_per_token
     with pytest.raises(ValueError, match="dtype"):
         bytes_per_token(32, 8, 128, dtype=torch.bool)
 

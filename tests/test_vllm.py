@@ -1,7 +1,7 @@
-"""labkit.vllm against worked examples derived by hand from vLLM 0.33.0's code.
+"""labkit.vllm_bridge.predict against worked examples derived by hand from vLLM 0.33.0's code.
 
 Each expected number is computed in the comment beside it from the rule in vLLM's
-source (file and function named), not from labkit.capacity's formula.
+source (file and function named), not from labkit.memory.capacity's formula.
 """
 
 import math
@@ -10,9 +10,10 @@ from fractions import Fraction
 
 import pytest
 
-from labkit import vllm
-from labkit.capacity import GiB, MiB, PRESET_CONFIGS, PRESETS, ModelShape
-from labkit.vllm import KVCacheTooSmallError, kv_cache_report
+from labkit.memory.capacity import PRESET_CONFIGS, PRESETS, ModelShape
+from labkit.units import GiB, MiB
+from labkit.vllm_bridge import predict
+from labkit.vllm_bridge.predict import KVCacheTooSmallError, kv_cache_report
 
 
 # ------------------------------------------------------------------ the headline example
@@ -34,13 +35,13 @@ def test_llama3_8b_8_gib_block_16():
 
 def test_the_articles_device_at_full_and_default_utilization():
     # request_memory: ceil(24 GiB × 1.0) - 17 GiB = 7 GiB -> 7 GiB // 2 MiB = 3,584 blocks, 3584/512 = 7.00x.
-    assert vllm.available_kv_bytes(24 * GiB, 1.0, 17 * GiB) == 7 * GiB
+    assert predict.available_kv_bytes(24 * GiB, 1.0, 17 * GiB) == 7 * GiB
     r = kv_cache_report("teaching model", 7 * GiB, max_model_len=8192)
     assert (r.num_gpu_blocks, r.gpu_kv_cache_tokens) == (3584, 57_344)
     assert r.log_lines()[1].endswith("8,192 tokens per request: 7.00x")
     # Default 0.92: 24 GiB × 0.92 = 23,708,219,473.92 exactly (the float product rounds to the same
     # ceiling), so request_memory asks for 23,708,219,474 B; minus 17 GiB ≈ 5.08 GiB.
-    avail = vllm.available_kv_bytes(24 * GiB, 0.92, 17 * GiB)
+    avail = predict.available_kv_bytes(24 * GiB, 0.92, 17 * GiB)
     assert avail == math.ceil(Fraction(24 * GiB) * Fraction("0.92")) - 17 * GiB == 23_708_219_474 - 17 * GiB
     r = kv_cache_report("teaching model", avail, max_model_len=8192)
     assert r.num_gpu_blocks == avail // (2 * MiB) == 2600  # 5.08 GiB / 2 MiB
@@ -58,9 +59,9 @@ def test_tokens_are_concurrency_times_max_model_len_not_blocks_times_block_size(
 
 
 def test_format_gib_is_round_two_places():
-    assert vllm.format_gib(7 * GiB) == "7.0"
-    assert vllm.format_gib(5.4546 * GiB) == "5.45"
-    assert vllm.format_gib(1.005 * GiB) == str(round(1.005, 2))
+    assert predict.format_gib(7 * GiB) == "7.0"
+    assert predict.format_gib(5.4546 * GiB) == "5.45"
+    assert predict.format_gib(1.005 * GiB) == str(round(1.005, 2))
 
 
 # ------------------------------------------------------------------ the start-up error
@@ -70,7 +71,7 @@ def test_refusal_carries_vllms_numbers_and_advice():
     # 5.08 GiB available, minus the null block (2 MiB): 5,452,511,314 B. A 65,536-token request
     # needs cdiv(65536, 16) = 4,096 blocks × 2 MiB = 8 GiB. Largest length: 2,599 whole blocks
     # (5,452,511,314 // 2 MiB) × 16 = 41,584 tokens.
-    avail = vllm.available_kv_bytes(24 * GiB, 0.92, 17 * GiB)
+    avail = predict.available_kv_bytes(24 * GiB, 0.92, 17 * GiB)
     with pytest.raises(KVCacheTooSmallError) as err:
         kv_cache_report("teaching model", avail, max_model_len=65_536)
     e = err.value
@@ -125,7 +126,7 @@ def test_refusal_against_a_brute_force_search():
 
 def test_tensor_parallel_splits_then_replicates_kv_heads():
     # Llama-3-70B: 8 KV heads, 80 layers. QKVParallelLinear: divide(8, tp) below 8, else one head replicated.
-    from labkit.capacity import kv_heads_per_device
+    from labkit.memory.capacity import kv_heads_per_device
     assert [kv_heads_per_device(8, tp) for tp in (1, 2, 4, 8, 16, 32)] == [8, 4, 2, 1, 1, 1]
     pages = {tp: kv_cache_report("Llama-3-70B", 40 * GiB, max_model_len=8192, tensor_parallel_size=tp)
              for tp in (2, 8, 16)}
@@ -149,12 +150,12 @@ def test_tensor_parallel_that_does_not_divide_the_kv_heads_is_refused():
 
 def test_get_pp_indices_puts_extra_layers_before_the_last_stage():
     # 61 // 4 = 15, remainder 1 -> partitions[-2] += 1: [15, 15, 16, 15].
-    assert [vllm.get_pp_indices(61, r, 4) for r in range(4)] == [(0, 15), (15, 30), (30, 46), (46, 61)]
+    assert [predict.get_pp_indices(61, r, 4) for r in range(4)] == [(0, 15), (15, 30), (30, 46), (46, 61)]
     # 80 // 3 = 26, remainder 2 -> partitions[-2] and [-3]: [27, 27, 26].
-    assert [vllm.get_pp_indices(80, r, 3) for r in range(3)] == [(0, 27), (27, 54), (54, 80)]
+    assert [predict.get_pp_indices(80, r, 3) for r in range(3)] == [(0, 27), (27, 54), (54, 80)]
     for layers in range(1, 40):
         for pp in range(1, min(layers, 9) + 1):
-            sizes = [b - a for a, b in (vllm.get_pp_indices(layers, r, pp) for r in range(pp))]
+            sizes = [b - a for a, b in (predict.get_pp_indices(layers, r, pp) for r in range(pp))]
             assert sum(sizes) == layers and sizes[-1] == layers // pp  # the last stage never gets an extra
             assert max(sizes) - min(sizes) <= 1
 
@@ -184,23 +185,23 @@ def test_mla_has_one_head_and_no_factor_two():
     # 61 layers: 4,497,408 B per block; 40 GiB // that = 9,549 blocks; a request: 163,840 / 64 = 2,560 blocks.
     assert r8.num_gpu_blocks == 40 * GiB // (61 * 73_728) == 9549
     assert f"{r8.max_concurrency:.2f}" == "3.73"
-    fp8 = vllm.page_size_bytes(PRESETS["DeepSeek-V3"], 64, "fp8")
+    fp8 = predict.page_size_bytes(PRESETS["DeepSeek-V3"], 64, "fp8")
     assert fp8 == 64 * 576  # one byte per element
-    assert vllm.page_size_bytes(PRESETS["DeepSeek-V3"], 64, "fp8_ds_mla") == 64 * 656
+    assert predict.page_size_bytes(PRESETS["DeepSeek-V3"], 64, "fp8_ds_mla") == 64 * 656
     with pytest.raises(ValueError, match="no MLA attention backend"):  # none lists it in 0.33.0
-        vllm.page_size_bytes(PRESETS["DeepSeek-V3"], 64, "fp8_per_token_head")
+        predict.page_size_bytes(PRESETS["DeepSeek-V3"], 64, "fp8_per_token_head")
 
 
 def test_kv_cache_dtypes_of_full_attention():
     llama = PRESETS["Llama-3-8B"]
-    assert vllm.page_size_bytes(llama, 16, "auto") == 16 * 8 * 256 * 2
+    assert predict.page_size_bytes(llama, 16, "auto") == 16 * 8 * 256 * 2
     for per_tensor in ("fp8", "fp8_e4m3", "fp8_e5m2"):  # scales live outside the pages
-        assert vllm.page_size_bytes(llama, 16, per_tensor) == 16 * 8 * 256
+        assert predict.page_size_bytes(llama, 16, per_tensor) == 16 * 8 * 256
     # TritonAttentionBackend.customize_spec: (128 + 128) × 1 B + 2 × 4 B scales per head and token.
-    assert vllm.page_size_bytes(llama, 16, "fp8_per_token_head") == 16 * 8 * 264
-    assert vllm.page_size_bytes(llama, 16, "int8_per_token_head") == 16 * 8 * 264
+    assert predict.page_size_bytes(llama, 16, "fp8_per_token_head") == 16 * 8 * 264
+    assert predict.page_size_bytes(llama, 16, "int8_per_token_head") == 16 * 8 * 264
     # int4 packs two codes per byte: 128 // 2 bytes per side, the same two float32 scales.
-    assert vllm.page_size_bytes(llama, 16, "int4_per_token_head") == 16 * 8 * (2 * 64 + 8)
+    assert predict.page_size_bytes(llama, 16, "int4_per_token_head") == 16 * 8 * (2 * 64 + 8)
     r = kv_cache_report("Llama-3-8B", 8 * GiB, max_model_len=8192, kv_cache_dtype="fp8")
     assert r.num_gpu_blocks == 8192 and r.max_concurrency == 16.0
     with pytest.raises(ValueError, match="kv_cache_dtype 'fp8_ds_mla' is for MLA models only"):
@@ -229,7 +230,7 @@ def test_mistral_sliding_window_budget():
 def test_gemma2_hybrid_groups():
     # 21 sliding (even) + 21 full (odd) layers, equal pages 16 × 8 × 512 × 2 = 128 KiB:
     # two groups of 21 layers; a block id costs 21 × 128 KiB = 2,752,512 B.
-    groups = vllm.kv_cache_groups(PRESETS["Gemma-2-9B"])
+    groups = predict.kv_cache_groups(PRESETS["Gemma-2-9B"])
     assert [(w, layers[:3]) for w, layers in groups] == [(4096, [0, 2, 4]), (None, [1, 3, 5])]
     r = kv_cache_report("Gemma-2-9B", 20 * GiB, max_model_len=8192)
     assert r.page_size_bytes == 131_072 and r.bytes_per_block == (21 * 131_072,)
@@ -242,12 +243,12 @@ def test_gemma2_hybrid_groups():
 def test_hybrid_grouping_pads_unequal_buckets():
     # 10 full + 20 sliding: group size 10 -> (full ×10), (sw[0::2]), (sw[1::2]): 3 groups, as in vLLM's docstring.
     shape = ModelShape("x", 30, 2, 64, 2, sliding_window=128, sliding_layers=tuple(range(10, 30)))
-    groups = vllm.kv_cache_groups(shape)
+    groups = predict.kv_cache_groups(shape)
     assert [(w, len(layers)) for w, layers in groups] == [(None, 10), (128, 10), (128, 10)]
     assert groups[1][1] == list(range(10, 30, 2))
     # 12 sliding + 13 full (under 1.5×): group size 13, one group each (the sliding one padded).
     shape = ModelShape("y", 25, 2, 64, 2, sliding_window=128, sliding_layers=tuple(range(12)))
-    assert [(w, len(layers)) for w, layers in vllm.kv_cache_groups(shape)] == [(128, 12), (None, 13)]
+    assert [(w, len(layers)) for w, layers in predict.kv_cache_groups(shape)] == [(128, 12), (None, 13)]
 
 
 def test_config_dict_input_and_float32_checkpoints():
@@ -292,13 +293,13 @@ def test_bad_input_names_the_parameter(kwargs, match):
 ])
 def test_available_kv_bytes_bad_input(args, match):
     with pytest.raises(ValueError, match=match):
-        vllm.available_kv_bytes(*args)
+        predict.available_kv_bytes(*args)
 
 
 def test_available_kv_bytes_can_go_negative_and_then_vllm_refuses():
     # _check_enough_kv_cache_memory: any available figure at or below zero (after the null block)
     # gets "No available memory for the cache blocks", negative ones included.
-    avail = vllm.available_kv_bytes(24 * GiB, 0.5, 17 * GiB)
+    avail = predict.available_kv_bytes(24 * GiB, 0.5, 17 * GiB)
     assert avail == 12 * GiB - 17 * GiB
     for figure in (avail, -1, -0.5, 0, [8 * GiB, -1]):
         with pytest.raises(ValueError, match="^No available memory for the cache blocks"):
@@ -339,7 +340,7 @@ def test_mla_refuses_cache_dtypes_no_mla_backend_lists():
             continue
         assert kv_cache_report("Llama-3-8B", 8 * GiB, max_model_len=8192, kv_cache_dtype=dtype).page_size_bytes \
             == 16 * 8 * (2 * 128 + 8)  # full attention takes them: two float32 scales per head and token
-    for dtype in vllm.MLA_KV_CACHE_DTYPES:
+    for dtype in predict.MLA_KV_CACHE_DTYPES:
         kv_cache_report("DeepSeek-V3", 40 * GiB, max_model_len=4096, kv_cache_dtype=dtype)
 
 
@@ -351,17 +352,17 @@ SMOL_FP32 = ModelShape("SmolLM2-135M-Instruct (float32)", num_layers=30, num_kv_
 
 def test_cpu_budget_is_the_kvcache_space_in_gib():
     # platforms/cpu.py: kv_cache_memory_bytes = int(VLLM_CPU_KVCACHE_SPACE) * GiB_bytes (1 << 30)
-    assert vllm.cpu_kv_cache_bytes(1) == 2**30 and vllm.cpu_kv_cache_bytes(4) == 4 * 2**30
+    assert predict.cpu_kv_cache_bytes(1) == 2**30 and predict.cpu_kv_cache_bytes(4) == 4 * 2**30
     for bad in (1.5, "1", -1, True):
         with pytest.raises(ValueError, match="kvcache_space_gib"):
-            vllm.cpu_kv_cache_bytes(bad)
+            predict.cpu_kv_cache_bytes(bad)
 
 
 def test_the_book_model_on_a_cpu_as_vllm_cpu_logged_it():
     # Seen in vllm-cpu 0.32.0's log (appendix A4): "CPU KV cache size: 23,296 tokens, Maximum concurrency for
     # 2,048 tokens per request: 11.38x". Page = 32 × 3 × (64 + 64) × 4 B = 49,152 B; a block of 30 layers is
     # 1,474,560 B; 2**30 // 1,474,560 = 728 blocks; 2,048 tokens need 64 blocks -> 11.375x; int(11.375 × 2048).
-    r = kv_cache_report(SMOL_FP32, vllm.cpu_kv_cache_bytes(1), block_size=32, max_model_len=2048, device_type="cpu")
+    r = kv_cache_report(SMOL_FP32, predict.cpu_kv_cache_bytes(1), block_size=32, max_model_len=2048, device_type="cpu")
     assert (r.page_size_bytes, r.bytes_per_block, r.num_gpu_blocks) == (49_152, (1_474_560,), 728)
     assert r.log_lines() == ["CPU KV cache size: 23,296 tokens, Maximum concurrency for 2,048 tokens per request: "
                              "11.38x"]

@@ -13,9 +13,10 @@ from __future__ import annotations
 
 import pytest
 
-from labkit.paging import BlockAllocator, OutOfBlocksError
-from labkit.prefix import CacheKey, PrefixCache, hash_chain
-from labkit.scheduler import Request, RequestStatus, Scheduler
+from labkit.memory.paging import BlockAllocator, OutOfBlocksError
+from labkit.memory.prefix import CacheKey, PrefixCache, hash_chain
+from labkit.serving.request import Request, RequestStatus
+from labkit.serving.scheduler import Scheduler
 
 COMMON = [i for i in range(3) for _ in range(16)]  # three full blocks of 16, as in vLLM's tests
 
@@ -313,9 +314,9 @@ def test_engine_stays_token_identical_when_same_step_requests_share():
     """The engine side of naming at allocation: the second prompt reads K/V that the same forward
     pass writes (write_kv stores every chunk's K/V of a layer before any chunk attends), so its
     tokens equal greedy decoding without any cache."""
-    from labkit.cache import generate
-    from labkit.engine import Engine
-    from labkit.model import Decoder, DecoderConfig
+    from labkit.caches.contiguous import generate
+    from labkit.model.decoder import Decoder, DecoderConfig
+    from labkit.serving.engine import Engine
 
     cfg = DecoderConfig(vocab_size=64, hidden_size=32, intermediate_size=64, num_hidden_layers=2,
                         num_attention_heads=4, num_key_value_heads=2, head_dim=8)

@@ -2,7 +2,7 @@
 
 vLLM reads a model folder (config.json, safetensors, tokenizer files), not the GGUF file the
 book ships. transformers will not save a model it loaded from GGUF, so the folder is written from
-the book's own loader: ``labkit.pretrained.from_pretrained`` dequantizes the GGUF weights to
+the book's own loader: ``labkit.model.pretrained.from_pretrained`` dequantizes the GGUF weights to
 float32, ``to_transformers`` puts them in a ``LlamaForCausalLM`` and ``save_pretrained`` writes
 them; the tokenizer rebuilt from the GGUF metadata is saved beside them, chat template included.
 Both engines then compute with the same float32 numbers.
@@ -20,7 +20,7 @@ import torch
 import transformers
 
 import labkit  # noqa: F401  (first: Triton's interpreter without a GPU)
-from labkit.pretrained import from_pretrained, load_tokenizer, real_model, to_transformers
+from labkit.model.pretrained import from_pretrained, load_tokenizer, real_model, to_transformers
 
 
 def write(folder: Path) -> Path:

@@ -1,0 +1,9 @@
+"""KV caches that hold tensors, each behind the decoder's one method, ``attend`` (chapters 01, 03, 04, A3).
+
+* ``contiguous``: ``KVCache``, per-layer tensors grown by concatenation, and greedy ``generate``;
+* ``paged``: ``KVPool`` (every layer's block pools and paged attention), ``PagedKVCache`` (a block
+  table per sequence) and ``generate_paged``;
+* ``prefix_cached``: ``PrefixCachedPool``, whose blocks a ``PrefixCache`` shares between requests,
+  and ``generate_with_prefix_cache``;
+* ``quant_quality``: what a quantized cache costs the real model (scales, loss, greedy agreement).
+"""

@@ -1,0 +1,10 @@
+"""Serving: who runs each step, with how many tokens, and what that does to latency (chapters 05, 06).
+
+* ``request``: ``Request``, a prompt, its limits and where it stands;
+* ``step``: what one step hands the model (``Step``, ``ScheduledChunk``, ``Decision``, ``StepStats``);
+* ``scheduler``: the core, ``plan_iteration`` (the article's budget pass) and ``Scheduler`` (vLLM's loop);
+* ``engine``: ``Engine``, the scheduler, a ``KVPool`` and a model, step by step;
+* ``dry_run``: the scheduler run without a model, for reading its steps;
+* ``variants``: schedulers beside the core, each through one hook (forking, priority, reservation);
+* ``sim``: workloads, the cost model, the simulator, and its calibration on a measured engine.
+"""

@@ -1,0 +1,158 @@
+"""A small serving engine: the book's pieces in one loop (chapter 05).
+
+Each ``Engine.step()`` follows what vLLM v1 does each iteration (``vllm/v1/engine/core.py``,
+``EngineCore.step``: schedule, execute the model, update from the output):
+
+1. ``Scheduler.schedule()`` (chapter 05) picks requests and token counts within the
+   token budget and the free blocks, admits waiting requests with their prefix-cache
+   hits (chapter 04), preempts when blocks run out, and assigns every new token a slot.
+2. labkit only: copy-on-write pairs are applied to the K/V pools (block ``src`` -> ``dst``,
+   all layers). They come from ``ForkingScheduler.fork`` (``labkit.serving.variants.forking``, pass
+   ``scheduler_cls=ForkingScheduler``), chapter 04's way to sample several
+   answers from one prompt: the twins share every block, and the first to write into a
+   shared, partly filled tail gets a private copy. vLLM v1 does no such copy: its parallel
+   sampling makes independent child requests (``vllm/v1/engine/parallel_sampling.py``),
+   which share the prompt's full blocks through the prefix cache (when it is on) and each
+   compute their own last, partial block.
+3. The step's tokens from *all* requests are flattened into one batch ``[1, total_tokens]``
+   with explicit positions: prompt chunks and single decode tokens side by side, as vLLM v1
+   batches them. (nano-vllm does not mix them: each of its steps is prefill only or decode only.)
+4. The decoder (chapter 01) runs once. Its attention goes through
+   ``KVPool.attend`` (chapter 03): ``write_kv`` scatters the new K/V into their slots,
+   then the Triton paged-attention kernels (chapter 03) attend over each request's
+   blocks, request ``i`` owning query rows ``cu_seqlens_q[i]:cu_seqlens_q[i+1]``.
+5. The logits at the last token of each chunk that reaches the end of its known tokens
+   (and only there: ``logits_indices``, as vLLM computes them) are turned into the next token
+   (greedy), and ``Scheduler.postprocess`` appends them, finishes requests and releases their blocks. A request also finishes on an end-of-sequence
+   token: a real model's ``config.eos_token_id`` (a chat model may list several).
+
+Nothing here decides *who* runs: that is all in ``labkit.serving.scheduler``, the same code that
+chapter 06's simulator drives without a model.
+"""
+
+from __future__ import annotations
+
+from typing import Sequence
+
+import torch
+
+from ..caches.paged import AttentionMetadata, KVPool
+from ..checks import parse_stop_token_ids
+from ..memory.prefix import CacheKey
+from ..model.decoder import Decoder
+from .request import Request
+from .scheduler import Scheduler
+from .step import Step, StepStats
+
+__all__ = ["Engine"]
+
+
+class Engine:
+    """A continuous-batching engine: decoder + paged K/V + prefix cache + scheduler + Triton kernels.
+
+    ``model``: a ``labkit.model.decoder.Decoder``. ``num_blocks`` blocks of ``block_size`` tokens
+    form the K/V pool; ``max_num_batched_tokens`` is the token budget of a step and
+    ``max_num_seqs`` the most requests running at once.
+    ``enable_prefix_caching``, ``full_sequence_must_fit`` (vLLM's admission gate, on by default):
+    passed to the scheduler, an instance of ``scheduler_cls`` (a ``Scheduler`` or a variant of it,
+    such as ``labkit.serving.variants.forking.ForkingScheduler``). ``dtype``: of the
+    K/V pool (default: the model's). ``use_triton``: the Triton kernels (default) or their
+    PyTorch references. Greedy decoding; ``stats`` holds one ``StepStats`` per step.
+
+    End of sequence: a request stops after ``max_new_tokens`` or after emitting one of its
+    ``eos_token_id`` (default: the model's ``config.eos_token_id``, one id or a list; pass
+    ``()`` to ignore it). The EOS token is part of the output, as in transformers' ``generate``.
+    """
+
+    def __init__(self, model: Decoder, num_blocks: int, block_size: int = 16, max_num_batched_tokens: int = 256,
+                 *, max_num_seqs: int = 256, enable_prefix_caching: bool = True,
+                 full_sequence_must_fit: bool = True, scheduler_cls: type[Scheduler] = Scheduler,
+                 dtype: torch.dtype | None = None, use_triton: bool = True):
+        if not isinstance(model, Decoder):
+            raise ValueError(f"model must be a labkit.model.decoder.Decoder, got {type(model).__name__}")
+        self.model = model
+        weight = model.lm_head.weight
+        self.dtype = dtype or weight.dtype
+        cfg = model.config
+        key = CacheKey(model=f"labkit Decoder {id(model):#x}",  # these weights, in this process
+                       cache_dtype=str(self.dtype).removeprefix("torch."), rope_theta=float(cfg.rope_theta))
+        if not (isinstance(scheduler_cls, type) and issubclass(scheduler_cls, Scheduler)):
+            raise ValueError(f"scheduler_cls must be labkit.serving.scheduler.Scheduler or a subclass, "
+                             f"got {scheduler_cls!r}")
+        self.scheduler = scheduler_cls(num_blocks, block_size, max_num_batched_tokens, max_num_seqs=max_num_seqs,
+                                       enable_prefix_caching=enable_prefix_caching, cache_key=key,
+                                       full_sequence_must_fit=full_sequence_must_fit)
+        self.backend = KVPool(cfg, num_blocks, block_size, self.dtype, weight.device, use_triton)
+        self.stats: list[StepStats] = []
+
+    def add_request(self, prompt_token_ids: Sequence[int], max_new_tokens: int,
+                    eos_token_id: int | Sequence[int] | None = None) -> Request:
+        """Queue a prompt; it runs in the coming steps. Returns its ``Request``.
+
+        ``eos_token_id``: the id(s) that end it early; None means the model's ``config.eos_token_id``.
+        """
+        return self.scheduler.add_request(self._make_request(prompt_token_ids, max_new_tokens, eos_token_id))
+
+    def _eos_ids(self, eos_token_id: int | Sequence[int] | None) -> tuple[int, ...]:
+        """The stop ids, checked against the vocabulary (empty: never stop early)."""
+        if eos_token_id is None:
+            eos_token_id = self.model.config.eos_token_id
+        return parse_stop_token_ids(eos_token_id, vocab_size=self.model.config.vocab_size)
+
+    def _make_request(self, prompt_token_ids: Sequence[int], max_new_tokens: int,
+                      eos_token_id: int | Sequence[int] | None = None) -> Request:
+        """A checked ``Request``, not queued yet; it stops on any of its EOS ids."""
+        ids = list(prompt_token_ids) if isinstance(prompt_token_ids, (list, tuple, range)) else prompt_token_ids
+        eos = self._eos_ids(eos_token_id)
+        request = Request(ids, max_new_tokens, eos or None)
+        vocab = self.model.config.vocab_size
+        if max(request.prompt_token_ids) >= vocab:
+            raise ValueError(f"prompt_token_ids must lie in [0, {vocab - 1}] (vocab_size)")
+        self.scheduler.check_fits(request)
+        return request
+
+    def has_unfinished(self) -> bool:
+        return self.scheduler.has_unfinished()
+
+    @torch.no_grad()
+    def step(self) -> Step:
+        """Schedule, run the model once on every scheduled token, sample, update."""
+        step = self.scheduler.schedule()
+        sampled: list[int] = []
+        if step.chunks:
+            self.backend.copy_blocks(step.copies)
+            device = self.backend.device
+            input_ids = torch.tensor([[t for c in step.chunks for t in c.token_ids]], device=device)
+            positions = torch.tensor([[p for c in step.chunks for p in c.positions]], device=device)
+            self.backend.meta = AttentionMetadata.build(
+                [c.block_table for c in step.chunks], [c.seq_len for c in step.chunks],
+                [c.num_tokens for c in step.chunks], [s for c in step.chunks for s in c.slot_mapping], device)
+            ends, end = [], 0  # the last token of each chunk that samples: only there are logits needed
+            for c in step.chunks:
+                end += c.num_tokens
+                if c.samples:
+                    ends.append(end - 1)
+            logits = self.model(input_ids, positions, cache=self.backend,
+                                logits_indices=torch.tensor(ends, dtype=torch.long, device=device))[0]
+            sampled = logits.argmax(dim=-1).tolist()
+        elif self.scheduler.has_unfinished():
+            raise RuntimeError("the scheduler planned nothing although requests are unfinished")
+        self.scheduler.postprocess(step, sampled)
+        self.stats.append(step.stats)
+        return step
+
+    def generate(self, prompts: Sequence[Sequence[int]], max_new_tokens: int,
+                 eos_token_id: int | Sequence[int] | None = None) -> list[list[int]]:
+        """Serve every prompt to completion; the generated token ids of each, in prompt order.
+
+        Each stops after ``max_new_tokens`` or at an ``eos_token_id`` (None: the model's).
+        """
+        if not prompts:
+            raise ValueError("prompts must hold at least one prompt")
+        # all checked before any is queued
+        requests = [self._make_request(p, max_new_tokens, eos_token_id) for p in prompts]
+        for request in requests:
+            self.scheduler.add_request(request)
+        while self.has_unfinished():
+            self.step()
+        return [list(r.output_token_ids) for r in requests]

@@ -1,0 +1,142 @@
+"""The short quiz at the end of each chapter 01 to 06: its answers, and a line of feedback for each.
+
+The questions are in the chapter; the answers are here, out of the reader's sight, with a
+line that explains the right answer (printed when it is given, and in solutions/) and a line
+for each wrong choice that says what it misses. A numeric answer is computed with labkit, as
+every number in the book is, and accepted within its ``rel_tol``.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass, field
+from typing import Any, Callable
+
+__all__ = ["Question", "QUIZZES", "verdicts"]
+
+
+@dataclass(frozen=True)
+class Question:
+    """One question: ``answer`` is a letter, or a function computing the number; ``why`` explains it;
+    ``wrong`` says, for each other letter, what that choice misses."""
+
+    answer: str | Callable[[], float]
+    why: str
+    wrong: dict[str, str] = field(default_factory=dict)
+    rel_tol: float = 0.0
+
+    def expected(self) -> Any:
+        return self.answer() if callable(self.answer) else self.answer
+
+
+def _teaching_kib() -> float:
+    from ..memory.capacity import TEACHING_MODEL
+
+    return TEACHING_MODEL.bytes_per_token() / 1024
+
+
+def _breakeven() -> float:
+    from ..serving.sim.costmodel import CostModel
+
+    return CostModel("teaching model", "RTX 4090 (24 GiB)").breakeven_batch(4096)
+
+
+def _recompute() -> float:
+    from .answers import _recompute_05
+
+    return _recompute_05()[0]
+
+
+QUIZZES: dict[str, list[Question]] = {
+    "01_why_the_cache_grows": [
+        Question("b", "each decode step attends over every cached position and its own: the read grows with the history.",
+                 {"a": "the new token's K/V alone would ignore the context.", "c": "generated tokens are cached too."}),
+        Question("a", "causal attention: position i never sees later tokens, so its K/V are final once computed.",
+                 {"b": "frozen weights are not enough: bidirectional attention would change old K/V.",
+                  "c": "the cached and recomputed outputs agree because the inputs agree, not because of softmax."}),
+        Question(lambda: 1000 + 200, "plan a request at its prompt plus its generation limit: 1,000 + 200 positions."),
+        Question("b", "the cache holds activations (K and V) in the cache dtype; the weights' format does not enter.",
+                 {"a": "4-bit weights shrink the file, not the K/V the model computes.",
+                  "c": "the cache's element type is set by the cache dtype, not the weights'."}),
+    ],
+    "02_cost_per_token": [
+        Question("b", "bytes per token = 2 × L × Hkv × D × b: twice the KV heads doubles it.",
+                 {"a": "query heads do not enter the formula (the GQA mistake).",
+                  "c": "the hidden size enters only through head_dim, held fixed here."}),
+        Question("b", "past 8 devices each still holds one whole KV head per layer: heads are replicated, not split.",
+                 {"a": "a KV head cannot be cut in two.", "c": "each device still holds one head per layer."}),
+        Question("a", "b goes from 2 bytes to 1: half the bytes per token, about twice the sequences.",
+                 {"b": "the element size is a factor of the formula.", "c": "fewer bytes per token fit more tokens."}),
+        Question(_teaching_kib, "2 × 32 layers × 8 KV heads × 128 × 2 bytes = 131,072 bytes = 128 KiB."),
+    ],
+    "03_paging": [
+        Question("b", "paging changes where K/V live and how much is held, not their size or what attention reads.",
+                 {"a": "every position is stored at full precision.", "c": "every position is still read."}),
+        Question(lambda: -33 % 16, "33 tokens take 3 blocks of 16 = 48 slots: 15 stay empty."),
+        Question("a", "a bigger block wastes more of its last block but needs fewer block-table entries.",
+                 {"b": "the tail waste grows with the block, up to block_size - 1 slots."}),
+        Question("a", "first fit needs one contiguous hole; the free space is split between reservations.",
+                 {"b": "a contiguous allocator has no block table."}),
+    ],
+    "04_prefix_reuse": [
+        Question(lambda: (64 - 1) // 16 * 16, "the hit is capped at len - 1 = 63 tokens, in full blocks: 3 blocks, 48 "
+                                                "tokens; the last prompt token is computed for its logits."),
+        Question("b", "a block's name hashes its parent's name: a change renames its block and every block after.",
+                 {"a": "the next block's name includes this one's.", "c": "blocks before the change keep their names."}),
+        Question("a", "a hit skips prefill of the shared blocks and stores them once; decoding is unchanged.",
+                 {"b": "every output token is still a decode step.", "c": "decode steps are not saved."}),
+        Question("b", "RoPE rotates keys by position: the same tokens four places later have other keys.",
+                 {"a": "the K/V depend on the position, not only on the tokens."}),
+    ],
+    "05_scheduler": [
+        Question("b", "the article's pass skips a candidate whose blocks do not fit; a smaller one behind may fit.",
+                 {"a": "the pass stops only when the token budget is spent."}),
+        Question("b", "the newest running request loses least work and waits at the front of the queue.",
+                 {"a": "the oldest has the most computed tokens to lose.",
+                  "c": "length is not the rule; arrival order is."}),
+        Question(_recompute, "recompute drops every block: the prompt's 3 tokens and the 3 outputs are computed again."),
+        Question("a", "admitting a long prompt by its first chunk in a tight pool gets it preempted halfway, "
+                      "and its prompt computed twice.", {"b": "it costs no compute; it avoids wasted compute."}),
+    ],
+    "06_from_fit_to_serve": [
+        Question("b", "ITL pools every interval, so one stall shows in its tail; TPOT averages it away per request.",
+                 {"a": "TPOT is one mean per request: a single long gap is diluted."}),
+        Question("a", "a decode step reads the weights once for the whole batch, each history once per sequence.",
+                 {"b": "each sequence reads only its own history."}),
+        Question(_breakeven, "weight bytes / (4,096 × 131,072 bytes): about 30 sequences.", rel_tol=0.05),
+        Question("a", "paging fits more sequences in the pool, so batches are bigger and weight reads are shared.",
+                 {"b": "paging does not make attention faster; the paged kernel reads the same bytes."}),
+    ],
+}
+
+
+def _matches(question: Question, given: Any) -> bool:
+    want = question.expected()
+    if isinstance(want, str):
+        return isinstance(given, str) and given.strip().lower() == want
+    if isinstance(given, bool) or not isinstance(given, (int, float)):
+        return False
+    return math.isclose(float(given), float(want), rel_tol=question.rel_tol, abs_tol=1e-12)
+
+
+def verdicts(chapter: str, answers: dict[int, Any]) -> tuple[list[str], int, int]:
+    """One line per question of ``chapter``'s quiz for ``answers`` (question number -> answer), and
+    the counts of wrong and unanswered questions."""
+    if chapter not in QUIZZES:
+        raise ValueError(f"chapter must be one of {sorted(QUIZZES)}, got {chapter!r}")
+    if type(answers) is not dict:
+        raise ValueError(f"answers must be a dict {{question number: answer}}, got {type(answers).__name__}")
+    lines, wrong, open_ = [], 0, 0
+    for number, question in enumerate(QUIZZES[chapter], start=1):
+        given = answers.get(number)
+        if given is None:
+            open_ += 1
+            lines.append(f"⏳ Question {number}: not answered yet.")
+        elif _matches(question, given):
+            lines.append(f"✅ Question {number}: {question.why}")
+        else:
+            wrong += 1
+            key = given.strip().lower() if isinstance(given, str) else None
+            lines.append(f"❌ Question {number}: not {given!r}. "
+                         + question.wrong.get(key, "Look again at the chapter's summary."))
+    return lines, wrong, open_
