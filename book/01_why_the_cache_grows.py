@@ -328,12 +328,11 @@ for t, mib, ms in zip(long_contexts, read_mib, read_ms):
     print(f"context {t:>7,}: reads {mib:5.0f} MiB in {ms:6.2f} ms = {ms / mib:.3f} ms per MiB")
 
 # %% [markdown]
-# The bytes grow 64-fold from the first line to the last. The time per MiB (the last column) is not
-# one constant, and the reason is the processor, not the cache's size law: a CPU keeps recently used
-# data in its own cache memory, tens of MiB on a desktop or server processor. A KV cache that fits
-# there is read from it, faster per MiB; one that does not comes from main memory at main memory's
-# rate. Past that size, each extra MiB costs the same time, and the step time is a straight line in
-# the bytes read. The next cell fits that line to the contexts of 64 MiB and more, and reads the
+# The bytes grow 64-fold from the first line to the last. Whether the time per MiB (the last column)
+# is one constant depends on the processor, not on the cache's size law: a CPU keeps recently used
+# data in its own cache memory, tens of MiB on a desktop or server processor, and a KV cache that fits
+# there can be read faster per MiB than one that comes from main memory. Past that size, each extra
+# MiB costs the same time, and the step time is a straight line in the bytes read. The next cell fits that line to the contexts of 64 MiB and more, and reads the
 # size of this processor's last cache where the operating system reports it (Linux does).
 
 # %%
@@ -345,9 +344,10 @@ slope, intercept = torch.linalg.lstsq(torch.tensor([[read_mib[i], 1.0] for i in 
                                       torch.tensor([[read_ms[i]] for i in big], dtype=torch.float64)).solution.flatten().tolist()
 small_rate, big_rate = read_ms[0] / read_mib[0], slope
 off = max(abs(read_ms[i] - (intercept + slope * read_mib[i])) / read_ms[i] for i in big)
-print(f"from main memory: {slope:.3f} ms per extra MiB read (line fitted to {len(big)} contexts of 64 MiB and more; "
+print(f"from 64 MiB on: {slope:.3f} ms per extra MiB read (line fitted to {len(big)} contexts of 64 MiB and more; "
       f"the farthest is {off:.0%} off the line)")
-print(f"a {read_mib[0]:.0f} MiB cache, small enough for the processor's cache: {small_rate:.3f} ms per MiB")
+print(f"a {read_mib[0]:.0f} MiB cache, small enough for the processor's cache: {small_rate:.3f} ms per MiB "
+      f"(against {big_rate:.3f} from 64 MiB on)")
 llc = Path("/sys/devices/system/cpu/cpu0/cache/index3/size")
 llc_mib = int(llc.read_text().strip().rstrip("K")) / 1024 if llc.exists() else None
 print(f"this processor's last-level cache: {f'{llc_mib:.0f} MiB' if llc_mib else 'not reported here'}")
@@ -379,7 +379,7 @@ doubling = [m for m in read_mib if m in (4, 8, 16, 32, 64, 128, 256)]  # one tic
 ax3.set_xticks(doubling, [f"{m:g}" for m in doubling], fontsize="small")
 ax3.minorticks_off()
 ax3.set(xlabel="KV cache read per decode step (MiB)", ylabel="ms per MiB read", ylim=(0, None),
-        title="Time per MiB: two levels, the CPU's cache\nand main memory (measured, same CPU)")
+        title="Time per MiB, small caches and large\n(measured, same CPU)")
 fig.tight_layout()
 plt.show()
 
@@ -390,11 +390,13 @@ plt.show()
 # as the cell printed. On a linear axis it would sit flat at zero under the recompute curve. Middle: the attention reads alone, up to
 # 256 MiB. From 64 MiB on, the points follow the fitted line (the cell prints how far the farthest
 # strays; a busy machine adds scatter): every extra MiB of history costs about the same time, the
-# main-memory rate printed above. Right: the same data as time per MiB. Small caches
-# are read at the processor cache's rate, large ones at main memory's. The step between the two
-# levels comes at or somewhat below the size the processor reports for its last-level cache: that
-# cache also holds everything else the program touches. A decode step does not grow faster than linearly in its
-# history: it grows linearly, at a rate set by where the bytes live.
+# rate printed above. Right: the same data as time per MiB, beside the size the processor reports for
+# its last-level cache. Where the small caches come out faster per MiB (the cell printed both rates),
+# the step between the two comes at or somewhat below that size: the cache also holds everything else
+# the program touches. Where they do not, the attention's own arithmetic (the products and the softmax,
+# timed here with the reads) sets the rate on both sides; appendix A6 times memory alone, with a copy.
+# Either way a decode step does not grow faster than linearly in its history: it grows linearly, at a
+# rate set by the bytes it reads.
 #
 # A GPU has the same structure with different sizes. An H100's L2 cache holds 50 MB (NVIDIA's H100 whitepaper), while a
 # serving batch holds gigabytes of KV cache in HBM, so decode runs at the HBM rate: the bytes read per
@@ -705,8 +707,8 @@ ex.quiz(quiz)
 #   why causality allows it.
 # - Compute a cache's size from layers, KV heads, head dimension, tokens and element size, and plan a
 #   request at its prompt length plus its generation limit.
-# - Measure how a decode step's time follows the bytes of history it reads, and tell the processor
-#   cache's rate from main memory's.
+# - Measure how a decode step's time follows the bytes of history it reads, and say whether the
+#   processor's cache changes its rate.
 # - Load a real model from a GGUF file into the book's decoder and measure its cache per token.
 
 # %% [markdown]
