@@ -635,9 +635,9 @@ assert book_on - book_off < min(1.0, 0.01 * min(miss_on, miss_off))
 
 # %% [markdown]
 # Hashing and naming three blocks costs a fraction of a millisecond (first line), too little to
-# see in a prefill. What moves the times is the machine. The process's very first prefill pays
-# one-off costs (last line); timed, it would have weighed on whichever mode ran first, which is
-# why an untimed round comes first and the modes take turns. And the same prefill, repeated,
+# see in a prefill. What moves the times is the machine. The process's very first prefill can pay
+# one-off costs (the last line says how much in this run); timed, they would weigh on whichever mode
+# ran first, which is why an untimed round comes first and the modes take turns. And the same prefill, repeated,
 # spreads over the range the middle lines show: a gap between question 1's two times, in either
 # direction, is that spread, not the cache.
 #
