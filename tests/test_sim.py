@@ -233,8 +233,8 @@ def test_the_simulator_and_a_measured_run_read_percentiles_by_one_definition():
     assert result.itl_percentiles() == latency_percentiles(result.itl, result.itl_weight)
     for q in (50, 90, 99):
         assert result.ttft_percentiles()[f"p{q}"] == np.percentile(result.ttft, q, method="inverted_cdf")
-        assert result.itl_percentiles()[f"p{q}"] == np.percentile(np.repeat(result.itl, result.itl_weight.astype(int)),
-                                                                   q, method="inverted_cdf")
+        repeated = np.repeat(result.itl, result.itl_weight.astype(int))
+        assert result.itl_percentiles()[f"p{q}"] == np.percentile(repeated, q, method="inverted_cdf")
 
 
 def test_vllms_steps_and_labkits_are_summed_by_one_rule():

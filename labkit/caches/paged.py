@@ -29,8 +29,6 @@ from ..model.decoder import Decoder, DecoderConfig, check_config, check_decoder,
 from .contiguous import Generation
 
 
-# ----------------------------------------------------------------------------- paged (chapter 03)
-
 @dataclass
 class AttentionMetadata:
     """The kernels' inputs for one forward pass over a paged pool.

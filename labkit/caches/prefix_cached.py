@@ -23,8 +23,6 @@ from ..model.decoder import check_decoder, check_vocab
 from .paged import AttentionMetadata, KVPool
 
 
-# ----------------------------------------------------------------------------- prefix-cached (chapter 04)
-
 class PrefixCachedPool(KVPool):
     """Paged K/V pools for a ``Decoder`` whose blocks a ``PrefixCache`` manages, one sequence at a time.
 

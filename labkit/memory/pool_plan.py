@@ -11,7 +11,7 @@ served well is ``labkit.serving.sim.simulator``'s question.
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Protocol, Sequence
+from typing import Sequence
 
 import numpy as np
 
@@ -140,15 +140,11 @@ PAPER_FIG2 = {"reserve max length": 0.204, "reserve power of two": 0.268, "reser
 RESERVATION_POLICIES = tuple(PAPER_FIG2)
 
 
-class Lengths(Protocol):
-    """What ``reservation_shares`` reads of a request (``labkit.serving.sim.workloads.RequestSpec`` has it)."""
-
-    prompt_len: int
-    output_len: int
-
-
-def reservation_shares(requests: Sequence[Lengths], max_len: int = 2048, block_size: int = 16) -> dict[str, float]:
+def reservation_shares(requests: Sequence, max_len: int = 2048, block_size: int = 16) -> dict[str, float]:
     """The share of reserved KV slots that hold live token states, under four policies.
+
+    ``requests``: anything with a ``prompt_len`` and an ``output_len`` (a ``RequestSpec`` of
+    ``labkit.serving.sim.workloads``).
 
     Every request is looked at during each of its decode steps: after step ``t``
     (``t = 1 .. output_len``) it holds ``prompt_len + t`` live tokens. What it has

@@ -310,13 +310,14 @@ def _tokenizer_metadata(file: GGUFFile) -> dict[str, Any]:
                         f"found {describe_value(bad)}")
     types = meta.get("tokenizer.ggml.token_type", np.zeros(len(tokens), np.int32))
     if not (isinstance(types, np.ndarray) and types.dtype.kind in "iu" and types.shape == (len(tokens),)):
-        raise GGUFError(path, f"tokenizer.ggml.token_type must be an array of {len(tokens):,} integers (one per token), "
-                        f"got {describe_value(types)}")
+        raise GGUFError(path, f"tokenizer.ggml.token_type must be an array of {len(tokens):,} integers "
+                        f"(one per token), got {describe_value(types)}")
     special = {}
     for key in _SPECIAL_IDS:
         i = meta.get(f"tokenizer.ggml.{key}")
         if i is not None and (type(i) is not int or not 0 <= i < len(tokens)):
-            raise GGUFError(path, f"tokenizer.ggml.{key} must be a token id in [0, {len(tokens):,}), got {describe_value(i)}")
+            raise GGUFError(path, f"tokenizer.ggml.{key} must be a token id in [0, {len(tokens):,}), "
+                            f"got {describe_value(i)}")
         special[key] = None if i is None else tokens[i]
     template = meta.get("tokenizer.chat_template")
     if template is not None and not isinstance(template, str):

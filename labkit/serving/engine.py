@@ -23,8 +23,9 @@ Each ``Engine.step()`` follows what vLLM v1 does each iteration (``vllm/v1/engin
    blocks, request ``i`` owning query rows ``cu_seqlens_q[i]:cu_seqlens_q[i+1]``.
 5. The logits at the last token of each chunk that reaches the end of its known tokens
    (and only there: ``logits_indices``, as vLLM computes them) are turned into the next token
-   (greedy), and ``Scheduler.postprocess`` appends them, finishes requests and releases their blocks. A request also finishes on an end-of-sequence
-   token: a real model's ``config.eos_token_id`` (a chat model may list several).
+   (greedy), and ``Scheduler.postprocess`` appends them, finishes requests and releases their
+   blocks. A request also finishes on an end-of-sequence token: a real model's
+   ``config.eos_token_id`` (a chat model may list several).
 
 Nothing here decides *who* runs: that is all in ``labkit.serving.scheduler``, the same code that
 chapter 06's simulator drives without a model.

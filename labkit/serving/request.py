@@ -107,7 +107,8 @@ class Request:
     def admit(self, num_hit: int) -> bool:
         """Running from now on, its first ``num_hit`` tokens found in the prefix cache. Returns whether it was
         preempted before: then it re-finds its own blocks, which is no hit, and ``num_cached_tokens`` keeps its
-        first admission's (vLLM's counting; the scheduler calls this once per admission)."""
+        first admission's, as in vLLM 0.33.0 (``vllm/v1/core/sched/scheduler.py``, ``Scheduler.schedule``
+        sets it once, while it is still -1). The scheduler calls this once per admission."""
         preempted = self.num_preemptions > 0
         if not preempted:
             self.num_cached_tokens = num_hit

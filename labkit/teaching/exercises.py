@@ -19,12 +19,12 @@ The rules that keep a checker honest, each tried against answers written to game
   so an object that claims to equal everything is refused;
 * a function answer gets *copies* of its inputs: rewriting what it was handed changes nothing
   the checker compares against;
-* hidden cases are drawn afresh on every run (``labkit.teaching.guards.hidden_rng``), so an answer fitted to one
+* hidden cases are drawn afresh on every run (``guards.hidden_rng``), so an answer fitted to one
   draw, or pasted from an earlier run, fails the next; a notebook still prints the same
   verdict line every time;
 * ``forbid=`` names the labkit functions (or whole classes) that the exercise asks the reader to
   write. Handing one in under a new name, or calling it from inside the answer, is refused.
-  The check watches the calls themselves (``labkit.teaching.guards.Watch``, a profiler): in the checker's thread, in
+  The check watches the calls themselves (``guards.Watch``, a profiler): in the checker's thread, in
   every thread the answer starts, in the workers of thread pools made before, and on Python
   3.12+ in every running thread. An answer that switches the watch off, starts another
   process, or starts a thread the watch cannot see gets a ❌ too;
