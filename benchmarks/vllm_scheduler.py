@@ -6,7 +6,8 @@ coordinator and ``BlockPool``), step by step, on the CPU. vLLM's scheduler is bu
 own tests build it (``tests/v1/core/utils.py``, ``create_scheduler``): one full-attention
 layer group, ``num_gpu_blocks`` blocks (one more than labkit's pool: vLLM holds block 0 back
 as its null block), chunked prefill on, async scheduling off (the synchronous
-``Scheduler``), ``max_model_len`` large enough for every request; each step a fake model
+``Scheduler``), ``max_model_len`` large enough for every request or, in four settings, small enough to stop
+the long ones (vLLM counts it in tokens: ``check_stop``); each step a fake model
 runner output is fed to ``update_from_output`` with one sampled token per request whose
 chunk reached its last known token. Output tokens are fixed by (request, position), so both
 sides see the same tokens whatever the schedule; some requests stop on a stop token.
@@ -33,7 +34,9 @@ an older labkit (``PYTHONPATH`` at another tree, with ``--old``) to compare.
 Measured (2026-11-30, ``benchmarks/results/vllm_scheduler_2026-11-30.md``): 37,657 steps,
 4,226 admissions, 386 preemptions, 100.0% the same on all four measures; labkit before issue 19
 (commit d847dcb): 62.7% of steps, 71.0% of hits, 11.2% of preemptions and 58.5% of finishing
-steps the same (1,994 preemptions against vLLM's 386).
+steps the same (1,994 preemptions against vLLM's 386). With the four settings where max_model_len binds
+(2026-12-02, ``benchmarks/results/vllm_scheduler_2026-12-02.md``): 45,887 steps, 6,223 admissions, 463
+preemptions, 100.0% the same on every column.
 """
 
 from __future__ import annotations
@@ -134,8 +137,11 @@ def output_token(index: int, position: int) -> int:
     return (index * 7919 + position * 104729 + (index * position) % 13) % VOCAB
 
 
-def make_workload(rng: random.Random, num_requests: int, pool_tokens: int) -> list[tuple[int, list[int], int, list[int]]]:
-    """(arrival step, prompt, max_new_tokens, stop ids) per request."""
+def make_workload(rng: random.Random, num_requests: int, pool_tokens: int,
+                  max_model_len: int | None = None) -> list[tuple[int, list[int], int, list[int]]]:
+    """(arrival step, prompt, max_new_tokens, stop ids) per request. With ``max_model_len``, prompts are cut to
+    ``max_model_len - 1`` tokens (vLLM refuses longer ones before they reach the scheduler) and
+    ``max_new_tokens`` is left as drawn, so that the cap binds for the long prompts."""
     systems = [[rng.randrange(VOCAB) for _ in range(rng.choice([32, 48, 64, 100]))] for _ in range(3)]
     docs = [[rng.randrange(VOCAB) for _ in range(rng.randint(300, 1500))] for _ in range(2)]
     out, step, prompts = [], 0, []
@@ -152,6 +158,8 @@ def make_workload(rng: random.Random, num_requests: int, pool_tokens: int) -> li
             prompt = [rng.randrange(VOCAB) for _ in range(rng.randint(1, 400))]
         new = rng.randint(1, 96)
         prompt = prompt[:max(1, pool_tokens - new)]
+        if max_model_len is not None:
+            prompt = prompt[:max_model_len - 1]
         stop = [rng.randrange(VOCAB) for _ in range(rng.randint(1, 12))] if rng.random() < 0.4 else []
         prompts.append(prompt)
         out.append((step, prompt, new, stop))
@@ -170,11 +178,13 @@ class Trace:
         self.cache_stats: tuple[int, ...] = ()  # requests, queries, hits, and the same for preempted admissions
 
 
-def run_labkit(work, num_blocks, budget, max_num_seqs, caching, gate, max_steps) -> Trace:
+def run_labkit(work, num_blocks, budget, max_num_seqs, caching, gate, max_steps, max_model_len=None) -> Trace:
     from labkit.serving.request import Request
     from labkit.serving.scheduler import Scheduler
 
     kw = {} if gate is None else {"full_sequence_must_fit": gate}
+    if max_model_len is not None:
+        kw["max_model_len"] = max_model_len
     sched = Scheduler(num_blocks, BLOCK_SIZE, budget, max_num_seqs=max_num_seqs, enable_prefix_caching=caching, **kw)
     requests = [Request(p, new, stop or None, request_id=i) for i, (_, p, new, stop) in enumerate(work)]
     trace, admissions = Trace(), [0] * len(work)
@@ -210,10 +220,10 @@ def _counts(stats) -> tuple:
                                                            "preempted_queries", "preempted_hits"))
 
 
-def run_vllm(v, work, num_blocks, budget, max_num_seqs, caching, max_steps) -> Trace:
+def run_vllm(v, work, num_blocks, budget, max_num_seqs, caching, max_steps, max_model_len=None) -> Trace:
     from labkit.memory.prefix import hash_chain
 
-    max_model_len = 1 << 16
+    max_model_len = max_model_len or 1 << 16  # None: large enough never to bind
     spec = v.FullAttentionSpec(block_size=BLOCK_SIZE, num_kv_heads=1, head_size=8, dtype=__import__("torch").float32)
     kv_config = v.KVCacheConfig(num_blocks=num_blocks + 1, kv_cache_tensors=[],  # + vLLM's null block
                                 kv_cache_groups=[v.KVCacheGroupSpec(["layer"], spec)])
@@ -304,32 +314,43 @@ def main() -> None:
     args = parser.parse_args()
     v = import_vllm_scheduler(args.vllm_src)
     gate = None if args.old else not args.chunk_only
-    # (max_num_seqs, budget, pool blocks): from loose to tight; every pool holds any one request.
-    settings = [(256, 2048, 2000), (256, 2048, 160), (64, 512, 160), (16, 256, 120), (4, 64, 120),
-                (256, 64, 200), (16, 2048, 100), (64, 128, 140)]
-    header = (f"{'max_num_seqs':>12} {'budget':>6} {'blocks':>6} {'caching':>7} {'steps':>6} {'same steps':>10} "
+    # (max_num_seqs, budget, pool blocks, max_model_len): from loose to tight; every pool holds any one request.
+    # max_model_len None never binds; the last four settings cap requests at max_model_len tokens (vLLM's
+    # check_stop), so that long prompts stop before their max_new_tokens.
+    settings = [(256, 2048, 2000, None), (256, 2048, 160, None), (64, 512, 160, None), (16, 256, 120, None),
+                (4, 64, 120, None), (256, 64, 200, None), (16, 2048, 100, None), (64, 128, 140, None),
+                (256, 2048, 160, 512), (64, 512, 160, 256), (16, 128, 120, 1024), (4, 64, 120, 100)]
+    header = (f"{'max_num_seqs':>12} {'budget':>6} {'blocks':>6} {'max_model_len':>13} {'caching':>7} {'steps':>6} "
+              f"{'same steps':>10} "
               f"{'admissions':>10} {'same hit':>8} {'preemptions l/v':>15} {'same preempt.':>13} {'same finish':>11} "
               f"{'same counters':>13}")
     lines = [header]
     total = [0] * 9
     pre_l = pre_v = 0
-    for seqs, budget, blocks in settings:
+    capped = total_capped = 0
+    for seqs, budget, blocks, max_model_len in settings:
         for caching in (True, False):
             row = [0] * 9
             pl = pv = 0
             for seed in range(args.seeds):
                 rng = random.Random(seed * 1000 + seqs + budget + blocks)
-                work = make_workload(rng, args.requests, blocks * BLOCK_SIZE)
-                a = run_labkit(work, blocks, budget, seqs, caching, gate, 20_000)
-                b = run_vllm(v, work, blocks, budget, seqs, caching, 20_000)
+                work = make_workload(rng, args.requests, blocks * BLOCK_SIZE, max_model_len)
+                a = run_labkit(work, blocks, budget, seqs, caching, gate, 20_000, max_model_len)
+                b = run_vllm(v, work, blocks, budget, seqs, caching, 20_000, max_model_len)
+                if max_model_len is not None:  # requests the cap stopped before their max_new_tokens
+                    capped += sum(1 for _, p, new, _ in work if len(p) + new > max_model_len)
+                total_capped += len(work) if max_model_len is not None else 0
                 row = [x + y for x, y in zip(row, compare(a, b))]
                 pl, pv = pl + len(a.preemptions), pv + len(b.preemptions)
             total = [x + y for x, y in zip(total, row)]
             pre_l, pre_v = pre_l + pl, pre_v + pv
-            lines.append(_row(f"{seqs:>12} {budget:>6} {blocks:>6} {'on' if caching else 'off':>7}", row, pl, pv,
-                              args.seeds))
-    lines.append(_row(f"{'all':>12} {'':>6} {'':>6} {'':>7}", total, pre_l, pre_v, args.seeds * 2 * len(settings)))
+            lines.append(_row(f"{seqs:>12} {budget:>6} {blocks:>6} {max_model_len or '-':>13} "
+                              f"{'on' if caching else 'off':>7}", row, pl, pv, args.seeds))
+    lines.append(_row(f"{'all':>12} {'':>6} {'':>6} {'':>13} {'':>7}", total, pre_l, pre_v,
+                      args.seeds * 2 * len(settings)))
     print("\n".join(lines))
+    print(f"max_model_len bound (prompt + max_new_tokens > max_model_len) for {capped:,} of the "
+          f"{total_capped:,} requests served under a max_model_len")
 
 
 def _row(label: str, r: list[int], pl: int, pv: int, runs: int) -> str:

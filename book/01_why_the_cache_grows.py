@@ -522,12 +522,13 @@ print(f"{len(reply.tokens)} tokens generated; the cache at the end held {reply.c
       f"{format_bytes(reply.cache_tokens * smol_per_token)}")
 
 # %% [markdown]
-# Read the reply before trusting it. When the book was run, the model said that a KV cache belongs to
-# "computer architecture and data structures" and holds "a minimum of 128K bytes": fluent sentences,
-# and wrong. KV stands for key and value, the two tensors this chapter has been caching, and a KV
-# cache has no minimum size. The cell prints whether your run's reply names keys and values. (In
-# bfloat16 a processor's sums round in its own order, so another CPU may get another reply: an earlier
-# run of the book, on another machine, said "using a KV (KillVerboseVerb) protocol".)
+# Read the reply before trusting it. When the book was run, the model said that a KV cache "stores
+# and retrieves data efficiently, using a KV (KillVerboseVerb) protocol": a fluent sentence, and
+# wrong. KV stands for key and value, the two tensors this chapter has been caching, and there is no
+# such protocol. The cell prints whether your run's reply names keys and values. (In bfloat16 a
+# processor's sums round in its own order, so another CPU may get another reply: an earlier run of
+# the book, on another machine, said a KV cache belongs to "computer architecture and data
+# structures" and holds "a minimum of 128K bytes", just as wrong.)
 #
 # Three things make a model this small wrong so easily. It has 135 million parameters (Llama-3-70B
 # has about 500 times as many), and so little room to store facts: it has

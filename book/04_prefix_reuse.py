@@ -707,7 +707,7 @@ assert all("Saturn" in tokenizer.decode(replies[n]) for n in whole[1:])  # wrong
 
 # %%
 from labkit.teaching.exercises import Exercises
-from labkit.teaching.guards import hidden_rng, torch_generator
+from labkit.teaching.guards import function_shape, hidden_rng, torch_generator
 
 ex = Exercises("04_prefix_reuse")
 
@@ -810,7 +810,7 @@ def check_isolation(fn) -> list[str]:
     return problems
 
 
-ex.check_behaviour("Exercise 2", cache_key_for, check_isolation,
+ex.check_behaviour("Exercise 2", cache_key_for, check_isolation, expects=function_shape("cache_key_for", "request"),
                    hint="CacheKey has a field for the adapter and one (salt) that keeps tenants apart.")
 
 # %% [markdown]

@@ -741,7 +741,7 @@ if BATCHING is not None:
 
 # %%
 from labkit.teaching.exercises import Exercises
-from labkit.teaching.guards import hidden_rng
+from labkit.teaching.guards import function_shape, hidden_rng
 
 ex = Exercises("05_scheduler")
 
@@ -926,6 +926,7 @@ def check_policy(fn) -> list[str]:
 
 
 ex.check_behaviour("Exercise 3", shortest_prompt_first, check_policy,
+                   expects=function_shape("shortest_prompt_first", "request"),
                    hint="the key is compared with < : return something that grows with the prompt's length, "
                         "one token at a time.")
 

@@ -641,7 +641,7 @@ assert short_128.ttft_percentiles()["p50"] > short_small.ttft_percentiles()["p50
 
 # %%
 from labkit.teaching.exercises import Exercises
-from labkit.teaching.guards import Metered, TooManyCalls, calls_made, hidden_rng
+from labkit.teaching.guards import Metered, TooManyCalls, calls_made, function_shape, hidden_rng
 
 ex = Exercises("06_from_fit_to_serve")
 
@@ -824,6 +824,7 @@ def check_search(fn, limit: int = 10) -> list[str]:
 
 
 ex.check_behaviour("Exercise 4", find_rate, check_search,
+                   expects=function_shape("find_rate", "curve", "target_s", "lo", "hi", "tol"),
                    hint="bisect the curve you are given: keep lo at or under the target and hi above it, "
                         "halve the interval with each call.")
 

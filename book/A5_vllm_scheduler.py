@@ -240,8 +240,9 @@ excerpt(Scheduler._extra_blocks, "if self.full_sequence_must_fit", "return whole
 # %% [markdown]
 # `request.num_tokens` counts the prompt and the outputs so far; `hit_extra_blocks` turns the tokens
 # after the prefix hit into free blocks (cached blocks no one holds count too, as chapter 05's
-# `extra_blocks` does). A request is never queued whose longest sequence exceeds `max_model_len`, so
-# the cap holds by construction.
+# `extra_blocks` does). `max_model_len` counts tokens, prompt and outputs, as vLLM counts it: a prompt
+# of `max_model_len` tokens is refused before it is queued, and a request stops once it holds
+# `max_model_len` tokens (`check_stop` in `vllm/v1/core/sched/utils.py`), so the cap holds by construction.
 #
 # The same workload both ways: 24 prompts of 300 to 700 tokens arriving 0 to 40 ms apart, 8 to
 # 63 new tokens each, a pool of 64 blocks of 16 tokens (1,024 slots), prefix caching off, and two

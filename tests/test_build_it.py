@@ -288,6 +288,99 @@ def test_every_wrong_answer_is_right_elsewhere():
     ex.check_behaviour("06", _latencies, build_it.latencies_check())
 
 
+# --------------------------------------------------------------------------- an answer of the wrong shape (issue 38)
+
+
+class PagerWithoutFree03(_Pager):
+    """Everything but ``free``: the checker calls it only after several appends."""
+
+    free = None
+
+
+class PagerWithAFreeOfNoArgument03(_Pager):
+    def free(self):
+        self.tables.clear()
+
+
+# (chapter, exercise, what the ❌ must name): each build-it checker, taken from the book
+BUILD_IT = [("01_why_the_cache_grows", "Exercise 3", "a function decode_step(k_cache, v_cache, q, k, v)"),
+            ("02_cost_per_token", "Exercise 5", "a function sequence_bytes(shape, length)"),
+            ("03_paging", "Exercise 5", "a class Pager(num_blocks, block_size) with the methods append(seq_id, n), "
+                                        "free(seq_id), num_free()"),
+            ("04_prefix_reuse", "Exercise 1", "a function cached_tokens(token_ids, block_size, key, cached)"),
+            ("05_scheduler", "Exercise 2", "a function plan_step(running, waiting, free_blocks, token_budget, "
+                                           "block_size)"),
+            ("06_from_fit_to_serve", "Exercise 3", "a function latencies(arrivals, steps)")]
+
+
+def _wrong_shapes(stem: str) -> list[tuple[object, str]]:
+    """(answer, how the ❌ must describe it): a number, a function of no arguments, and for the
+    class exercise a class missing a method and one whose method takes the wrong arguments."""
+    shapes = [(42, "got int 42")]
+    if stem != "03_paging":
+        shapes += [(lambda: None, "got function <lambda>(), which cannot be called with")]
+    else:
+        shapes += [(lambda: None, "got function <lambda>()."),  # a function where a class is expected
+                   (PagerWithoutFree03, "got class PagerWithoutFree03, which has no method free"),
+                   (PagerWithAFreeOfNoArgument03, "whose free cannot be called with (seq_id)"),
+                   (_Pager(4, 2), "got _Pager object (an instance: hand in the class itself)")]
+    return shapes
+
+
+@pytest.mark.parametrize("stem, exercise, expected", BUILD_IT, ids=[s for s, _, _ in BUILD_IT])
+def test_a_build_it_answer_of_the_wrong_shape_is_told_what_was_expected(stem, exercise, expected):
+    """Issue 38: ``plan_step_check()`` with the answer 42 said "your code raised TypeError", an error the
+    checker caused by calling 42. Now each checker says what it expected, before any hidden case runs."""
+    chapter(stem)  # the solution passed, strictly
+    for answer, got in _wrong_shapes(stem):
+        out = verdict(stem, exercise, answer)
+        assert out.startswith(f"❌ {exercise}: not yet. expected {expected}; "), out
+        assert got in out and "your code raised" not in out, out
+    with pytest.raises(AssertionError, match=f"expected {re.escape(expected)}; got int 42"):
+        _, ex = chapter(stem)
+        method, args, kwargs = ex.calls[exercise]
+        getattr(Exercises(stem, strict=True), method)(exercise, 42, *args, **kwargs)
+
+
+def test_a_verifier_called_directly_says_what_it_expected():
+    """The verifier itself checks the shape, so it needs no Exercises around it."""
+    from labkit.teaching import build_it
+
+    assert build_it.plan_step_check()(42) == [
+        "expected a function plan_step(running, waiting, free_blocks, token_budget, block_size); got int 42"]
+    assert build_it.pager_check()(_Pager) == []  # the right shape, the right behaviour
+
+
+def test_a3s_checker_says_it_expected_three_functions(capsys):
+    from labkit.teaching import build_it
+
+    cases = build_it.kv_quant_cases(seed=0, draws=1)
+    ex = Exercises("A3_fewer_bytes_per_element")
+    right = (lambda x: x.abs().amax(dim=(1, 3)) / 127,
+             lambda x, s: torch.round(x / torch.where(s > 0, s, 1)[:, None, :, None]).clamp(-127, 127).to(torch.int8),
+             lambda c, s: c.float() * s[:, None, :, None])
+    for answer, says in ((42, "expected a tuple of three functions (block_scales(x), quantize(x, scales), "
+                               "dequantize(codes, scales)); got int 42"),
+                         (right[:2], "got tuple ("),
+                         ((right[0], 42, right[2]), "expected a function quantize(x, scales); got int 42"),
+                         ((right[0], lambda x: x, right[2]), "expected a function quantize(x, scales); got function "
+                                                              "<lambda>(x), which cannot be called with")):
+        ex.check_behaviour("Exercise 1", answer, lambda a: build_it.kv_quant_problems(a, cases))
+        out = capsys.readouterr().out
+        assert out.startswith("❌ Exercise 1") and says in out and "your code raised" not in out, out
+    ex.check_behaviour("Exercise 1", right, lambda a: build_it.kv_quant_problems(a, cases))
+    assert capsys.readouterr().out.startswith("✅ Exercise 1")
+
+
+def test_an_error_raised_by_the_readers_code_is_still_the_readers():
+    """The shape is right; the answer itself raises: that stays "your code raised"."""
+    def plan_step(running, waiting, free_blocks, token_budget, block_size):
+        return {}[running]
+
+    out = verdict("05_scheduler", "Exercise 2", plan_step)
+    assert "your code raised TypeError: unhashable type: 'list'" in out, out
+
+
 # --------------------------------------------------------------------------- value exercises
 
 
@@ -314,7 +407,7 @@ def test_a_value_checker_refuses_a_wrong_value(capsys):
     ex.check("Exercise 1", right)
     lines = capsys.readouterr().out.splitlines()
     assert [line[0] for line in lines] == ["⏳", "❌", "✅"], lines
-    with pytest.raises(ValueError, match="no value exercise"):
+    with pytest.raises(ValueError, match="name must be one of the value exercises"):
         answers.expected("02_cost_per_token", "Exercise 9")
 
 
@@ -331,7 +424,7 @@ def _quiz(stem: str, side: str) -> dict:
 @pytest.mark.parametrize("stem", sorted(quizzes.QUIZZES))
 def test_each_quiz_waits_refuses_and_passes(stem, capsys):
     questions = quizzes.QUIZZES[stem]
-    assert 3 <= len(questions) <= 5 and f"**Quiz.**" in _book(stem)
+    assert 3 <= len(questions) <= 5 and "**Quiz.**" in _book(stem)
     Exercises(stem).quiz(_quiz(stem, "chapters"))
     assert all(line.startswith("⏳") for line in capsys.readouterr().out.splitlines())
     solution = _quiz(stem, "solutions")

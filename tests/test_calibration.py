@@ -93,10 +93,42 @@ def test_bad_input():
         fit_device([StepSample(1, 0, 1.0, 0.1)] * 2, cost)
     with pytest.raises(ValueError, match="samples"):
         fit_device([StepSample(1, 0, 1.0, 0.0)] * 3, cost)
-    with pytest.raises(ValueError, match="specs"):
+    with pytest.raises(TypeError, match="engine"):  # the engine is checked first, the specs next
         measure_steps(None, [])
-    with pytest.raises(ValueError, match="specs"):
+    with pytest.raises(TypeError, match="engine"):
         serve_in_real_time(None, [])
+
+
+def test_bad_specs_leave_the_engine_idle(model):
+    """Every spec is checked before any is queued: a bad one (a token outside the vocabulary) leaves nothing."""
+    for run in (measure_steps, serve_in_real_time):
+        e = engine(model)
+        with pytest.raises(ValueError, match="specs"):
+            run(e, [])
+        with pytest.raises(ValueError, match="prompt_token_ids"):
+            run(e, specs([0.0]) + [RequestSpec(1, 0.0, [1, 500], 2)])
+        assert not e.has_unfinished() and not e.scheduler.requests
+    busy = engine(model)
+    busy.add_request([1, 2, 3], 2)
+    with pytest.raises(ValueError, match="engine must be idle"):
+        measure_steps(busy, specs([0.0]))
+
+
+def test_serving_on_the_wall_clock_refuses_a_nan_arrival(model):
+    """Issue 38, bug 5: before the fix a NaN arrival was accepted by ``RequestSpec`` and
+    ``serve_in_real_time`` waited for it forever (no clock reading is >= NaN). Now the spec refuses it."""
+    import signal
+
+    def boom(*_):
+        raise TimeoutError("serve_in_real_time did not return")
+    signal.signal(signal.SIGALRM, boom)
+    signal.alarm(10)
+    try:
+        with pytest.raises(ValueError, match="arrival_time"):
+            work = specs([0.0]) + [RequestSpec(1, float("nan"), [1, 2, 3], 2)]
+            serve_in_real_time(engine(model), work)
+    finally:
+        signal.alarm(0)
 
 
 # --------------------------------------------------------------------------- the bandwidth, measured and pinned

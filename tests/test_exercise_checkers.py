@@ -50,7 +50,7 @@ class Recorder(Exercises):
         self.calls: dict[str, tuple[str, tuple, dict]] = {}
 
     def check_function(self, name, fn, cases, **kwargs):
-        cases = list(cases)
+        cases = cases if isinstance(cases, list) else list(cases)  # build_it.Cases keep their shape
         self.calls[name] = ("check_function", (cases,), kwargs)
         return super().check_function(name, fn, cases, **kwargs)
 
@@ -453,6 +453,44 @@ def test_the_solutions_pass_and_the_stubs_wait(stem, capsys):
     exercise_namespace(stem, _CHAPTERS[stem], side="chapters")
     lines = capsys.readouterr().out.splitlines()
     assert len(lines) == len(_CHAPTERS[stem]) and all(line.startswith("⏳ Exercise") for line in lines), lines
+
+
+# the book's own function exercises (check_function with the chapter's cases), by the arguments each case passes
+FUNCTION_EXERCISES = [("01_why_the_cache_grows", "Exercise 2", 5), ("03_paging", "Exercise 1", 2),
+                      ("03_paging", "Exercise 3", 3), ("05_scheduler", "Exercise 1", 5),
+                      ("06_from_fit_to_serve", "Exercise 2", 3)]
+
+
+@pytest.mark.parametrize("stem, exercise, num_args", FUNCTION_EXERCISES, ids=[f"{s[:2]} {e}" for s, e, _ in
+                                                                               FUNCTION_EXERCISES])
+def test_a_function_answer_of_the_wrong_shape_is_told_what_was_expected(stem, exercise, num_args):
+    """Issue 38: a number, or a function taking other arguments, is told what the cases call, not that
+    "your code raised TypeError" (which the checker caused by calling it)."""
+    _, ex = chapter(stem)
+    assert ex.calls[exercise][0] == "check_function"
+    for answer, got in ((42, "got int 42"), (lambda: None, "got function <lambda>(), which cannot be called with "
+                                                           f"{num_args} arguments")):
+        out = verdict(stem, exercise, answer)
+        assert out.startswith(f"❌ {exercise}: not yet. expected a function of {num_args} arguments, as the cases "
+                              "call it: f("), out
+        assert got in out and "your code raised" not in out, out
+
+
+# The book's own behaviour checkers (a verifier written in the chapter) declare their answer's shape too.
+BEHAVIOUR_EXERCISES = [("04_prefix_reuse", "Exercise 2", "cache_key_for(request)"),
+                       ("05_scheduler", "Exercise 3", "shortest_prompt_first(request)"),
+                       ("06_from_fit_to_serve", "Exercise 4", "find_rate(curve, target_s, lo, hi, tol)")]
+
+
+@pytest.mark.parametrize("stem, exercise, signature", BEHAVIOUR_EXERCISES, ids=[f"{s[:2]} {e}" for s, e, _ in
+                                                                                BEHAVIOUR_EXERCISES])
+def test_a_behaviour_answer_of_the_wrong_shape_is_told_what_was_expected(stem, exercise, signature):
+    """Issue 38: the chapter's verifier never runs on a number or on a function with other parameters."""
+    _, ex = chapter(stem)
+    assert ex.calls[exercise][0] == "check_behaviour"
+    for answer, got in ((42, "got int 42"), (lambda: None, "got function <lambda>()")):
+        out = verdict(stem, exercise, answer)
+        assert f"expected a function {signature}" in out and got in out and "your code raised" not in out, out
 
 
 # --------------------------------------------------------------------------- the helpers, one by one

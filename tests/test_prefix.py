@@ -199,12 +199,36 @@ def test_eviction_and_clear_only_touch_unreferenced_blocks():
     assert second in taken and first not in taken and a.num_evictions == 1
     a.free_blocks(taken)
     assert cache.match([4, 5, 6, 7, 0]).num_cached_tokens == 2
-    assert cache.clear() == 1 and evictable(cache) == []
-    assert keep.block_ids[0] in a.names                  # in use: clear leaves it
+    names, free = dict(a.names), evictable(cache)
+    assert cache.clear() is False and a.names == names and evictable(cache) == free  # a block in use: refused
+    assert keep.block_ids[0] in a.names
     assert cache.match([1, 2, 0]).num_cached_tokens == 2
     cache.release(keep)
-    assert cache.clear() == 1 and cache.num_cached_blocks == 0
-    assert cache.allocator.num_free == 8
+    assert cache.clear() is True and cache.num_cached_blocks == 0
+    assert cache.allocator.num_free == 8 and a.num_evictions == 1  # clearing is not evicting
+
+
+def test_clear_after_a_weight_update_never_serves_old_blocks():
+    """Issue 38's repro: three requests hold their blocks, the cache is cleared (the weights changed),
+    then the same prompt arrives. Clearing must be refused while blocks are held (vLLM's
+    ``reset_prefix_cache``), and once it succeeds nothing of the old K/V is found again."""
+    from labkit.serving.scheduler import Scheduler
+    sched = Scheduler(num_blocks=32, block_size=4)
+    prompt = list(range(1, 14))  # 13 tokens: 3 full blocks, 12 tokens a later request could hit
+    for _ in range(3):
+        sched.add_request(prompt, 4)
+    step = sched.schedule()
+    sched.postprocess(step, [7] * len(step.sampling_chunks))
+    cache = sched.prefix_cache
+    names = dict(cache.allocator.names)
+    assert len(names) == 3 and cache.allocator.num_used > 0
+    assert cache.clear() is False and cache.allocator.names == names  # refused, all state unchanged
+    for r in list(sched.running):
+        sched.finish(r)
+    assert cache.clear() is True and not cache.allocator.names
+    again = sched.add_request(prompt, 4)
+    sched.schedule()
+    assert again.num_cached_tokens == 0  # the old K/V is not reused
 
 
 def test_copy_on_write_of_a_shared_tail():

@@ -2,10 +2,17 @@
 
 Packing changes the order of the float32 sums, not the arithmetic: results are compared with
 a tolerance, on random weights and inputs, with and without bias, through a whole model and
-through the engine. Bad input raises and packs nothing.
+through the engine. Bad input raises and packs nothing. Issue 38: the packed copy follows
+the weight (``load_state_dict``, in-place writes, a new tensor), a bias of another dtype is
+refused, a packed model moved to another dtype says to unpack, copies and saves work, and a
+forward that autograd would record raises.
 """
 
 from __future__ import annotations
+
+import copy
+import dataclasses
+import io
 
 import pytest
 import torch
@@ -21,6 +28,12 @@ pytestmark = pytest.mark.skipif(not available(), reason="this PyTorch has no one
 
 CONFIG = DecoderConfig(vocab_size=97, hidden_size=64, intermediate_size=96, num_hidden_layers=2,
                        num_attention_heads=4, num_key_value_heads=2)
+IDS = torch.randint(0, CONFIG.vocab_size, (2, 11), generator=torch.Generator().manual_seed(0))
+
+
+def logits(model: nn.Module, ids: torch.Tensor = IDS) -> torch.Tensor:
+    with torch.no_grad():
+        return model(ids)
 
 
 @pytest.mark.parametrize("bias", [False, True])
@@ -36,7 +49,7 @@ def test_packed_linear_matches_linear(bias, rows):
         got = layer(x)
     assert got.shape == expected.shape
     torch.testing.assert_close(got, expected, rtol=1e-5, atol=1e-5)
-    layer.weight.data.zero_()  # the copy does not follow the weight (documented)
+    layer.weight.data.zero_()  # a write through .data bumps no version: unseen (documented)
     with torch.no_grad():
         torch.testing.assert_close(layer(x), expected, rtol=1e-5, atol=1e-5)
 
@@ -97,6 +110,103 @@ def test_not_a_module_or_not_float32_raises_and_packs_nothing():
             f("model")
     model = Decoder.random(CONFIG)
     model.model.layers[1].mlp.down_proj.to(torch.bfloat16)
-    with pytest.raises(ValueError, match=r"float32 weights on the CPU; model\.layers\.1\.mlp\.down_proj\.weight"):
+    with pytest.raises(ValueError, match=r"float32 .*on the CPU; model\.layers\.1\.mlp\.down_proj\.weight"):
         prepack(model)
     assert not any(isinstance(m, PackedLinear) for m in model.modules())
+
+
+# ---------------------------------------------------------------------------------------------- issue 38
+
+
+def test_load_state_dict_repacks_the_new_weights():
+    model, other = Decoder.random(CONFIG, seed=3), Decoder.random(CONFIG, seed=4)
+    old, expected = logits(model), logits(other)
+    assert (old - expected).abs().max() > 0.1  # the two models differ, so stale logits would show
+    prepack(model)
+    model.load_state_dict(other.state_dict())
+    torch.testing.assert_close(logits(model), expected, rtol=1e-4, atol=1e-4)
+    assert is_packed(model)
+
+
+def test_in_place_write_and_new_weight_are_followed():
+    torch.manual_seed(0)
+    layer, x = nn.Linear(48, 80), torch.randn(5, 48)
+    prepack(layer)
+    with torch.no_grad():
+        layer.weight.mul_(2)  # an in-place write bumps the weight's version
+        torch.testing.assert_close(layer(x), x @ layer.weight.T + layer.bias, rtol=1e-5, atol=1e-5)
+        layer.weight = nn.Parameter(torch.randn(80, 48))  # another tensor altogether
+        torch.testing.assert_close(layer(x), x @ layer.weight.T + layer.bias, rtol=1e-5, atol=1e-5)
+        layer.double().float()  # a round trip: new storage, same tensor object
+        layer.weight.add_(1)
+        torch.testing.assert_close(layer(x), x @ layer.weight.T + layer.bias, rtol=1e-5, atol=1e-5)
+
+
+@pytest.mark.parametrize("dtype", [torch.float64, torch.bfloat16])
+def test_bias_of_another_dtype_is_refused_and_packs_nothing(dtype):
+    model = Decoder.random(dataclasses.replace(CONFIG, qkv_bias=True), seed=1)
+    layer = model.model.layers[1].self_attn.v_proj
+    layer.bias = nn.Parameter(layer.bias.detach().to(dtype))
+    with pytest.raises(ValueError, match=rf"bias in float32 on the CPU; model\.layers\.1\.self_attn\.v_proj\.bias is "
+                                         rf"{dtype}"):
+        prepack(model)
+    assert not is_packed(model)
+
+
+def test_a_moved_packed_model_says_to_unpack_and_packs_again_when_moved_back():
+    model = Decoder.random(CONFIG, seed=3)
+    expected = logits(model)
+    prepack(model)
+    model.to(torch.bfloat16)
+    with pytest.raises(RuntimeError, match=r"weight is torch.bfloat16 on cpu, and this layer is prepacked: call "
+                                           r"labkit\.model\.prepack\.unpack\(model\)"):
+        logits(model)
+    model.float()  # back to float32 on the CPU: the next forward packs the (rounded) weights again
+    plain = copy.deepcopy(model)
+    unpack(plain)
+    torch.testing.assert_close(logits(model), logits(plain), rtol=1e-4, atol=1e-4)
+    assert (logits(model) - expected).abs().max() > 0  # the bfloat16 rounding shows: the copy was remade
+    model.to(torch.bfloat16)
+    assert unpack(model) == 7 * CONFIG.num_hidden_layers + 1  # the way out the error names
+    assert logits(model).dtype == torch.bfloat16
+
+
+def test_a_bias_changed_after_packing_is_checked_too():
+    layer = nn.Linear(48, 80)
+    prepack(layer)
+    layer.bias = nn.Parameter(layer.bias.detach().double())
+    with pytest.raises(RuntimeError, match=r"\.bias is torch.float64 on cpu, and this layer is prepacked"):
+        with torch.no_grad():
+            layer(torch.randn(5, 48))
+
+
+def test_deepcopy_and_torch_save_keep_a_working_packed_model():
+    model = Decoder.random(CONFIG, seed=3)
+    prepack(model)
+    expected = logits(model)
+    buffer = io.BytesIO()
+    torch.save(model, buffer)
+    buffer.seek(0)
+    for twin in (copy.deepcopy(model), torch.load(buffer, weights_only=False)):
+        assert is_packed(twin)
+        torch.testing.assert_close(logits(twin), expected, rtol=0, atol=0)  # same weights, same packing
+        twin.lm_head.weight.data.zero_()
+        assert unpack(twin) == 7 * CONFIG.num_hidden_layers + 1
+    torch.testing.assert_close(logits(model), expected, rtol=0, atol=0)  # the copies share nothing with it
+
+
+def test_a_forward_that_needs_gradients_raises():
+    torch.manual_seed(0)
+    layer = nn.Linear(48, 80)
+    x = torch.randn(5, 48)
+    prepack(layer)
+    with pytest.raises(RuntimeError, match=r"inference-only.*torch\.no_grad\(\) or torch\.inference_mode\(\)"):
+        layer(x)  # the weight requires grad: backward would leave weight.grad None
+    layer.requires_grad_(False)
+    with pytest.raises(RuntimeError, match="inference-only"):
+        layer(x.requires_grad_())  # the input's gradient is not computed either
+    with torch.inference_mode():
+        torch.testing.assert_close(layer(x), x @ layer.weight.T + layer.bias, rtol=1e-5, atol=1e-5)
+    unpack(layer.requires_grad_(True))
+    layer(x).sum().backward()  # unpacked, it trains
+    assert layer.weight.grad is not None

@@ -88,6 +88,42 @@ def test_per_block_scale_grows_rescales_earlier_codes_and_restarts_at_offset_zer
     assert scale[0, 0] == 0.5 / 127
 
 
+@pytest.mark.parametrize("name", SCHEMES)
+def test_the_cpu_decode_reads_codes_times_scales_in_float32_rounded_once(name, monkeypatch):
+    """Issue 38's bug 7: under bfloat16 the CPU's batched decode rounded the scale to bfloat16 and
+    multiplied there (24% of the values differed from the kernel's). It must attend over what a compiled
+    kernel on tensor cores reads: code × scale in float32, rounded once to q's dtype."""
+    from labkit.kernels import cpu
+
+    q = formats.kv_quant(name)
+    gen = torch.Generator().manual_seed(SCHEMES.index(name))
+    head_dim, block_size, n = 64, 4, 12
+    pools = [q.empty_pool(4, block_size, 2, head_dim) for _ in range(2)]
+    (kc, ks), (vc, vs) = pools
+    if q.scales == "tensor":
+        ks.fill_(0.0123)
+        vs.fill_(0.0071)
+    table = torch.tensor([[2, 0, 3]], dtype=torch.int32)
+    slots = table[0].long()[torch.arange(n) // block_size] * block_size + torch.arange(n) % block_size
+    kw = dict(kv_cache_dtype=name, k_scale=ks, v_scale=vs)
+    reference.write_kv_ref(torch.randn(n, 2, head_dim, generator=gen), torch.randn(n, 2, head_dim, generator=gen),
+                           kc, vc, slots, **kw)
+    seen = []
+    sdpa = cpu.F.scaled_dot_product_attention
+
+    def spy(query, k, v, **options):  # the K and V the batched decode attends over
+        seen.append((k, v))
+        return sdpa(query, k, v, **options)
+
+    monkeypatch.setattr(cpu.F, "scaled_dot_product_attention", spy)
+    query = torch.randn(1, 4, head_dim, generator=gen).bfloat16()
+    cpu.paged_decode_attention_batched(query, kc, vc, table, torch.tensor([n], dtype=torch.int32), **kw)
+    for (data, scale), got in zip(pools, seen[0]):
+        once = formats.dequantize_pool(data, scale, q, torch.float32).to(torch.bfloat16)  # float32, rounded once
+        want = reference.gather_kv(once, table[0], n).transpose(0, 1)  # [Hkv, positions, D]
+        assert got.dtype == torch.float32 and int((got[0] != want.float()).sum()) == 0, name
+
+
 def test_bytes_per_token_of_the_real_model():
     """SmolLM2-135M: 30 layers, 3 KV heads, head_dim 64, 23,040 bytes per token at bf16."""
     per_token = {name: formats.kv_quant(name).bytes_per_token(30, 3, 64, 16) for name in SCHEMES}

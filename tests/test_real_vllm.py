@@ -1,19 +1,28 @@
-"""The real vLLM beside labkit (appendix A4, parts 1 and 2), on a small workload.
+"""The real vLLM beside labkit (appendix A4, parts 1 and 2), on a small workload; and its record.
 
-Skipped unless ``make vllm`` has run (vLLM's own environment and the model folder). One run of the
-driver starts two offline engines: the start-up one (a 1 GiB budget, max_model_len 2,048) and a small
-pool that preempts; labkit predicts the first's log and serves the second's workload with its Engine.
-Under 3 minutes on 2 cores (two vLLM start-ups of about 25 s each).
+The tests marked ``needs_vllm`` are skipped unless ``make vllm`` has run (vLLM's own environment and
+the model folder). One run of the driver starts two offline engines: the start-up one (a 1 GiB
+budget, max_model_len 2,048) and a small pool that preempts; labkit predicts the first's log and
+serves the second's workload with its Engine. Under 3 minutes on 2 cores (two vLLM start-ups of
+about 25 s each).
+
+The record of the real runs (``labkit.vllm_bridge.record``), which the appendix shows wherever vLLM
+is absent, is tested everywhere: the inputs of a run are found again, floats included.
 """
+
+import datetime
+import re
+from pathlib import Path
 
 import pytest
 import torch
 
 import labkit  # noqa: F401  (first: Triton's interpreter without a GPU)
 from labkit.serving.sim.fit import model_cost
-from labkit.vllm_bridge import compare, predict, real
+from labkit.vllm_bridge import compare, predict, real, record
 
-pytestmark = pytest.mark.skipif(not real.is_available(), reason="needs `make vllm` (vLLM's environment)")
+needs_vllm = pytest.mark.skipif(not real.is_available(), reason="needs `make vllm` (vLLM's environment)")
+BOOK = Path(__file__).resolve().parents[1] / "book"
 
 BLOCK, BUDGET, SEQS, POOL = 32, 128, 8, 10  # labkit's pool; vLLM's has one block more, its null block
 
@@ -43,6 +52,7 @@ def both():
     return theirs, ours, model
 
 
+@needs_vllm
 def test_part_1_the_start_up_log_is_predicted(both):
     theirs, _, model = both
     start_up, small = theirs["runs"]
@@ -56,6 +66,7 @@ def test_part_1_the_start_up_log_is_predicted(both):
     assert all(line in small["log"] for line in overridden.log_lines())
 
 
+@needs_vllm
 def test_part_2_one_workload_through_both_engines(both):
     theirs, ours, _ = both
     small = theirs["runs"][1]
@@ -67,3 +78,71 @@ def test_part_2_one_workload_through_both_engines(both):
     assert max(ours["num_cached_tokens"]) > sorted(ours["num_cached_tokens"])[-3]
     schedule, preempted = compare.vllm_schedule(small["steps"])
     assert schedule == ours["schedule"] and preempted == ours["preempted"]  # step by step
+
+
+# --------------------------------------------------------------------------- the record (no vLLM needed)
+
+
+def an_entry(inputs: dict, result: dict) -> dict:
+    now = datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds")
+    return {"inputs": inputs, "date": now, "machine": {"cores": 2}, "result": result}
+
+
+def no_run() -> dict:
+    raise AssertionError("the record holds this run: recorded_run must not make it again")
+
+
+def test_a_float_input_finds_the_run_saved_for_it(tmp_path):
+    """Issue 38, bug 4: ``save_record`` stored 1/3 as 0.333333, and ``recorded_run`` compared the
+    unrounded 1/3 with it, so it never found the run. Both now normalise the inputs with one function."""
+    path = tmp_path / "record.json"
+    inputs = {"rate": 1 / 3, "blocks": [(2 / 3, 16, 1)], "name": "float inputs"}
+    record.save_record("s", an_entry(inputs, {"ttft_s": 0.123456789}), path)
+    found = record.recorded_run("s", inputs, no_run, rerun=False, path=path)
+    assert found["inputs"] == {"rate": 0.333333, "blocks": [[0.666667, 16, 1]], "name": "float inputs"}
+    assert found["result"] == {"ttft_s": 0.123457}
+    # a second save for the same inputs is another run of the same experiment: the first goes to history
+    record.save_record("s", an_entry(inputs, {"ttft_s": 0.2}), path)
+    assert [e["result"] for e in record.load_record(path)["history"]["s"]] == [{"ttft_s": 0.123457}]
+
+
+def test_a_run_made_for_float_inputs_is_not_made_again(tmp_path, monkeypatch):
+    """The whole path of a notebook cell: the first execution runs (vLLM stood in for) and saves, the
+    second finds that run and shows the same entry, digit for digit."""
+    monkeypatch.setattr(record, "is_available", lambda: True)
+    path, runs = tmp_path / "record.json", []
+
+    def run() -> dict:
+        runs.append(1)
+        return {"seconds": 2 / 7}
+
+    inputs = {"rate": 0.1 + 0.2, "seeds": (1, 2)}
+    first = record.recorded_run("s", inputs, run, rerun=False, path=path)
+    second = record.recorded_run("s", inputs, run, rerun=False, path=path)
+    assert len(runs) == 1 and first == second == record.load_record(path)["s"]
+    assert second["inputs"] == {"rate": 0.3, "seeds": [1, 2]} and second["result"] == {"seconds": 0.285714}
+
+
+def test_the_normalisation_leaves_what_the_record_holds_as_it_is():
+    """``json_normal`` is idempotent: each committed entry's inputs come back unchanged, and every section
+    the book's cells ask for (``recorded_run("…"``) is found for them without a run."""
+    committed = record.load_record()
+    asked = set()
+    for notebook in BOOK.glob("*.py"):
+        asked |= set(re.findall(r'recorded_run\("(\w+)"', notebook.read_text()))
+    assert asked and asked <= set(committed)
+    for section in asked:
+        entry = committed[section]
+        assert record.json_normal(entry["inputs"]) == entry["inputs"]
+        assert record.recorded_run(section, entry["inputs"], no_run, rerun=False) == entry
+    for past in committed.get("history", {}).values():
+        assert all(record.json_normal(e) == e for e in past)
+
+
+def test_the_record_keeps_absolute_times_to_the_millisecond():
+    """Six significant digits suit a measured duration, not a Unix time: 1796146860.38 s must not become
+    1796150000.0 s (a step's ``time`` and a benchmark's ``start_times`` are absolute)."""
+    assert record.json_normal({"time": 1796146860.3812, "dt": 1 / 3, "ms": 12.3456789}) == \
+        {"time": 1796146860.381, "dt": 0.333333, "ms": 12.3457}
+    big = {"t": [1796146860.3812, 2.0 ** 40 + 0.5]}
+    assert record.json_normal(record.json_normal(big)) == record.json_normal(big)  # idempotent

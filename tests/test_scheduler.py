@@ -83,8 +83,8 @@ def slots_held(sched: Scheduler, r: Request) -> int:
     reserve = getattr(sched, "reserve", None)
     if reserve == "max_len":
         return sched.max_model_len
-    if reserve == "exact":
-        return len(r.prompt_token_ids) + r.max_new_tokens - 1
+    if reserve == "exact":  # its whole sequence, which stops at max_model_len tokens
+        return min(len(r.prompt_token_ids) + r.max_new_tokens, sched.max_model_len or 1 << 30) - 1
     return r.num_computed_tokens
 
 
@@ -594,10 +594,11 @@ def test_two_forks_sharing_a_tail_need_one_copy_not_two():
     check_ref_counts(sched)
 
 
-def _decoding_scheduler(seed: int, stop_ids: list[int] | None = None) -> tuple[Scheduler, list[Request]]:
+def _decoding_scheduler(seed: int, stop_ids: list[int] | None = None,
+                        max_model_len: int | None = None) -> tuple[Scheduler, list[Request]]:
     """A scheduler whose running requests have all reached the decode phase, nobody waiting."""
     rng = random.Random(seed)
-    sched = Scheduler(num_blocks=60, block_size=4, max_num_batched_tokens=64)
+    sched = Scheduler(num_blocks=60, block_size=4, max_num_batched_tokens=64, max_model_len=max_model_len)
     shared = [rng.randrange(VOCAB) for _ in range(6)]
     requests = [sched.add_request(shared + [rng.randrange(VOCAB) for _ in range(rng.randrange(1, 9))],
                                   rng.randrange(2, 25), stop_ids) for _ in range(5)]
@@ -619,11 +620,12 @@ def _state(sched: Scheduler, requests: list[Request]) -> tuple:
 @pytest.mark.parametrize("seed", range(6))
 @pytest.mark.parametrize("num_steps", [1, 3, 9, 40])
 @pytest.mark.parametrize("stop_ids", [None, list(range(0, VOCAB, 6))], ids=["no-eos", "eos"])
-def test_advance_decodes_does_what_as_many_steps_do(seed, num_steps, stop_ids):
+@pytest.mark.parametrize("max_model_len", [None, 20])
+def test_advance_decodes_does_what_as_many_steps_do(seed, num_steps, stop_ids, max_model_len):
     """The simulator's skip-ahead: k decode steps at once leave the scheduler exactly as k real steps,
-    also when requests stop on a sampled token (one in six ids is a stop id)."""
-    stepped, stepped_reqs = _decoding_scheduler(seed, stop_ids)
-    skipped, skipped_reqs = _decoding_scheduler(seed, stop_ids)
+    also when requests stop on a sampled token (one in six ids is a stop id) or at max_model_len tokens."""
+    stepped, stepped_reqs = _decoding_scheduler(seed, stop_ids, max_model_len)
+    skipped, skipped_reqs = _decoding_scheduler(seed, stop_ids, max_model_len)
     used = []
     for _ in range(num_steps):
         if not stepped.running:
@@ -895,7 +897,7 @@ def test_reservations_hold_their_whole_length_and_never_preempt(workload, alloca
     still gets its own tokens, also with prefix hits inside the reservation."""
     drawn, arrivals = workload
     reqs = [r for rs in arrivals.values() for r in rs]
-    longest = max(len(r.prompt_token_ids) + r.max_new_tokens - 1 for r in reqs)
+    longest = max(len(r.prompt_token_ids) + r.max_new_tokens for r in reqs)  # tokens, as vLLM counts max_model_len
     max_model_len = min(longest + spare, drawn.num_blocks * drawn.block_size)
     sched = ReservingScheduler(drawn.num_blocks, drawn.block_size, drawn.max_num_batched_tokens,
                                enable_prefix_caching=drawn.enable_prefix_caching, head_of_line=drawn.head_of_line,
@@ -969,9 +971,11 @@ def test_allocation_bad_values_are_refused_and_nothing_changes():
         ReservingScheduler(8, block_size=4, reserve="max_len", max_model_len=33)
     sched = ReservingScheduler(16, 4, reserve="exact", max_model_len=20)
     kept = sched.add_request([1, 2, 3], 4)
-    with pytest.raises(ValueError, match="max_model_len"):  # 15 + 6 - 1 = 20 slots fit, 21 do not
-        sched.add_request([1] * 15, 7)
-    assert list(sched.waiting) == [kept] and list(sched.requests) == [kept.request_id]
+    sched.add_request([1] * 15, 7)  # capped: it stops at 20 tokens, 5 outputs
+    with pytest.raises(ValueError, match="max_model_len"):  # a prompt of 20 tokens leaves no room for an output
+        sched.add_request([1] * 20, 1)
+    kept_too = list(sched.requests)
+    assert list(sched.waiting)[0] is kept and list(sched.requests) == kept_too and len(kept_too) == 2
     assert not hasattr(sched, "fork")  # a reservation is never shared: forking is another variant
 
 
@@ -1051,3 +1055,89 @@ def test_freed_slot_is_refilled_at_the_next_step(seed):
     assert len(steps) == max(free_at)
     static = sum(max(lengths[lo:lo + slots]) for lo in range(0, len(lengths), slots))
     assert len(steps) < static
+
+
+# ------------------------------------------------------------------ max_model_len, counted in tokens as vLLM counts it
+
+
+def test_max_model_len_counts_tokens_and_stops_a_request_there():
+    """Issue 38's example: a 10-token prompt, max_model_len 16. vLLM's ``check_stop`` finishes a request once
+    ``num_tokens >= max_model_len``: 6 outputs (16 tokens), not 7, and a larger ``max_new_tokens`` is capped."""
+    for max_new_tokens in (7, 8, 100):
+        sched = Scheduler(8, 4, 64, max_model_len=16)
+        r = sched.add_request(list(range(1, 11)), max_new_tokens)
+        run(sched, {})
+        assert r.is_finished and len(r.output_token_ids) == 6 and r.num_tokens == 16
+        assert r.output_token_ids == reference_output(r.prompt_token_ids, 6, None)
+        assert (r.max_output_tokens, r.max_len) == (6, 15)
+    sched = Scheduler(8, 4, 64, max_model_len=16)
+    r = sched.add_request(list(range(1, 11)), 5)  # shorter than the cap: max_new_tokens decides
+    run(sched, {})
+    assert len(r.output_token_ids) == 5 and r.max_len == 14
+    r = Scheduler(8, 4, 64, max_model_len=16).add_request(list(range(1, 16)), 9)  # 15 tokens: room for one output
+    assert r.max_output_tokens == 1
+
+
+def test_a_prompt_as_long_as_max_model_len_is_refused_before_it_is_queued():
+    """vLLM's ``_validate_prompt_len`` refuses a prompt of ``max_model_len`` tokens or more (a generating
+    request needs room for one output); the scheduler is left as it was."""
+    sched = Scheduler(8, 4, 64, max_model_len=16)
+    for n in (16, 17):
+        with pytest.raises(ValueError, match=r"prompt_token_ids: a prompt of \d+ tokens must be shorter than max_model_len \(16\)"):
+            sched.add_request(list(range(1, n + 1)), 1)
+    assert not sched.has_unfinished() and not sched.requests
+    with pytest.raises(ValueError, match="prompt_token_ids"):
+        Request([1] * 16, 1, max_model_len=16)
+    with pytest.raises(ValueError, match=r"request.max_model_len must be None or the scheduler's \(16\)"):
+        sched.add_request(Request([1, 2], 1, max_model_len=32))
+
+
+def test_the_pool_check_counts_the_capped_sequence():
+    """A request whose ``max_new_tokens`` alone would overflow the pool is accepted when max_model_len caps it
+    within the pool (6 blocks of 4 hold 24 slots; max_model_len 24 stops it at 23 slots)."""
+    sched = Scheduler(6, 4, 64, max_model_len=24)
+    r = sched.add_request([1] * 10, 1000)
+    run(sched, {})
+    assert len(r.output_token_ids) == 14 and r.num_tokens == 24
+    with pytest.raises(ValueError, match="more than the pool's 6"):
+        Scheduler(6, 4, 64).add_request([1] * 10, 1000)
+
+
+def test_a_reservation_of_the_exact_length_is_the_capped_length():
+    """Orca (Oracle) reserves the slots the request can really need: capped by max_model_len too."""
+    sched = ReservingScheduler(20, 4, 64, enable_prefix_caching=False, reserve="exact", max_model_len=16)
+    r = sched.add_request(list(range(1, 11)), 50)
+    sched.schedule()
+    assert sched.reserved_tokens(r) == 15 and len(r.block_table.block_ids) == 4
+
+
+@settings(max_examples=60, deadline=None)
+@given(workloads(), st.integers(2, 30))
+def test_random_workloads_stop_at_max_model_len(workload, max_model_len):
+    """Random workloads under a max_model_len that often binds: every request ends with
+    ``min(max_new_tokens, max_model_len - prompt)`` outputs (fewer at a stop id), tokens as served alone."""
+    drawn, arrivals = workload
+    max_model_len = min(max_model_len, drawn.num_blocks * drawn.block_size)
+    arrivals = {t: [r for r in rs if len(r.prompt_token_ids) < max_model_len] for t, rs in arrivals.items()}
+    sched = Scheduler(drawn.num_blocks, drawn.block_size, drawn.max_num_batched_tokens,
+                      enable_prefix_caching=drawn.enable_prefix_caching, max_model_len=max_model_len)
+    run(sched, arrivals, max_steps=10_000)
+    for r in (r for rs in arrivals.values() for r in rs):
+        cap = min(r.max_new_tokens, max_model_len - len(r.prompt_token_ids))
+        assert r.output_token_ids == reference_output(r.prompt_token_ids, cap, r.eos_token_id)
+        assert r.num_tokens <= max_model_len
+    assert sched.allocator.num_free == sched.num_blocks
+
+
+def test_a_twin_stops_at_max_model_len_as_its_parent_does():
+    """Parallel sampling under a cap: the twin inherits the parent's max_model_len and stops with it."""
+    sched = ForkingScheduler(16, 4, max_num_batched_tokens=32, max_model_len=10)
+    parent = sched.add_request([5, 6, 7, 8, 9, 10], 50)
+    pool = SymbolicPool(4)
+    step = sched.schedule()
+    sched.postprocess(step, pool.execute(step))
+    child = sched.fork(parent)
+    while sched.has_unfinished():
+        step = sched.schedule()
+        sched.postprocess(step, pool.execute(step))
+    assert len(parent.output_token_ids) == len(child.output_token_ids) == 4 and child.num_tokens == 10

@@ -535,9 +535,20 @@ def test_simulator_refuses_a_bad_allocation():
     with pytest.raises(ValueError, match="max_model_len must fit the pool"):
         Simulator(num_blocks=10, block_size=16, allocation="max_len", max_model_len=161)
     sim = Simulator(num_blocks=10, block_size=16, allocation="exact", max_model_len=100)
-    with pytest.raises(ValueError, match="max_model_len"):  # 90 + 12 - 1 slots > 100
-        sim.run([RequestSpec(0, 0.0, [1] * 90, 12)])
+    with pytest.raises(ValueError, match="max_model_len"):  # no room for an output
+        sim.run([RequestSpec(0, 0.0, [1] * 100, 12)])
     assert "'exact' allocation, max_model_len 100" in repr(sim)
+
+
+@pytest.mark.parametrize("allocation", ["paged", "exact", "max_len"])
+def test_the_simulator_stops_a_request_at_max_model_len(allocation):
+    """A 90-token prompt asking for 12 outputs under max_model_len 100 gets 10 (vLLM's check_stop), and the
+    result counts the 10: output tokens/s, the per-request output_len and the steps agree."""
+    sim = Simulator(num_blocks=10, block_size=16, allocation=allocation, max_model_len=100)
+    run = sim.run([RequestSpec(0, 0.0, [1] * 90, 12), RequestSpec(1, 0.0, [2] * 20, 12)])
+    assert run.output_len.tolist() == [10, 12]
+    assert [len(r.output_token_ids) for r in run.requests] == [10, 12]
+    assert int(run.step_tokens.sum()) == 90 + 9 + 20 + 11 + run.recomputed_tokens
 
 
 def test_load_explorer_updates_with_its_controls():
@@ -582,16 +593,28 @@ def _alarm(seconds: int):
     signal.alarm(seconds)
 
 
-def test_a_nan_arrival_time_is_refused_not_looped_on():
+@pytest.mark.parametrize("arrival", [math.nan, -5.0, math.inf, None, "0.5"])
+def test_a_request_spec_refuses_a_bad_arrival_time_when_built(arrival):
+    """Issue 38, bug 5: the spec checks its own arrival time, so no loop that waits for it sees a NaN."""
+    with pytest.raises(ValueError, match="arrival_time"):
+        RequestSpec(0, arrival, [1, 2, 3], 2)
+
+
+def test_the_simulator_never_serves_a_negative_arrival():
+    """Before issue 38 the Simulator served a request arriving at -5.0 s, before its clock's origin."""
     requests = sharegpt_like(5, 1.0, seed=0)
-    requests[2] = RequestSpec(requests[2].request_id, math.nan, requests[2].prompt_token_ids, 3)
     _alarm(20)
     try:
         with pytest.raises(ValueError, match="arrival_time"):
+            requests[2] = RequestSpec(requests[2].request_id, -5.0, requests[2].prompt_token_ids, 3)
+            Simulator(num_blocks=512).run(requests)
+        with pytest.raises(ValueError, match="arrival_time"):
+            requests[2] = RequestSpec(requests[2].request_id, math.nan, requests[2].prompt_token_ids, 3)
             Simulator(num_blocks=512).run(requests)
     finally:
         import signal
         signal.alarm(0)
+    assert Simulator(num_blocks=512).run(requests).arrival.min() == 0.0  # the workload itself is served
 
 
 def test_duplicate_request_ids_are_refused_before_serving():
@@ -635,3 +658,60 @@ def test_the_gate_spares_long_documents_their_preemptions():
     assert runs[True].recomputed_tokens < runs[False].recomputed_tokens
     with pytest.raises(ValueError, match="full_sequence_must_fit"):
         Simulator(cost, num_blocks=16, full_sequence_must_fit="yes")
+
+
+# --------------------------------------------------------------------------- work lost to preemption
+
+
+def computed_again(schedule: list) -> tuple[int, int]:
+    """From a recorded schedule alone: the positions each request computed more than once (each extra time
+    counted), and the positions a request computed for the first time after a preemption that lay below its
+    first chunk (prefix hits at its first admission, evicted by the time it came back)."""
+    seen: dict[int, dict[int, int]] = {}
+    first_start: dict[int, int] = {}
+    late_hits = 0
+    for step in schedule:
+        for rid, start, n, _ in step:
+            counts = seen.setdefault(rid, {})
+            first_start.setdefault(rid, start)
+            for p in range(start, start + n):
+                late_hits += p < first_start[rid] and p not in counts
+                counts[p] = counts.get(p, 0) + 1
+    return sum(c - 1 for counts in seen.values() for c in counts.values()), late_hits
+
+
+def preempting_workload(seed: int) -> tuple[list[RequestSpec], dict]:
+    """A few requests, many sharing a prefix, in a pool just large enough: preemptions and prefix hits."""
+    rng = random.Random(seed)
+    prefix = [rng.randrange(1, 97) for _ in range(rng.choice([4, 9, 16]))]
+    specs, t = [], 0.0
+    for i in range(rng.randrange(3, 12)):
+        own = [rng.randrange(1, 97) for _ in range(rng.randrange(1, 20))]
+        uses = rng.random() < 0.6
+        specs.append(RequestSpec(i, t, (prefix if uses else []) + own, rng.randrange(1, 30),
+                                 len(prefix) if uses else 0))
+        t += rng.random() * rng.choice([0.0, 0.002, 0.02])
+    bs = rng.choice([2, 4])
+    need = max(-(-(s.prompt_len + s.output_len) // bs) for s in specs)
+    return specs, dict(num_blocks=need + rng.randrange(0, need), block_size=bs,
+                       max_num_batched_tokens=rng.choice([4, 8, 32, 256]), skip_ahead=rng.random() < 0.5)
+
+
+def test_recomputed_tokens_are_the_positions_computed_again():
+    """Issue 38, bug 9: ``recomputed_tokens`` is the work lost to preemption, counted from the schedule.
+
+    Before the fix it was every step token beyond the first admission's plan, so a prefix hit evicted
+    while its request was preempted, and then computed, counted as "computed again" (24 of these 400
+    runs). The sample must hold such runs, and runs with real recomputation, or it checks nothing."""
+    cost = CostModel("teaching model", "L4")
+    late_runs = recomputing_runs = 0
+    for seed in range(400):
+        specs, settings = preempting_workload(seed)
+        run = Simulator(cost, record_schedule=True, **settings).run(specs)
+        again, late = computed_again(run.schedule)
+        assert sum(n for step in run.schedule for _, _, n, _ in step) == run.step_tokens.sum()  # the whole schedule
+        assert run.recomputed_tokens == again, f"seed {seed}"
+        assert run.recomputed_tokens == 0 or run.preemptions.sum() > 0
+        late_runs += late > 0
+        recomputing_runs += again > 0
+    assert late_runs >= 5 and recomputing_runs >= 100

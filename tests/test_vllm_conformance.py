@@ -180,17 +180,18 @@ def test_prefill_not_enough_free_blocks_with_computed_blocks():
 
 
 def test_reset_prefix_cache():
-    """test_prefix_caching.py::test_reset_prefix_cache: after every request ended, clearing the
-    cache drops every name. (vLLM refuses to reset while any block is in use; labkit's ``clear``
-    drops the names of the free blocks and keeps those in use.)"""
+    """test_prefix_caching.py::test_reset_prefix_cache: while any block is in use the reset is refused
+    (False, nothing changed), as vLLM's ``BlockPool.reset_prefix_cache``; after every request ended,
+    clearing drops every name, and no later prompt hits."""
     cache = cache_of(10)
     t0, _ = allocate_slots(cache, COMMON + [3] * 7)
     t1, hit = allocate_slots(cache, COMMON + [4] * 7)
     assert hit == 48 and t1.block_ids[3] == 4
-    assert cache.clear() == 0 and cache.num_cached_blocks == 3  # all in use: kept
+    assert cache.clear() is False and cache.num_cached_blocks == 3  # in use: refused
     cache.release(t0)
+    assert cache.clear() is False and cache.num_cached_blocks == 3  # t1 still holds blocks
     cache.release(t1)
-    assert cache.clear() == 3 and cache.num_cached_blocks == 0 and cache.allocator.num_evictions == 0
+    assert cache.clear() is True and cache.num_cached_blocks == 0 and cache.allocator.num_evictions == 0
     assert cache.match(COMMON + [3]).num_cached_tokens == 0
 
 

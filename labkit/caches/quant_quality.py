@@ -14,7 +14,7 @@ from __future__ import annotations
 
 import torch
 
-from ..checks import check_int
+from ..checks import check_flag, check_int, check_token_ids
 from ..memory.blocks import blocks_needed
 from ..memory.formats import KVQuant, dequantize_pool, write_quantized
 from ..model.decoder import causal_attention
@@ -45,10 +45,11 @@ def calibrate_kv_scales(model, token_ids: list[int], q: KVQuant) -> tuple[list[f
     """Per-tensor scales from sample text: each layer's max |K| and max |V| over ``token_ids``, over qmax.
 
     What a checkpoint's k_scale and v_scale are: measured once, offline, on text like the text to
-    be served. Values larger than these in other text are clamped.
+    be served. Values larger than these in other text are clamped. ``q``: the per-tensor scheme the
+    scales are for (``labkit.memory.formats.kv_quant("int8_per_tensor")``), whose qmax they divide by.
     """
-    if not isinstance(token_ids, (list, tuple)) or len(token_ids) < 1:
-        raise ValueError("token_ids must be a non-empty list of token ids")
+    check_scheme(q, per_tensor=True)
+    check_model_tokens(model, token_ids, 1)
     observer = AmaxObserver(model.config.num_hidden_layers)
     device = model.lm_head.weight.device
     model(torch.tensor([list(token_ids)], device=device), cache=observer)
@@ -56,9 +57,37 @@ def calibrate_kv_scales(model, token_ids: list[int], q: KVQuant) -> tuple[list[f
     return [fix(a) for a in observer.k_amax], [fix(a) for a in observer.v_amax]
 
 
+def check_scheme(q: object, per_tensor: bool = False) -> KVQuant:
+    """``q`` if it is a :class:`KVQuant` (per tensor, with ``per_tensor``), else ValueError naming q."""
+    if not isinstance(q, KVQuant):
+        raise ValueError(f"q must be a KVQuant, e.g. formats.kv_quant('int8_per_tensor'), got {q!r}")
+    if per_tensor and q.scales != "tensor":
+        raise ValueError(f"q must be a per-tensor scheme (its scales are what is calibrated), got {q.name}")
+    return q
+
+
+def check_model_tokens(model, token_ids: object, min_len: int) -> tuple[int, ...]:
+    """``token_ids`` as a tuple of at least ``min_len`` ids below the model's vocab_size, else ValueError."""
+    ids = check_token_ids("token_ids", token_ids, min_len)
+    vocab = model.config.vocab_size
+    if ids and max(ids) >= vocab:
+        raise ValueError(f"token_ids must be < {vocab} (the model's vocab_size), found {max(ids)}")
+    return ids
+
+
 def relative_error(x: torch.Tensor, q: KVQuant, block_size: int = 16) -> float:
     """‖dequantize(quantize(x)) − x‖ / ‖x‖ for K or V values x [tokens, Hkv, D] written in order into
-    fresh blocks (per-tensor scales from x's own max |x|): how much a scheme loses on these values."""
+    fresh blocks (per-tensor scales from x's own max |x|): how much a scheme loses on these values.
+
+    ``x`` must hold at least one token and only finite values: one inf would make the ratio NaN.
+    """
+    check_scheme(q)
+    if not (isinstance(x, torch.Tensor) and x.dim() == 3 and x.is_floating_point() and x.shape[0] >= 1):
+        raise ValueError(f"x must be a floating-point tensor [tokens >= 1, num_kv_heads, head_dim], got "
+                         f"{getattr(x, 'dtype', type(x).__name__)} {tuple(getattr(x, 'shape', ()))}")
+    if not bool(x.isfinite().all()):
+        raise ValueError("x must hold finite values only (a NaN or inf makes the error NaN)")
+    block_size = check_int("block_size", block_size, 1)
     tokens, heads, d = x.shape
     num_blocks = blocks_needed(tokens, block_size)
     data, scale = q.empty_pool(num_blocks, block_size, heads, d, x.device)
@@ -93,8 +122,14 @@ def next_token_loss(model, token_ids: list[int], kv_cache_dtype: str = "auto", *
     The text goes in ``chunk`` tokens at a time (chapter 03's prefill): each chunk's K/V are
     written to the cache first and every query reads them back from it, so every prediction sees
     the stored, quantized K/V of all earlier tokens and of its own position, as a decode step does.
+    Every argument is checked first: ``token_ids`` at least 2 ids below vocab_size, ``chunk`` and
+    ``block_size`` >= 1; the cache checks ``kv_cache_dtype`` and ``dtype``.
     """
-    n = check_int("len(token_ids)", len(token_ids), 2)
+    token_ids = list(check_model_tokens(model, token_ids, 2))
+    chunk = check_int("chunk", chunk, 1)
+    block_size = check_int("block_size", block_size, 1)
+    use_triton = check_flag("use_triton", use_triton)
+    n = len(token_ids)
     device = model.lm_head.weight.device
     cache = PagedKVCache(model.config, blocks_needed(n, block_size), block_size, dtype=dtype, device=device,
                          use_triton=use_triton, kv_cache_dtype=kv_cache_dtype)
@@ -124,10 +159,17 @@ def greedy_agreement(references: list[list[int]], outputs: list[list[int]]) -> t
     ``share``: the tokens before each output's first divergence, over all reference tokens (1.0:
     every output identical). After a divergence the two texts condition on different tokens, so
     later matches say little; they are not counted. ``mean first divergence``: its position,
-    averaged over the prompts, counting an output that never diverges as its full length.
+    averaged over the prompts, counting an output that never diverges as its full length. Every
+    reference must hold at least one token id; an output may be empty.
     """
-    if len(references) != len(outputs) or not references:
-        raise ValueError(f"references and outputs must be equally long, non-empty lists, got {len(references)} "
-                         f"and {len(outputs)}")
+    if not isinstance(references, (list, tuple)) or not isinstance(outputs, (list, tuple)) \
+            or len(references) != len(outputs) or not references:
+        raise ValueError(f"references and outputs must be equally long, non-empty lists, got "
+                         f"{type(references).__name__} and {type(outputs).__name__} of "
+                         f"{len(references) if hasattr(references, '__len__') else '?'} and "
+                         f"{len(outputs) if hasattr(outputs, '__len__') else '?'}")
+    # a reference of no tokens has nothing to agree with (and would divide by zero)
+    references = [check_token_ids(f"references[{i}]", r, 1) for i, r in enumerate(references)]
+    outputs = [check_token_ids(f"outputs[{i}]", o) for i, o in enumerate(outputs)]
     firsts = [first_divergence(r, o) for r, o in zip(references, outputs)]
     return sum(firsts) / sum(len(r) for r in references), sum(firsts) / len(firsts)

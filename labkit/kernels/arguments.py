@@ -12,7 +12,7 @@ import math
 import torch
 
 from ..memory.blocks import blocks_needed
-from ..memory.formats import KVQuant, kv_quant
+from ..memory.formats import KVQuant, check_pool, kv_quant
 
 SUPPORTED_DTYPES = (torch.float32, torch.float16, torch.bfloat16)
 MAX_HEAD_DIM = 256
@@ -88,7 +88,8 @@ def check_kv_format(kv_cache_dtype: object, k_cache: object, v_cache: object, k_
     "auto": k_cache and v_cache hold ``ref``'s dtype, and there are no scales. A quantized scheme:
     the pools hold its codes, [num_blocks, block_size, num_kv_heads, head_dim] (head_dim / 2 bytes
     for int4, so head_dim must be even), and k_scale/v_scale are float32 tensors of the scheme's
-    scale shape, on ``ref``'s device, alike in shape and strides, dense in their last dimension.
+    scale shape (``labkit.memory.formats.check_pool``, the rule the reference write checks too), on
+    ``ref``'s device, alike in shape and strides, dense in their last dimension.
     """
     kq = kv_quant(kv_cache_dtype)
     if kq is None:
@@ -101,20 +102,11 @@ def check_kv_format(kv_cache_dtype: object, k_cache: object, v_cache: object, k_
     kq.check_head_dim(head_dim)
     if not 1 <= head_dim <= MAX_HEAD_DIM:
         raise ValueError(f"head_dim must be in [1, {MAX_HEAD_DIM}], got {head_dim}")
-    check_tensor("k_cache", k_cache, 4, (kq.storage_dtype,))
-    check_tensor("v_cache", v_cache, 4, (kq.storage_dtype,))
-    expected = kq.storage_shape(k_cache.shape[0], k_cache.shape[1], k_cache.shape[2], head_dim)
-    for name, t in (("k_cache", k_cache), ("v_cache", v_cache)):
-        if tuple(t.shape) != expected:
-            raise ValueError(f"{name} must be [num_blocks, block_size, num_kv_heads, {expected[3]}] for "
-                             f"{kq.name} with head_dim {head_dim}, got {tuple(t.shape)}")
+    check_pool(kq, head_dim, "k_cache", k_cache, "k_scale", k_scale)
+    check_pool(kq, head_dim, "v_cache", v_cache, "v_scale", v_scale)
+    if v_cache.shape != k_cache.shape:
+        raise ValueError(f"v_cache must have the shape of k_cache {tuple(k_cache.shape)}, got {tuple(v_cache.shape)}")
     check_pair_layout("k_cache", k_cache, "v_cache", v_cache, like, ref)
-    want = kq.scale_shape(k_cache.shape[0], k_cache.shape[1], k_cache.shape[2], head_dim)
-    for name, t in (("k_scale", k_scale), ("v_scale", v_scale)):
-        if not isinstance(t, torch.Tensor) or t.dtype != torch.float32 or tuple(t.shape) != want:
-            got = f"{getattr(t, 'dtype', type(t).__name__)} {tuple(getattr(t, 'shape', ()))}"
-            raise ValueError(f"{name} must be a float32 tensor of shape {want} for {kq.name} (scales per "
-                             f"{kq.scales}), got {got}")
     check_pair_layout("k_scale", k_scale, "v_scale", v_scale, like, ref, last_dim="its last dimension")
     return kq
 

@@ -50,7 +50,8 @@ def paged_decode_attention_batched(q: torch.Tensor, k_cache: torch.Tensor, v_cac
     transformers does on a CPU, with the gather in place of its contiguous cache. The same
     arithmetic as the reference; ``tests/test_kernels.py`` checks it against the reference on
     ragged lengths, shuffled block tables and a NaN-poisoned pool. A quantized pool is
-    dequantized first (``dequantize_blocks``), in q's dtype, as the kernels see it.
+    dequantized first (``dequantize_blocks``) into q's dtype as the compiled kernels see it: each
+    code × its scale in float32, rounded once to q's dtype (``labkit.memory.formats.dequantize``).
     """
     scale = 1.0 / math.sqrt(q.shape[-1]) if scale is None else scale
     ct = compute_dtype(q.dtype)

@@ -237,6 +237,7 @@ def write_kv_quant_triton(x, cache, scale, order, runs, kq: KVQuant) -> None:
         QMAX=kq.qmax, KV_FORMAT=KV_FORMATS[kq.element], SCALES=SCALE_KINDS[kq.scales], GROUP_SIZE=kq.group_size,
         # at most 2,048 lanes a tile over 4 warps: 16 rows of 256 lanes spilled on sm90 (fp8, per block)
         BLOCK_R=min(16, _next_pow2(cache.shape[1]), max(1, 2048 // block_e)), BLOCK_E=block_e, num_warps=4,
+        FP8_NAN_BY_BITS=RUNTIME.interpreted and kq.element == "fp8",
     )
 
 
@@ -275,7 +276,8 @@ def decode_triton(q, k_cache, v_cache, block_tables, seq_lens, scale, num_splits
         part_lse.stride(0), part_lse.stride(1),
         scale * LOG2E,
         group, head_dim, k_cache.shape[1], tokens_per_split,
-        BLOCK_G=_group_tile(group), SPLIT=num_splits > 1, **settings.constexprs(), **format_constexprs(kq),
+        BLOCK_G=_group_tile(group), SPLIT=num_splits > 1, **settings.constexprs(),
+        **format_constexprs(kq, RUNTIME.interpreted),
     )
     if num_splits > 1:
         merge_splits_kernel[(num_seqs, num_heads)](

@@ -28,7 +28,7 @@ import math
 
 import torch
 
-from ..memory.formats import check_tensor_scales
+from ..memory.formats import check_slot_mapping, check_tensor_scales
 from . import launch
 from .arguments import (SUPPORTED_DTYPES, check_attention_args, check_device, check_kv_format, check_out, check_scale,
                         check_tensor, dense)
@@ -50,7 +50,9 @@ def write_kv(k: torch.Tensor, v: torch.Tensor, k_cache: torch.Tensor, v_cache: t
     kv_cache_dtype: "auto" (the pools hold k's dtype) or a scheme of ``labkit.memory.formats``: the pools
     hold its codes and k_scale/v_scale its scales, and the write quantizes (per block it may
     also rescale the block's earlier codes and raise its scale; the tokens written into one block
-    must then fill consecutive slots).
+    must then fill consecutive slots). Non-finite K or V: NaN is stored as int code 0 or fp8 NaN,
+    ±inf saturates to ±qmax, and scales come from the finite values only, so no other element's code
+    is spoiled (``labkit.memory.formats``' "Non-finite values"); kernel and reference agree bit for bit.
     """
     check_tensor("k", k, 3, SUPPORTED_DTYPES)
     check_tensor("v", v, 3, SUPPORTED_DTYPES)
@@ -64,17 +66,7 @@ def write_kv(k: torch.Tensor, v: torch.Tensor, k_cache: torch.Tensor, v_cache: t
     check_tensor_scales(kq, k_scale=k_scale, v_scale=v_scale)
     check_tensor("slot_mapping", slot_mapping, 1, (torch.int32, torch.int64))
     check_device("slot_mapping", slot_mapping, "k", k)
-    if slot_mapping.shape[0] != k.shape[0]:
-        raise ValueError(f"slot_mapping must have num_tokens={k.shape[0]} entries, got {slot_mapping.shape[0]}")
-    num_slots = k_cache.shape[0] * k_cache.shape[1]
-    if k.shape[0]:
-        lo, hi = int(slot_mapping.min()), int(slot_mapping.max())
-        if lo < -1 or hi >= num_slots:
-            raise ValueError(f"slot_mapping entries must be -1 (skip) or slots in [0, {num_slots - 1}], "
-                             f"got {lo}..{hi}")
-        kept = slot_mapping[slot_mapping >= 0]
-        if kept.unique().numel() != kept.numel():
-            raise ValueError("slot_mapping must not send two tokens to the same slot")
+    check_slot_mapping(slot_mapping, k.shape[0], k_cache.shape[0] * k_cache.shape[1])
     # The kernel reads k and v rows through their strides but needs head_dim dense.
     k = k if k.stride(-1) == 1 else k.contiguous()
     v = v if v.stride(-1) == 1 else v.contiguous()

@@ -126,13 +126,16 @@ def write_kv_ref(k: torch.Tensor, v: torch.Tensor, k_cache: torch.Tensor, v_cach
     """Reference scatter, in place: token t goes to block ``slot // block_size``, offset ``slot % block_size``.
 
     Tokens whose slot is -1 are skipped (padding, or positions a prefix cache already holds).
-    A quantized pool is written by ``labkit.memory.formats.write_quantized`` (codes and scales).
+    A quantized pool is written by ``labkit.memory.formats.write_quantized_kv`` (codes and scales), after
+    K's and V's arguments are both checked (``formats.check_write``: the pools, their scales, per tensor
+    finite and > 0, as ``write_kv`` checks them), so a refused write changes neither pool.
+
+    Non-finite values in a quantized pool: NaN is stored as int code 0 or fp8 NaN, ±inf saturates to
+    ±qmax, and scales come from the finite values only (``labkit.memory.formats``' "Non-finite values").
     """
     if kv_cache_dtype != "auto":
         kq = formats.kv_quant(kv_cache_dtype)
-        formats.check_tensor_scales(kq, k_scale=k_scale, v_scale=v_scale)
-        formats.write_quantized(k, k_cache, k_scale, slot_mapping, kq)
-        formats.write_quantized(v, v_cache, v_scale, slot_mapping, kq)
+        formats.write_quantized_kv(k, v, k_cache, v_cache, k_scale, v_scale, slot_mapping, kq)
         return
     keep = slot_mapping >= 0  # seen as one row per slot, the pool takes each token at its slot
     slots = slot_mapping[keep].long()

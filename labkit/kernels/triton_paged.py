@@ -20,10 +20,12 @@ Entries of a block table past ``ceil(seq_len / block_size)`` are never read.
   suffix after a prefix-cache hit), causal, reading earlier positions from the paged cache.
 
 Every load is upcast to float32 before arithmetic where the launch asks for it (``UPCAST``): the
-interpreter's bfloat16 is wrong otherwise. Paging changes *where* K and V live, not what attention
-computes: no element is compressed and no position is skipped. How the kernels are launched (tiles,
-warps, stages, splits) is ``labkit.kernels.launch``; what they must compute is
-``labkit.kernels.reference``.
+interpreter's bfloat16 is wrong otherwise. The interpreter's fp8 is wrong about NaN too (it reads
+e4m3fn's NaN, 0x7F, as 480, and writes NaN as 384): there (``FP8_NAN_BY_BITS``) the kernels read
+NaN from the bits themselves; a GPU's conversion gets it right, and pays nothing for it. Paging
+changes *where* K and V live, not what attention computes: no element is compressed and no position
+is skipped. How the kernels are launched (tiles, warps, stages, splits) is ``labkit.kernels.launch``;
+what they must compute is ``labkit.kernels.reference``.
 """
 
 from __future__ import annotations
@@ -43,11 +45,13 @@ KV_FORMATS = {None: 0, "fp8": 1, "int8": 2, "int4": 3}
 SCALE_KINDS = {"tensor": 0, "block": 1, "group": 2}
 
 
-def format_constexprs(kq: KVQuant | None) -> dict:
-    """The quantization constexprs of the attention kernels (a 16/32-bit pool: KV_FORMAT 0)."""
+def format_constexprs(kq: KVQuant | None, interpreted: bool) -> dict:
+    """The quantization constexprs of the attention kernels (a 16/32-bit pool: KV_FORMAT 0). ``interpreted``:
+    Triton's interpreter, whose fp8 NaN the kernels read from the bits (``FP8_NAN_BY_BITS``)."""
     if kq is None:
-        return dict(KV_FORMAT=0, SCALES=0, GROUP_SIZE=GROUP_SIZE)
-    return dict(KV_FORMAT=KV_FORMATS[kq.element], SCALES=SCALE_KINDS[kq.scales], GROUP_SIZE=kq.group_size)
+        return dict(KV_FORMAT=0, SCALES=0, GROUP_SIZE=GROUP_SIZE, FP8_NAN_BY_BITS=False)
+    return dict(KV_FORMAT=KV_FORMATS[kq.element], SCALES=SCALE_KINDS[kq.scales], GROUP_SIZE=kq.group_size,
+                FP8_NAN_BY_BITS=interpreted and kq.element == "fp8")
 
 
 if triton is not None:
@@ -61,10 +65,22 @@ if triton is not None:
         return tl.where((f > 0.5) | ((f == 0.5) & odd), r + 1.0, r)
 
     @triton.jit
+    def _fp8_to_float(codes, NAN_BY_BITS: tl.constexpr):
+        """fp8 e4m3fn codes as float32. ``NAN_BY_BITS`` (the interpreter, which would read 480): NaN, the bits
+        x1111111, found from the bits; a GPU's conversion already gives NaN."""
+        if NAN_BY_BITS:
+            nan = (codes.to(tl.uint8, bitcast=True) & 127) == 127
+            x = tl.where(nan, float("nan"), codes.to(tl.float32))
+        else:
+            x = codes.to(tl.float32)
+        return x
+
+    @triton.jit
     def _load_dequantized(cache_ptr, scale_ptr, block_id, offset, kv_head, valid, head_dim,
                           stride_cb, stride_cs, stride_ch, stride_sb, stride_ss, stride_sh,
                           BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr,
-                          KV_FORMAT: tl.constexpr, SCALES: tl.constexpr, GROUP_SIZE: tl.constexpr):
+                          KV_FORMAT: tl.constexpr, SCALES: tl.constexpr, GROUP_SIZE: tl.constexpr,
+                          FP8_NAN_BY_BITS: tl.constexpr):
         """K or V of BLOCK_N positions as float32 [BLOCK_N, BLOCK_D]: load the codes, times their scales.
 
         ``block_id`` and ``offset`` [BLOCK_N] locate each position; masked positions read code 0 and
@@ -83,7 +99,8 @@ if triton is not None:
             d = tl.arange(0, BLOCK_D)
             mask = valid[:, None] & (d < head_dim)[None, :]
             if KV_FORMAT == 1:
-                x = tl.load(cache_ptr + row[:, None] + d[None, :], mask=mask, other=0.0).to(tl.float32)
+                codes = tl.load(cache_ptr + row[:, None] + d[None, :], mask=mask, other=0.0)
+                x = _fp8_to_float(codes, FP8_NAN_BY_BITS)
             else:
                 x = tl.load(cache_ptr + row[:, None] + d[None, :], mask=mask, other=0).to(tl.float32)
         if SCALES == 0:  # one scale for the whole layer
@@ -115,13 +132,37 @@ if triton is not None:
         return _round_half_even(y / step) * step
 
     @triton.jit
-    def _encode(y, KV_FORMAT: tl.constexpr):
-        """Values already divided by their scale and clamped to ±qmax, as fp8 or int8 codes."""
+    def _saturate(y, QMAX: tl.constexpr, KV_FORMAT: tl.constexpr):
+        """Values divided by their scale, clamped to ±qmax (±inf saturates there); NaN stays NaN for fp8
+        (it has one) and becomes 0 for integer codes. ``labkit.memory.formats``' "Non-finite values"."""
+        c = tl.minimum(tl.maximum(y, -QMAX), QMAX)  # what max/min do with NaN differs: set it below
         if KV_FORMAT == 1:
-            code = _round_to_e4m3(y).to(tl.float8e4nv)
+            c = tl.where(y != y, float("nan"), c)
+        else:
+            c = tl.where(y != y, 0.0, c)
+        return c
+
+    @triton.jit
+    def _encode(y, KV_FORMAT: tl.constexpr):
+        """Values already divided by their scale and saturated (``_saturate``), as fp8 or int8 codes.
+
+        fp8: every NaN is stored as e4m3fn's positive NaN, 0x7F, written as bits (the interpreter's cast
+        would write 384), as ``labkit.memory.formats.quantize`` stores it.
+        """
+        if KV_FORMAT == 1:
+            nan = y != y
+            bits = _round_to_e4m3(tl.where(nan, 0.0, y)).to(tl.float8e4nv).to(tl.uint8, bitcast=True)
+            code = tl.where(nan, 127, bits.to(tl.int32)).to(tl.uint8).to(tl.float8e4nv, bitcast=True)
         else:
             code = _round_half_even(y).to(tl.int8)
         return code  # one return: a compiled jit function must return one type
+
+    @triton.jit
+    def _finite_abs(x):
+        """|x| where x is finite, 0 for NaN and ±inf: what a scale is set from, so one bad element spoils
+        no other element's code (NaN < inf is false)."""
+        a = tl.abs(x)
+        return tl.where(a < float("inf"), a, 0.0)
 
     @triton.jit
     def _load_values(x_ptr, order_ptr, start, j, j_mask, head, stride_xt, stride_xh, e, e_mask,
@@ -134,7 +175,7 @@ if triton is not None:
 
     @triton.jit
     def _group_scales(a, QMAX: tl.constexpr, BLOCK_R: tl.constexpr, BLOCK_E: tl.constexpr, LANES: tl.constexpr):
-        """Per-row scales of every LANES consecutive lanes of |values| ``a`` [BLOCK_R, BLOCK_E]: the group's
+        """Per-row scales of every LANES consecutive lanes of finite |values| ``a`` [BLOCK_R, BLOCK_E]: the group's
         max over qmax, as [BLOCK_R, BLOCK_E // LANES] and broadcast back to [BLOCK_R, BLOCK_E]."""
         g = tl.max(tl.reshape(a, [BLOCK_R, BLOCK_E // LANES, LANES]), axis=2) / QMAX
         wide = tl.reshape(tl.broadcast_to(g[:, :, None], [BLOCK_R, BLOCK_E // LANES, LANES]), [BLOCK_R, BLOCK_E])
@@ -148,7 +189,7 @@ if triton is not None:
         stride_sb, stride_ss, stride_sh,
         head_dim,
         QMAX: tl.constexpr, KV_FORMAT: tl.constexpr, SCALES: tl.constexpr, GROUP_SIZE: tl.constexpr,
-        BLOCK_R: tl.constexpr, BLOCK_E: tl.constexpr,
+        BLOCK_R: tl.constexpr, BLOCK_E: tl.constexpr, FP8_NAN_BY_BITS: tl.constexpr,
     ):
         """One program per (run, KV head): quantize the new tokens of one run into one block of one pool.
 
@@ -161,6 +202,10 @@ if triton is not None:
         from its own values, stored beside it. Per block: first the new rows' max |x|; the block's
         scale becomes max(old, that / qmax), where the old one counts only when ``first`` > 0;
         the block's earlier rows are decoded with the old scale and encoded again with the new.
+
+        Non-finite values, as ``labkit.memory.formats.write_quantized`` (the reference) stores them, bit
+        for bit: scales come from the finite |x| only (``_finite_abs``); NaN is stored as int code 0 or
+        fp8 NaN, ±inf saturates to ±qmax (``_saturate``).
         """
         run = tl.program_id(0)
         head = tl.program_id(1)
@@ -184,11 +229,11 @@ if triton is not None:
             for j0 in range(0, count, BLOCK_R):
                 j = j0 + r
                 j_mask = j < count
-                a = tl.abs(_load_values(x_ptr, order_ptr, start, j, j_mask, head, stride_xt, stride_xh, e, e_mask,
-                                        STEP, 0))
+                a = _finite_abs(_load_values(x_ptr, order_ptr, start, j, j_mask, head, stride_xt, stride_xh, e,
+                                             e_mask, STEP, 0))
                 if KV_FORMAT == 3:
-                    a = tl.maximum(a, tl.abs(_load_values(x_ptr, order_ptr, start, j, j_mask, head, stride_xt,
-                                                          stride_xh, e, e_mask, STEP, 1)))
+                    a = tl.maximum(a, _finite_abs(_load_values(x_ptr, order_ptr, start, j, j_mask, head, stride_xt,
+                                                               stride_xh, e, e_mask, STEP, 1)))
                 amax = tl.maximum(amax, tl.max(tl.max(a, axis=1), axis=0))
             scale = tl.maximum(old, amax / QMAX)
             new_divisor = tl.where(scale > 0, scale, 1.0)
@@ -204,7 +249,11 @@ if triton is not None:
                     packed = (_round_half_even(lo).to(tl.int32) + 8) | ((_round_half_even(hi).to(tl.int32) + 8) << 4)
                     tl.store(ptr, packed.to(tl.uint8), mask=mask)
                 else:
-                    y = tl.minimum(tl.maximum(codes.to(tl.float32) * old / new_divisor, -QMAX), QMAX)
+                    if KV_FORMAT == 1:
+                        values = _fp8_to_float(codes, FP8_NAN_BY_BITS)
+                    else:
+                        values = codes.to(tl.float32)
+                    y = _saturate(values * old / new_divisor, QMAX, KV_FORMAT)
                     tl.store(ptr, _encode(y, KV_FORMAT), mask=mask)
             tl.store(block_scale_ptr, scale)
 
@@ -217,10 +266,10 @@ if triton is not None:
             lo = _load_values(x_ptr, order_ptr, start, j, j_mask, head, stride_xt, stride_xh, e, e_mask, STEP, 0)
             if KV_FORMAT == 3:
                 hi = _load_values(x_ptr, order_ptr, start, j, j_mask, head, stride_xt, stride_xh, e, e_mask, STEP, 1)
-                a = tl.maximum(tl.abs(lo), tl.abs(hi))
+                a = tl.maximum(_finite_abs(lo), _finite_abs(hi))
             else:
                 hi = lo
-                a = tl.abs(lo)
+                a = _finite_abs(lo)
             if SCALES == 2:  # each row's own scales, one per LANES lanes, stored beside it
                 g, s = _group_scales(a, QMAX, BLOCK_R, BLOCK_E, LANES)
                 gi = tl.arange(0, BLOCK_E // LANES)
@@ -230,9 +279,9 @@ if triton is not None:
             else:
                 s = tl.zeros([BLOCK_R, BLOCK_E], tl.float32) + scale
             divisor = tl.where(s > 0, s, 1.0)
-            lo = tl.minimum(tl.maximum(lo / divisor, -QMAX), QMAX)
+            lo = _saturate(lo / divisor, QMAX, KV_FORMAT)
             if KV_FORMAT == 3:
-                hi = tl.minimum(tl.maximum(hi / divisor, -QMAX), QMAX)
+                hi = _saturate(hi / divisor, QMAX, KV_FORMAT)
                 packed = (_round_half_even(lo).to(tl.int32) + 8) | ((_round_half_even(hi).to(tl.int32) + 8) << 4)
                 tl.store(ptr, packed.to(tl.uint8), mask=mask)
             else:
@@ -275,7 +324,7 @@ if triton is not None:
         group_size, head_dim, block_size, tokens_per_split,
         BLOCK_G: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_N: tl.constexpr,
         SPLIT: tl.constexpr, UPCAST: tl.constexpr, DOT_PRECISION: tl.constexpr,
-        KV_FORMAT: tl.constexpr, SCALES: tl.constexpr, GROUP_SIZE: tl.constexpr,
+        KV_FORMAT: tl.constexpr, SCALES: tl.constexpr, GROUP_SIZE: tl.constexpr, FP8_NAN_BY_BITS: tl.constexpr,
     ):
         """One program per (sequence, KV head, split): the group's queries against one stretch of keys.
 
@@ -329,10 +378,10 @@ if triton is not None:
             else:  # codes times scales, in float32; on tensor cores then rounded to q's 16-bit type
                 k = _load_dequantized(k_cache_ptr, k_scale_ptr, block_id, pos % block_size, kv_head, valid, head_dim,
                                       stride_cb, stride_cs, stride_ch, stride_sb, stride_ss, stride_sh,
-                                      BLOCK_N, BLOCK_D, KV_FORMAT, SCALES, GROUP_SIZE)
+                                      BLOCK_N, BLOCK_D, KV_FORMAT, SCALES, GROUP_SIZE, FP8_NAN_BY_BITS)
                 v = _load_dequantized(v_cache_ptr, v_scale_ptr, block_id, pos % block_size, kv_head, valid, head_dim,
                                       stride_cb, stride_cs, stride_ch, stride_sb, stride_ss, stride_sh,
-                                      BLOCK_N, BLOCK_D, KV_FORMAT, SCALES, GROUP_SIZE)
+                                      BLOCK_N, BLOCK_D, KV_FORMAT, SCALES, GROUP_SIZE, FP8_NAN_BY_BITS)
                 if not UPCAST:
                     k = k.to(q_ptr.dtype.element_ty)
                     v = v.to(q_ptr.dtype.element_ty)

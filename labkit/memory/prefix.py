@@ -368,13 +368,13 @@ class PrefixCache:
         table.release(self.allocator)
         table.token_ids, table.block_hashes, table.entry_ids = [], [], []
 
-    def clear(self) -> int:
-        """Forget every named block that no sequence holds (e.g. after a weight update); returns how many.
-        Not an eviction (vLLM's ``reset_prefix_cache``): not counted."""
-        victims = [b for b in self.allocator.names if self.allocator.ref_counts[b] == 0]
-        for b in victims:
+    def clear(self) -> bool:
+        """Forget every name (after a weight update, say); not counted as evictions. As vLLM 0.33.0's ``BlockPool.
+        reset_prefix_cache``: refused (False, nothing changed) while a sequence holds a block; else True."""
+        in_use = self.allocator.num_used > 0
+        for b in [] if in_use else list(self.allocator.names):
             self.allocator.forget(b)
-        return len(victims)
+        return not in_use
 
     def _check_table(self, table: object) -> None:
         if not isinstance(table, CachedBlockTable) or table.owner is not self:

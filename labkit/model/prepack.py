@@ -13,17 +13,37 @@ another summation order (results agree to about 1e-4, not bit for bit), same thr
 ``prepack(model)`` does it with PyTorch's own oneDNN operators: every ``nn.Linear`` of any module
 (the book's ``Decoder``, transformers' Llama) becomes a ``PackedLinear`` that keeps its ``weight``
 (``state_dict`` and a tied embedding are untouched) and multiplies with a reordered copy;
-``unpack(model)`` turns them back. Inference only, CPU and float32 only; the copy does not follow
-later changes to ``weight``. ``benchmarks/continuous_batching.py`` measures what it saves (its
-results are chapter 05's table).
+``unpack(model)`` turns them back. ``benchmarks/continuous_batching.py`` measures what it saves
+(its results are chapter 05's table). What a packed layer promises:
+
+* **The copy follows the weight.** It remembers which tensor, storage and version (the counter
+  every in-place write bumps) it was made from, and the next forward remakes it when any of them
+  changed: after ``load_state_dict``, an in-place write under ``torch.no_grad()``, a new
+  ``weight``, a ``.double().float()`` round trip. Only a write through ``weight.data`` goes unseen
+  (it bumps no version, by design of ``.data``; nor does a weight made under ``inference_mode``
+  have one): after such a write, call ``unpack`` and ``prepack``.
+* **Float32 on the CPU only.** ``prepack`` refuses a layer whose weight or bias is anything else.
+  A packed model moved later (``.to(torch.bfloat16)``, ``.cuda()``) raises at its next forward,
+  saying to ``unpack(model)`` first; moved back to float32 on the CPU, it packs again.
+* **Inference only**, as in a serving engine, which runs every step under ``torch.inference_mode()``:
+  oneDNN's packed multiply has no backward, so a forward that autograd would record (grad mode on
+  and the input or a parameter requiring grad) raises instead of leaving ``weight.grad`` None.
+  To train, ``unpack(model)``.
+* **Copies and saves work.** ``copy.deepcopy`` and ``torch.save(model)`` keep the weights and not
+  the packed copy (oneDNN's opaque tensor cannot be copied); the first forward remakes it.
 """
 
 from __future__ import annotations
+
+import weakref
 
 import torch
 from torch import nn
 
 __all__ = ["PackedLinear", "available", "is_packed", "prepack", "unpack"]
+
+INFERENCE_ONLY = ("a prepacked layer is inference-only (oneDNN's packed multiply has no backward): call the model "
+                  "under torch.no_grad() or torch.inference_mode(), or labkit.model.prepack.unpack(model) to train")
 
 
 def available() -> bool:
@@ -32,13 +52,68 @@ def available() -> bool:
         and hasattr(torch.ops.mkldnn, "_linear_pointwise")
 
 
-class PackedLinear(nn.Linear):
-    """An ``nn.Linear`` whose forward multiplies with a oneDNN-reordered copy of its weight."""
+def _unpackable(layer: nn.Linear, name: str) -> str | None:
+    """Why ``layer`` cannot be packed (its weight or bias is not float32 on the CPU), or None if it can."""
+    for part in ("weight", "bias"):
+        t = getattr(layer, part)
+        if t is not None and (t.device.type != "cpu" or t.dtype != torch.float32):
+            return (f"prepack needs every weight and bias in float32 on the CPU; {name}.{part} is {t.dtype} "
+                    f"on {t.device}")
+    return None
 
-    packed_weight: torch.Tensor
+
+def _source(weight: torch.Tensor, bias: torch.Tensor | None) -> tuple:
+    """What a packed copy is made from: the weight tensor (weakly held), its storage and version (an
+    in-place write bumps it), and the bias's dtype and device (the packed multiply reads the bias as is).
+
+    A weight made under ``inference_mode`` tracks no version: -1, and in-place writes go unseen."""
+    return weakref.ref(weight), (weight.data_ptr(), -1 if weight.is_inference() else weight._version,
+                                 None if bias is None else (bias.dtype, bias.device))
+
+
+def _reorder(weight: torch.Tensor, rows: int) -> torch.Tensor:
+    """oneDNN's blocked copy of ``weight`` for multiplies of about ``rows`` rows."""
+    with torch.no_grad():
+        return torch.ops.mkldnn._reorder_linear_weight(weight.detach(), rows)
+
+
+class PackedLinear(nn.Linear):
+    """An ``nn.Linear`` whose forward multiplies with a oneDNN-reordered copy of its weight.
+
+    ``packed_weight`` is the copy and ``packed_from`` what it was made from (``_source``);
+    ``rows_hint`` is ``prepack``'s ``batch_size``, kept for remaking the copy.
+    """
+
+    packed_weight: torch.Tensor | None
+    packed_from: tuple | None
+    rows_hint: int
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if torch.is_grad_enabled() and any(t is not None and t.requires_grad for t in (x, self.weight, self.bias)):
+            raise RuntimeError(INFERENCE_ONLY)
+        if not self.is_current():
+            self.repack()
         return torch.ops.mkldnn._linear_pointwise(x, self.packed_weight, self.bias, "none", [], "")
+
+    def is_current(self) -> bool:
+        """Whether the packed copy was made from the weight as it is now."""
+        if self.packed_from is None:
+            return False
+        ref, state = self.packed_from
+        weight = self.weight
+        return ref() is weight and state == _source(weight, self.bias)[1]
+
+    def repack(self) -> None:
+        """Make the packed copy again from ``weight``, or raise if it is no longer float32 on the CPU."""
+        why = _unpackable(self, f"PackedLinear({self.in_features} -> {self.out_features})")
+        if why is not None:
+            raise RuntimeError(f"{why}, and this layer is prepacked: call labkit.model.prepack.unpack(model) "
+                               "before moving the model, or move it back (.float(), .cpu()) to pack again")
+        self.packed_weight, self.packed_from = _reorder(self.weight, self.rows_hint), _source(self.weight, self.bias)
+
+    def __getstate__(self) -> dict:
+        """For ``copy.deepcopy`` and pickling: everything but the packed copy, remade at the first forward."""
+        return super().__getstate__() | {"packed_weight": None, "packed_from": None}
 
 
 def _check_model(model: object) -> None:
@@ -51,7 +126,8 @@ def prepack(model: nn.Module, batch_size: int = 16) -> int:
 
     ``batch_size``: the number of rows a multiply usually gets (a step's tokens), a hint for
     oneDNN's choice of layout; any number of rows still works. Layers already packed are left as
-    they are. Raises (and packs nothing) unless every linear layer is float32 on the CPU.
+    they are. Raises (and packs nothing) unless every linear layer's weight and bias are float32
+    on the CPU.
     """
     _check_model(model)
     if isinstance(batch_size, bool) or not isinstance(batch_size, int) or not 1 <= batch_size <= 4096:
@@ -59,15 +135,13 @@ def prepack(model: nn.Module, batch_size: int = 16) -> int:
     if not available():
         raise RuntimeError("this PyTorch has no oneDNN (torch.backends.mkldnn): prepack cannot run here")
     linears = [(name, m) for name, m in model.named_modules() if type(m) is nn.Linear]
-    for name, m in linears:
-        if m.weight.device.type != "cpu" or m.weight.dtype != torch.float32:
-            raise ValueError(f"prepack needs float32 weights on the CPU; {name or 'model'}.weight is "
-                             f"{m.weight.dtype} on {m.weight.device}")
-    with torch.no_grad():  # every copy made before any layer changes: a failure leaves the model as it was
-        packed = [torch.ops.mkldnn._reorder_linear_weight(m.weight.detach(), batch_size) for _, m in linears]
-    for (_, m), w in zip(linears, packed):
+    why = next(filter(None, (_unpackable(m, name or "model") for name, m in linears)), None)
+    if why is not None:
+        raise ValueError(why)
+    copies = [_reorder(m.weight, batch_size) for _, m in linears]  # all made first: a failure changes nothing
+    for (_, m), copy in zip(linears, copies):
         m.__class__ = PackedLinear
-        m.packed_weight = w
+        m.rows_hint, m.packed_weight, m.packed_from = batch_size, copy, _source(m.weight, m.bias)
     return len(linears)
 
 
@@ -77,7 +151,8 @@ def unpack(model: nn.Module) -> int:
     packed = [m for m in model.modules() if type(m) is PackedLinear]
     for m in packed:
         m.__class__ = nn.Linear
-        del m.packed_weight
+        for name in ("packed_weight", "packed_from", "rows_hint"):
+            m.__dict__.pop(name, None)
     return len(packed)
 
 

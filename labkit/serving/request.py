@@ -15,7 +15,7 @@ from typing import Any, Sequence
 from ..checks import check_int, check_token_ids, parse_stop_token_ids
 from ..memory.prefix import CachedBlockTable
 
-__all__ = ["RequestStatus", "Request"]
+__all__ = ["RequestStatus", "Request", "check_prompt_fits"]
 
 
 class RequestStatus(enum.Enum):
@@ -48,6 +48,7 @@ class Request:
     status: RequestStatus = RequestStatus.WAITING
     num_cached_tokens: int = 0
     num_preemptions: int = 0
+    max_model_len: int | None = None  # the most tokens (prompt + outputs) it may reach; the scheduler sets it
     stop_token_ids: frozenset[int] = field(init=False, repr=False)  # eos_token_id as a set
 
     def __post_init__(self) -> None:
@@ -64,6 +65,8 @@ class Request:
             raise ValueError(f"block_table must be None or a CachedBlockTable, got {type(self.block_table).__name__}")
         check_int("num_cached_tokens", self.num_cached_tokens, 0)
         check_int("num_preemptions", self.num_preemptions, 0)
+        if self.max_model_len is not None:
+            check_prompt_fits(len(self.prompt_token_ids), check_int("max_model_len", self.max_model_len, 1))
         try:
             hash(self.request_id)
         except TypeError:
@@ -88,10 +91,19 @@ class Request:
         return self.num_tokens - self.num_computed_tokens
 
     @property
+    def max_output_tokens(self) -> int:
+        """The most outputs it can reach: ``max_new_tokens``, or fewer where ``max_model_len`` stops it first.
+        vLLM 0.33.0 counts ``max_model_len`` in tokens: ``check_stop`` (``vllm/v1/core/sched/utils.py``)
+        finishes a request once ``num_tokens >= max_model_len``, so a longer ``max_new_tokens`` is capped."""
+        if self.max_model_len is None:
+            return self.max_new_tokens
+        return min(self.max_new_tokens, self.max_model_len - len(self.prompt_token_ids))
+
+    @property
     def max_len(self) -> int:
-        """The longest sequence it can need slots for: prompt + max_new_tokens - 1 (the last
-        sampled token is never fed back, so it needs no K/V)."""
-        return len(self.prompt_token_ids) + self.max_new_tokens - 1
+        """The most slots it can need: prompt + ``max_output_tokens`` - 1 (the last sampled token is never fed
+        back, so it needs no K/V). At most ``max_model_len - 1``."""
+        return len(self.prompt_token_ids) + self.max_output_tokens - 1
 
     def token_ids(self, start: int, stop: int) -> list[int]:
         """The tokens at positions ``[start, stop)`` (while decoding, without copying the whole history);
@@ -116,11 +128,19 @@ class Request:
         return preempted
 
     def append_output(self, token_id: int) -> bool:
-        """Append a sampled token; True when it ends the request (``max_new_tokens`` reached or a stop id,
+        """Append a sampled token; True when it ends the request (``max_output_tokens`` reached or a stop id,
         which is kept in the output, as in transformers' ``generate``)."""
         self.output_token_ids.append(token_id)
-        return len(self.output_token_ids) >= self.max_new_tokens or token_id in self.stop_token_ids
+        return len(self.output_token_ids) >= self.max_output_tokens or token_id in self.stop_token_ids
 
     @property
     def is_finished(self) -> bool:
         return self.status is RequestStatus.FINISHED
+
+
+def check_prompt_fits(prompt_len: int, max_model_len: int) -> None:
+    """ValueError unless a prompt of ``prompt_len`` tokens leaves room in ``max_model_len`` for one output:
+    vLLM refuses it before queuing it (``vllm/v1/engine/input_processor.py``, ``_validate_prompt_len``)."""
+    if prompt_len >= max_model_len:
+        raise ValueError(f"prompt_token_ids: a prompt of {prompt_len} tokens must be shorter than max_model_len "
+                         f"({max_model_len}), which counts the prompt and at least one output token")

@@ -29,7 +29,7 @@ from ..checks import check_flag, check_int, check_token_ids
 from ..memory.blocks import blocks_needed, extra_blocks
 from ..memory.paging import BlockAllocator
 from ..memory.prefix import CacheKey, PrefixCache, PrefixMatch
-from .request import Request, RequestStatus
+from .request import Request, RequestStatus, check_prompt_fits
 from .step import Decision, ScheduledChunk, Step, StepStats
 
 __all__ = ["plan_iteration", "Scheduler"]
@@ -104,9 +104,9 @@ class Scheduler:
     at most ``max_num_batched_tokens`` tokens, and at most ``max_num_seqs`` requests run at once.
     ``enable_prefix_caching`` and ``cache_key``: chapter 04's sharing. ``head_of_line`` and
     ``full_sequence_must_fit``: the admission rules (``_candidates``, ``_extra_blocks``). ``max_model_len``: the
-    longest sequence a request may reach. Each step: ``step = schedule()``, run the model on ``step.chunks``,
-    then ``postprocess(step, sampled_token_ids)``; ``finish`` (an abort) is safe in between.
-    ``_admission_slots`` is the one hook a variant (``variants.reservation``) changes.
+    most tokens (prompt + outputs) a request may reach; it stops there, as in vLLM. Each step: ``step =
+    schedule()``, run the model on ``step.chunks``, then ``postprocess(step, sampled_token_ids)``; ``finish``
+    (an abort) is safe in between. ``_admission_slots`` is the one hook a variant (``variants.reservation``) changes.
     """
 
     def __init__(self, num_blocks: int | None = None, block_size: int = 16, max_num_batched_tokens: int = 256,
@@ -136,13 +136,13 @@ class Scheduler:
         if not isinstance(request, Request):
             request = Request(list(request), max_new_tokens, eos_token_id)
         self.check_fits(request)
+        request.max_model_len = self.max_model_len or request.max_model_len  # vLLM's cap, if the engine sets one
         self.waiting.append(request)
         self.requests[request.request_id] = request
         return request
 
     def check_fits(self, request: Request) -> None:
-        """ValueError unless ``request`` is new, its id unused, and its ``max_len`` fits ``max_model_len`` and the
-        pool alone (else it would wait forever)."""
+        """ValueError unless ``request`` is new, its id unused, and it fits ``max_model_len`` and the pool alone."""
         _check_fits(request, self)
 
     def schedule(self) -> Step:
@@ -312,9 +312,13 @@ def _check_fits(request: object, sched: Scheduler) -> None:
         raise ValueError("request must be new: waiting, not queued yet, nothing computed, no blocks")
     if request.request_id in sched.requests:
         raise ValueError(f"request_id must be unique among unfinished requests, got {request.request_id!r} twice")
-    what = f"prompt ({len(request.prompt_token_ids)}) + max_new_tokens ({request.max_new_tokens}) - 1 slots"
-    if sched.max_model_len is not None and request.max_len > sched.max_model_len:
-        raise ValueError(f"max_new_tokens: {what} exceed max_model_len ({sched.max_model_len})")
-    if (need := blocks_needed(request.max_len, sched.block_size)) > sched.num_blocks:
-        raise ValueError(f"max_new_tokens: {what} need {need} blocks of {sched.block_size}, "
-                         f"more than the pool's {sched.num_blocks}")
+    slots, limit = request.max_len, sched.max_model_len
+    if limit is not None:
+        if request.max_model_len not in (None, limit):
+            raise ValueError(f"request.max_model_len must be None or the scheduler's ({limit}), "
+                             f"got {request.max_model_len}")
+        check_prompt_fits(len(request.prompt_token_ids), limit)
+        slots = min(slots, limit - 1)  # it stops at max_model_len tokens: the last is never fed back
+    if (need := blocks_needed(slots, sched.block_size)) > sched.num_blocks:
+        raise ValueError(f"max_new_tokens: prompt ({len(request.prompt_token_ids)}) + outputs - 1 = {slots} slots "
+                         f"need {need} blocks of {sched.block_size}, more than the pool's {sched.num_blocks}")

@@ -13,7 +13,7 @@ from __future__ import annotations
 
 from typing import Any, Callable
 
-__all__ = ["expected", "EXERCISES"]
+__all__ = ["expected", "lookup", "EXERCISES"]
 
 
 def _warm_up() -> tuple[Any, float]:
@@ -173,11 +173,18 @@ EXERCISES: dict[tuple[str, str], Callable[[], tuple[Any, float]]] = {
 }
 
 
+def lookup(chapter: str, name: str) -> Callable[[], tuple[Any, float]]:
+    """The function computing value exercise ``name`` of ``chapter``, without running it; ValueError
+    naming the parameter when there is no such exercise."""
+    chapters = sorted({c for c, _ in EXERCISES})
+    if chapter not in chapters:
+        raise ValueError(f"chapter must be one of the chapters with value exercises, {chapters}, got {chapter!r}")
+    if not isinstance(name, str) or (chapter, name) not in EXERCISES:
+        raise ValueError(f"name must be one of the value exercises of chapter {chapter!r}, "
+                         f"{sorted(n for c, n in EXERCISES if c == chapter)}, got {name!r}")
+    return EXERCISES[(chapter, name)]
+
+
 def expected(chapter: str, name: str) -> tuple[Any, float]:
     """``(expected value, relative tolerance)`` of value exercise ``name`` in ``chapter``."""
-    try:
-        compute = EXERCISES[(chapter, name)]
-    except KeyError:
-        raise ValueError(f"no value exercise {name!r} in chapter {chapter!r}; known: "
-                         f"{sorted(n for c, n in EXERCISES if c == chapter)}") from None
-    return compute()
+    return lookup(chapter, name)()

@@ -10,6 +10,12 @@ code runs: the checker refuses calls to the functions being rebuilt while the an
 and ``verify`` only compares. A failure names the first failing case in words: its input,
 what labkit gives, what the answer gave.
 
+Each exercise names the shape of its answer (``SHAPES``: a function and its parameters, or a class
+and its methods). Before any hidden case runs, an answer of another shape is told what was
+expected ("expected a function plan_step(running, ...); got int 42"): ``verify`` returns that
+sentence, and the cases carry the shape for ``Exercises.check_function`` (``Cases``). The
+reader's code raising an error while a case runs is still the reader's error.
+
 | chapter | the reader writes | labkit's own |
 |---|---|---|
 | 01 | ``decode_step``: append one token's K/V, attend over the cache | ``causal_attention`` over the whole sequence |
@@ -29,13 +35,36 @@ from typing import Any, Callable
 
 import torch
 
+from ..checks import check_int
 from ..memory.blocks import blocks_needed
-from .guards import hidden_rng, torch_generator
+from .guards import AnswerShape, class_shape, described, function_shape, hidden_rng, torch_generator
 
 __all__ = ["decode_step_check", "sequence_bytes_cases", "pager_check", "cached_tokens_cases", "plan_step_check",
-           "latencies_check", "kv_quant_cases", "kv_quant_problems"]
+           "latencies_check", "kv_quant_cases", "kv_quant_problems", "Cases", "SHAPES"]
 
 Verify = Callable[[Any], list[str]]
+
+SHAPES: dict[str, AnswerShape] = {
+    "decode_step": function_shape("decode_step", "k_cache", "v_cache", "q", "k", "v"),
+    "sequence_bytes": function_shape("sequence_bytes", "shape", "length"),
+    "Pager": class_shape("Pager", ("num_blocks", "block_size"), append=("seq_id", "n"), free=("seq_id",),
+                         num_free=()),
+    "cached_tokens": function_shape("cached_tokens", "token_ids", "block_size", "key", "cached"),
+    "plan_step": function_shape("plan_step", "running", "waiting", "free_blocks", "token_budget", "block_size"),
+    "latencies": function_shape("latencies", "arrivals", "steps"),
+    "block_scales": function_shape("block_scales", "x"),
+    "quantize": function_shape("quantize", "x", "scales"),
+    "dequantize": function_shape("dequantize", "codes", "scales"),
+}
+
+
+class Cases(list):
+    """Hidden ``(args, expected)`` cases that also say what they are for: ``expects``, the shape of the
+    function they call (``Exercises.check_function`` checks it before the first case)."""
+
+    def __init__(self, cases: list[tuple[tuple, Any]], expects: AnswerShape):
+        super().__init__(cases)
+        self.expects = expects
 
 
 def _max_diff(got: Any, want: torch.Tensor) -> str:
@@ -71,6 +100,8 @@ def decode_step_check() -> Verify:
         cases.append((kv_heads, group, d, q, k, v, want))
 
     def verify(decode_step: Callable) -> list[str]:
+        if problem := SHAPES["decode_step"].problem(decode_step):
+            return [problem]
         for kv_heads, group, d, q, k, v, want in cases:
             where = f"{q.shape[0]} tokens, {kv_heads * group} query heads on {kv_heads} KV heads, head_dim {d}"
             k_cache = v_cache = torch.empty(0, kv_heads, d, dtype=torch.float64)
@@ -97,7 +128,7 @@ def decode_step_check() -> Verify:
 # --------------------------------------------------------------------------- 02: windowed and latent caches
 
 
-def sequence_bytes_cases() -> list[tuple[tuple, int]]:
+def sequence_bytes_cases() -> Cases:
     """``((shape, length), bytes)`` for ``sequence_bytes(shape, length)``, by ``ModelShape.cache_bytes``.
 
     Four kinds of model drawn afresh (plain; a window in every layer; a window in some layers; a
@@ -120,7 +151,7 @@ def sequence_bytes_cases() -> list[tuple[tuple, int]]:
                            sliding_window=window if sliding else None, sliding_layers=sliding, latent=latent)
         for length in (0, 1, window, window + 1, rng.randint(2 * window, 50 * window)):
             cases.append(((shape, length), shape.cache_bytes(length)))
-    return cases
+    return Cases(cases, SHAPES["sequence_bytes"])
 
 
 # --------------------------------------------------------------------------- 03: allocator and block tables
@@ -184,6 +215,8 @@ def pager_check() -> Verify:
     scenarios = [_pager_scenario(rng) for _ in range(3)]
 
     def verify(pager_class: Callable) -> list[str]:
+        if problem := SHAPES["Pager"].problem(pager_class):
+            return [problem]
         for num_blocks, bs, ops in scenarios:
             pager, done = pager_class(num_blocks, bs), []
             tokens: dict[str, int] = {}  # seq -> tokens it holds
@@ -241,7 +274,7 @@ def _slot_problem(slots: Any, seq: str, n: int, bs: int, num_blocks: int, tokens
 # --------------------------------------------------------------------------- 04: hash chain and match
 
 
-def cached_tokens_cases() -> list[tuple[tuple, int]]:
+def cached_tokens_cases() -> Cases:
     """``((token_ids, block_size, key, cached_names), hit)`` for ``cached_tokens``, by ``PrefixCache.match``.
 
     A cache is filled with a few prompts under random keys (their full blocks named, as
@@ -278,7 +311,7 @@ def cached_tokens_cases() -> list[tuple[tuple, int]]:
         frozen = frozenset(names)
         for prompt, k in prompts:
             cases.append(((list(prompt), bs, k, frozen), cache.match(prompt, k).num_cached_tokens))
-    return cases
+    return Cases(cases, SHAPES["cached_tokens"])
 
 
 # --------------------------------------------------------------------------- 05: the budget pass
@@ -363,6 +396,8 @@ def plan_step_check() -> Verify:
     scenarios = [(s, _reference_plan(*s)) for s in _plan_scenarios(hidden_rng())]
 
     def verify(plan_step: Callable) -> list[str]:
+        if problem := SHAPES["plan_step"].problem(plan_step):
+            return [problem]
         for (running, waiting, free, budget, bs), (planned, preempted) in scenarios:
             got = plan_step([tuple(r) for r in running], [tuple(w) for w in waiting], free, budget, bs)
             ok = type(got) is tuple and len(got) == 2 and all(type(x) is list for x in got)
@@ -425,6 +460,8 @@ def latencies_check() -> Verify:
         return isinstance(a, (int, float)) and not isinstance(a, bool) and math.isclose(a, b, abs_tol=1e-9)
 
     def verify(latencies: Callable) -> list[str]:
+        if problem := SHAPES["latencies"].problem(latencies):
+            return [problem]
         for arrivals, steps, (ttft, tpot, itl) in traces:
             got = latencies(list(arrivals), [(s, e, list(ids)) for s, e, ids in steps])
             where = f"{len(arrivals)} requests arriving at {[round(a, 3) for a in arrivals]} s, {len(steps)} steps"
@@ -449,9 +486,6 @@ def latencies_check() -> Verify:
 # --------------------------------------------------------------------------- A3: quantize a block
 
 
-# --------------------------------------------------------------------------- appendix A3's exercise
-
-
 def kv_quant_cases(seed: int | None = None, draws: int = 3) -> list[dict]:
     """Hidden cases for appendix A3's exercise (int8 with per-block scales), drawn at random, with labkit's answers.
 
@@ -463,6 +497,9 @@ def kv_quant_cases(seed: int | None = None, draws: int = 3) -> list[dict]:
     """
     from ..memory.formats import KVQuant, dequantize, quantize
 
+    if seed is not None:
+        check_int("seed", seed, 0)
+    check_int("draws", draws, 1)
     gen = torch.Generator()
     gen.manual_seed(int(torch.randint(0, 2**31, ())) if seed is None else seed)
     q, cases = KVQuant("int8", "block"), []
@@ -484,8 +521,12 @@ def kv_quant_problems(answer, cases: list[dict]) -> list[str]:
 
     ``block_scales(x)`` -> [num_blocks, num_kv_heads]; ``quantize(x, scales)`` -> int8 codes of x
     for per-block ``scales`` [num_blocks, num_kv_heads]; ``dequantize(codes, scales)`` -> float32.
-    Only the reader's functions run here (the answers were computed before).
+    Only the reader's functions run here (the answers were computed before). An ``answer`` of another
+    shape (not three functions taking those arguments) gets one sentence saying what was expected.
     """
+    _check_kv_quant_cases(cases)
+    if problem := _kv_quant_shape_problem(answer):
+        return [problem]
     block_scales, quantize_fn, dequantize_fn = answer
     problems: list[str] = []
     for i, c in enumerate(cases):
@@ -517,3 +558,22 @@ def kv_quant_problems(answer, cases: list[dict]) -> list[str]:
                 not torch.allclose(values.double(), c["values"].double(), rtol=1e-6, atol=1e-12):
             problems.append(f"{where}: dequantize differs from codes x the scale of their block and head")
     return problems
+
+
+_KV_QUANT_KEYS = {"x", "scales", "codes", "values", "stale", "stale_codes"}
+
+
+def _check_kv_quant_cases(cases: Any) -> None:
+    """``cases`` must be what ``kv_quant_cases`` returns: a non-empty list of dicts with its keys."""
+    if type(cases) is not list or not cases or not all(type(c) is dict and c.keys() == _KV_QUANT_KEYS for c in cases):
+        raise ValueError(f"cases must be a non-empty list from kv_quant_cases() (dicts with keys "
+                         f"{sorted(_KV_QUANT_KEYS)}), got {type(cases).__name__}")
+
+
+def _kv_quant_shape_problem(answer: Any) -> str:
+    """'' when ``answer`` is three functions ``(block_scales, quantize, dequantize)``, else what was expected."""
+    shapes = [SHAPES[n] for n in ("block_scales", "quantize", "dequantize")]
+    if type(answer) not in (tuple, list) or len(answer) != 3:
+        return (f"expected a tuple of three functions ({', '.join(str(s).removeprefix('a function ') for s in shapes)})"
+                f"; got {described(answer)}")
+    return next((p for p in map(AnswerShape.problem, shapes, answer) if p), "")

@@ -13,6 +13,9 @@ hidden cases of a "build it" exercise come from ``labkit.teaching.build_it``, a 
 The rules that keep a checker honest, each tried against answers written to game it
 (``tests/test_exercise_checkers.py``):
 
+* what the reader hands in is checked for its shape first (a function taking the arguments the
+  cases pass, a class with the methods the checker calls: ``guards.AnswerShape``), so ``42`` gets a
+  ❌ saying what was expected, never "your code raised" for an error the checker caused;
 * any error in the reader's code (other than the stub's ``NotImplementedError``) becomes a ❌
   with the error's type, its message and the hint, never a traceback that hides the verdict;
 * an answer is compared as a plain value (numbers, strings, tuples, lists, dicts, tensors),
@@ -36,6 +39,10 @@ The rules that keep a checker honest, each tried against answers written to game
 All of this runs in the reader's own Python process, so it guards against shortcuts, not
 against an answer that sets out to take the checker apart (``ctypes``, or reading the
 checker's frames and private tables): the point is learning, not security.
+
+Bad arguments to a checker itself (an exercise name that is not a string, no cases, a ``forbid``
+entry the watch cannot see, an unknown value exercise) are the chapter's bug, not the reader's:
+they raise ``ValueError`` naming the parameter, before anything runs.
 """
 
 from __future__ import annotations
@@ -48,8 +55,10 @@ from typing import Any, Callable, Iterable
 
 import torch
 
+from ..checks import check_flag, check_number
 from . import answers, quizzes
-from .guards import Refused, Watch, code_of, function_name, functions_of, given_copies
+from .guards import (AnswerShape, Refused, Watch, accepts, arguments, check_forbid, code_of, described,
+                     function_name, functions_of, given_copies)
 
 
 # --------------------------------------------------------------------------- comparing answers
@@ -134,12 +143,50 @@ def _shown(args: tuple) -> str:
 _BY_NAME = object()  # ``check`` without ``expected``: look the value up by the exercise's name
 
 
+def _check_text(name: str, value: Any) -> str:
+    if not isinstance(value, str):
+        raise ValueError(f"{name} must be a string, got {type(value).__name__}")
+    return value
+
+
+def _check_cases(cases: Any) -> list[tuple[tuple, Any]]:
+    """``cases`` as a list of ``(args, expected)`` pairs, ``args`` a tuple or list; at least one."""
+    if isinstance(cases, (str, bytes)) or not hasattr(cases, "__iter__"):
+        raise ValueError(f"cases must be a list of (args, expected) pairs, got {type(cases).__name__}")
+    cases = list(cases)
+    if not cases:
+        raise ValueError("cases must hold at least one (args, expected) pair, got none: a checker with no "
+                         "case passes every answer")
+    for case in cases:
+        if type(case) not in (tuple, list) or len(case) != 2 or type(case[0]) not in (tuple, list):
+            raise ValueError(f"cases must be (args, expected) pairs with args a tuple, got {_short(case)}")
+    return cases
+
+
+def _check_expects(expects: Any) -> AnswerShape | None:
+    if expects is not None and not isinstance(expects, AnswerShape):
+        raise ValueError(f"expects must be None or an AnswerShape (guards.function_shape, guards.class_shape), "
+                         f"got {type(expects).__name__}")
+    return expects
+
+
+def _call_problem(fn: Any, cases: list[tuple[tuple, Any]]) -> str:
+    """'' when ``fn`` can be called as every case calls it, else what was expected (no shape was named)."""
+    for args, _ in cases:
+        if not callable(fn) or not accepts(fn, len(args)):
+            got = described(fn) + (f", which cannot be called with {arguments(len(args))}" if callable(fn) else "")
+            return f"expected a function of {arguments(len(args))}, as the cases call it: f({_shown(args)}); got {got}"
+    return ""
+
+
 class Exercises:
     """The exercise checker of one chapter, e.g. ``ex = Exercises("03_paging")``."""
 
     def __init__(self, chapter: str, strict: bool = False):
+        if not isinstance(chapter, str) or not chapter:
+            raise ValueError(f"chapter must be the chapter's name, such as '03_paging', got {chapter!r}")
         self.chapter = chapter
-        self.strict = strict
+        self.strict = check_flag("strict", strict)
 
     # Checkers print their verdict and return None, so a notebook cell shows only the message.
     def _not_solved(self, name: str) -> None:
@@ -181,10 +228,15 @@ class Exercises:
         A chapter's cell gives no ``expected``: the value is computed out of the reader's sight, from the
         chapter and the exercise's name (``labkit.teaching.answers``), with that exercise's tolerance.
         """
+        _check_text("name", name)
+        _check_text("hint", hint)
+        if rel_tol is not None:
+            check_number("rel_tol", rel_tol, 0.0, finite=True)
+        compute = answers.lookup(self.chapter, name) if expected is _BY_NAME else None
         if answer is None or answer is Ellipsis:
             return self._not_solved(name)
-        if expected is _BY_NAME:
-            expected, tol = answers.expected(self.chapter, name)
+        if compute is not None:
+            expected, tol = compute()
             rel_tol = tol if rel_tol is None else rel_tol
         rel_tol = 0.0 if rel_tol is None else rel_tol
         try:
@@ -196,16 +248,26 @@ class Exercises:
         print(f"✅ {name}: correct.")
 
     def check_function(self, name: str, fn: Callable[..., Any], cases: Iterable[tuple[tuple, Any]], *,
-                       rel_tol: float = 0.0, hint: str = "", forbid: Iterable[Any] = ()) -> None:
+                       rel_tol: float = 0.0, hint: str = "", forbid: Iterable[Any] = (),
+                       expects: AnswerShape | None = None) -> None:
         """Call the reader's ``fn(*args)`` for each ``(args, expected)`` case.
 
         ``fn`` gets deep copies of ``args``, and its result is compared as a plain value.
         ``forbid``: the library functions (or classes) this exercise rebuilds; an answer that is
-        one of them, or calls one, in any thread, gets a ❌.
+        one of them, or calls one, in any thread, gets a ❌. ``expects``: the function's shape, for
+        the ❌ an answer of another shape gets before any case runs (``build_it.Cases`` carry theirs;
+        without one, ``fn`` must take as many arguments as the cases pass).
         """
-        cases, forbid = list(cases), list(forbid)
+        _check_text("name", name)
+        _check_text("hint", hint)
+        check_number("rel_tol", rel_tol, 0.0, finite=True)
+        expects = _check_expects(expects) or getattr(cases, "expects", None)
+        cases, forbid = _check_cases(cases), check_forbid(forbid)
         if fn is None or fn is Ellipsis:
             return self._not_solved(name)
+        problem = expects.problem(fn) if expects is not None else _call_problem(fn, cases)
+        if problem:
+            return self._wrong(name, problem + ".", hint)
         if self._handed_in(name, fn, forbid, hint):
             return None
         for args, expected in cases:
@@ -235,7 +297,7 @@ class Exercises:
         print(f"✅ {name}: correct on all {len(cases)} cases.")
 
     def check_behaviour(self, name: str, solution: Any, verify: Callable[[Any], list[str]], *,
-                        hint: str = "", forbid: Iterable[Any] = ()) -> None:
+                        hint: str = "", forbid: Iterable[Any] = (), expects: AnswerShape | None = None) -> None:
         """Run the reader's ``solution`` (a function, a policy, a setting) and judge what it *does*.
 
         ``verify(solution)`` exercises it on cases built by the chapter (a workload, a stream,
@@ -244,10 +306,19 @@ class Exercises:
         gets deep copies of its arguments (``given_copies``). A stub (``None``, ``...``, or a
         function raising ``NotImplementedError``) counts as not solved yet; any other error is
         a ❌ with the hint. ``forbid`` works as in ``check_function``, while ``verify`` runs.
+        ``expects``: the solution's shape, checked before ``verify`` runs (``build_it``'s verifiers
+        check their own first).
         """
-        forbid = list(forbid)
+        _check_text("name", name)
+        _check_text("hint", hint)
+        if not callable(verify):
+            raise ValueError(f"verify must be a function verify(solution) -> list of problems, got "
+                             f"{type(verify).__name__}")
+        expects, forbid = _check_expects(expects), check_forbid(forbid)
         if solution is None or solution is Ellipsis:
             return self._not_solved(name)
+        if expects is not None and (problem := expects.problem(solution)):
+            return self._wrong(name, problem + ".", hint)
         if self._handed_in(name, solution, forbid, hint):
             return None
         handed = given_copies(solution) if isinstance(solution, (types.FunctionType, types.MethodType)) else solution

@@ -10,7 +10,10 @@
   kernel from an imitation that computes in PyTorch;
 * ``Watch``: a profiler that refuses the functions an exercise asks the reader to write
   (``forbid=``), in every thread the answer starts, and anything that would slip past it
-  (another process, switching the watch off).
+  (another process, switching the watch off);
+* ``AnswerShape``: what the reader must hand in (a function with these parameters, a class with
+  these methods), checked before any hidden case runs, so that ``42`` gets "expected a function
+  plan_step(...); got int 42" and not an error the checker itself caused.
 """
 
 from __future__ import annotations
@@ -18,6 +21,7 @@ from __future__ import annotations
 import copy
 import functools
 import importlib.util
+import inspect
 import os
 import random
 import secrets
@@ -26,9 +30,12 @@ import threading
 import types
 import weakref
 from contextlib import contextmanager
+from dataclasses import dataclass
 from typing import Any, Callable, Iterable, Iterator
 
 import torch
+
+from ..checks import check_int
 
 
 # --------------------------------------------------------------------------- hidden cases and copies
@@ -45,6 +52,8 @@ def hidden_rng() -> random.Random:
 
 def torch_generator(rng: random.Random) -> torch.Generator:
     """A ``torch.Generator`` seeded from ``rng``, for random tensors in hidden cases."""
+    if not isinstance(rng, random.Random):
+        raise ValueError(f"rng must be a random.Random (hidden_rng()), got {type(rng).__name__}")
     return torch.Generator().manual_seed(rng.getrandbits(62))
 
 
@@ -54,6 +63,9 @@ def given_copies(fn: Callable[..., Any]) -> Callable[..., Any]:
     Objects that must stay shared (such as a ``Metered`` function) return themselves from
     ``__deepcopy__``.
     """
+    if not callable(fn):
+        raise ValueError(f"fn must be a function, got {type(fn).__name__}")
+
     @functools.wraps(fn)
     def with_copies(*args: Any, **kwargs: Any) -> Any:
         return fn(*copy.deepcopy(args), **copy.deepcopy(kwargs))
@@ -88,7 +100,9 @@ class Metered:
     __slots__ = ("__weakref__",)
 
     def __init__(self, fn: Callable[..., Any], limit: int):
-        _METERS[self] = _Meter(fn, limit)
+        if not callable(fn):
+            raise ValueError(f"fn must be a function, got {type(fn).__name__}")
+        _METERS[self] = _Meter(fn, check_int("limit", limit, 0))
 
     def __call__(self, *args: Any) -> Any:
         meter = _METERS[self]
@@ -112,6 +126,8 @@ class Metered:
 
 def calls_made(metered: Metered) -> int:
     """How many times ``metered`` was called, refused calls included."""
+    if not isinstance(metered, Metered):
+        raise ValueError(f"metered must be a Metered function, got {type(metered).__name__}")
     return _METERS[metered].calls
 
 
@@ -204,6 +220,19 @@ def functions_of(item: Any) -> list[types.FunctionType]:
         if not hasattr(fn, "__wrapped__"):
             return found
         fn = fn.__wrapped__  # functools.wraps: the wrapper and the function it wraps
+
+
+def check_forbid(forbid: Iterable[Any]) -> list[Any]:
+    """``forbid`` as a list, each entry something the watch can see: a Python function, a method, a
+    property or a class. A builtin (or a number) has no Python code to watch, so it would forbid nothing."""
+    if isinstance(forbid, (str, bytes)) or not hasattr(forbid, "__iter__"):
+        raise ValueError(f"forbid must be a list of functions or classes, got {type(forbid).__name__}")
+    items = list(forbid)
+    for item in items:
+        if not functions_of(item):
+            raise ValueError(f"forbid must hold Python functions, methods, properties or classes (what the "
+                             f"watch can see), got {item!r}")
+    return items
 
 
 def code_of(fn: Any) -> Any:
@@ -315,7 +344,7 @@ class Watch:
 
     def __init__(self, forbid: Iterable[Any], answer: Any = None):
         banned = {f.__code__: f"calls `{function_name(f)}`; the exercise is to write it yourself"
-                  for item in forbid for f in functions_of(item)}
+                  for item in check_forbid(forbid) for f in functions_of(item)}
         # What each watched code object means, by id (a cheap key: this is looked up at every call).
         self._codes: dict[int, tuple[Any, str | None]] = {}
         if banned:
@@ -438,3 +467,117 @@ def _run_watched(watch: Watch, run: Callable[[Any], None], item: Any) -> None:
 _REFUSED = _refused_builtins()
 _REFUSED_FUNCTIONS: dict[Any, str] | None = None  # _refused_functions(), made by the first watch
 _OWN_CODES = {Watch.__enter__.__code__, Watch.__exit__.__code__, _run_watched.__code__, _restore_profiler.__code__}
+
+
+# --------------------------------------------------------------------------- the shape of an answer
+
+
+def accepts(fn: Any, num_args: int) -> bool:
+    """Whether ``fn`` can be called with ``num_args`` positional arguments (``inspect.signature`` and
+    ``bind``: nothing of ``fn`` runs). A callable without a readable signature (some builtins) is given
+    the benefit of the doubt: calling it will tell."""
+    try:
+        signature = inspect.signature(fn)
+    except (TypeError, ValueError):
+        return True
+    try:
+        signature.bind(*range(num_args))
+    except TypeError:
+        return False
+    return True
+
+
+def arguments(n: int) -> str:
+    """``1 argument``, ``2 arguments``: for the messages."""
+    return f"{n} argument" + ("" if n == 1 else "s")
+
+
+def described(value: Any) -> str:
+    """What the reader handed in, in a few words: ``int 42``, ``function <lambda>()``, ``class Pager``."""
+    if isinstance(value, type):
+        return f"class {value.__name__}"
+    if callable(value):
+        try:
+            signature = str(inspect.signature(value))
+        except (TypeError, ValueError):
+            signature = "(...)"
+        kind = "function" if isinstance(value, (types.FunctionType, types.MethodType, functools.partial)) \
+            else type(value).__name__
+        return f"{kind} {getattr(value, '__name__', type(value).__name__)}{signature}"
+    if type(value).__repr__ is object.__repr__:  # "<__main__.Pager object at 0x7f...>" says no more
+        return f"{type(value).__name__} object"
+    text = repr(value)
+    return f"{type(value).__name__} {text if len(text) <= 80 else text[:80] + '...'}"
+
+
+def _method_accepts(cls: type, method: str, num_args: int) -> bool:
+    """Whether ``cls().method`` takes ``num_args`` arguments, read from the class (no instance is made)."""
+    static = inspect.getattr_static(cls, method)
+    if isinstance(static, types.FunctionType):  # a plain method: ``self`` comes first
+        return accepts(static, num_args + 1)
+    return accepts(getattr(cls, method), num_args)  # a staticmethod, a classmethod, something callable
+
+
+@dataclass(frozen=True)
+class AnswerShape:
+    """What an exercise asks the reader to hand in: a function ``name(parameters)``, or, with
+    ``methods`` (method name, its parameters after ``self``), a class built as ``name(parameters)``.
+
+    ``problem(answer)`` says, before any hidden case runs, how the answer differs from that shape
+    ("expected a function plan_step(running, ...); got int 42"), or returns ``""``. The checker
+    calls the answer positionally, so each parameter must take a positional argument; the names are
+    the exercise's, for the message (the reader's may differ).
+    """
+
+    name: str
+    parameters: tuple[str, ...]
+    methods: tuple[tuple[str, tuple[str, ...]], ...] | None = None  # None: a function
+
+    def __post_init__(self) -> None:
+        lists = [self.parameters, *(p for _, p in self.methods or ())]
+        names = [self.name, *(m for m, _ in self.methods or ()), *(n for names in lists for n in names)]
+        if not all(type(x) is tuple for x in lists) or \
+                not all(isinstance(n, str) and n.isidentifier() for n in names):
+            raise ValueError(f"name, parameters and methods must be Python names (parameters a tuple of them), "
+                             f"got {self.name!r}, {self.parameters!r}, {self.methods!r}")
+
+    def __str__(self) -> str:
+        call = f"{self.name}({', '.join(self.parameters)})"
+        if self.methods is None:
+            return f"a function {call}"
+        listed = ", ".join(f"{m}({', '.join(p)})" for m, p in self.methods)
+        return f"a class {call} with the methods {listed}"
+
+    def problem(self, answer: Any) -> str:
+        why = self._function_problem(answer) if self.methods is None else self._class_problem(answer)
+        return f"expected {self}; got {why}" if why else ""
+
+    def _function_problem(self, answer: Any) -> str:
+        if not callable(answer):
+            return described(answer)
+        if not accepts(answer, len(self.parameters)):
+            return f"{described(answer)}, which cannot be called with {arguments(len(self.parameters))}"
+        return ""
+
+    def _class_problem(self, answer: Any) -> str:
+        if not isinstance(answer, type):
+            instance = all(callable(getattr(answer, m, None)) for m, _ in self.methods)
+            return described(answer) + (" (an instance: hand in the class itself)" if instance else "")
+        if not accepts(answer, len(self.parameters)):
+            return f"{described(answer)}, which cannot be built with {arguments(len(self.parameters))}"
+        for method, parameters in self.methods:
+            if not callable(getattr(answer, method, None)):
+                return f"{described(answer)}, which has no method {method}"
+            if not _method_accepts(answer, method, len(parameters)):
+                return f"{described(answer)}, whose {method} cannot be called with ({', '.join(parameters)})"
+        return ""
+
+
+def function_shape(name: str, *parameters: str) -> AnswerShape:
+    """The shape of a function answer: ``function_shape("plan_step", "running", "waiting", ...)``."""
+    return AnswerShape(name, parameters)
+
+
+def class_shape(name: str, parameters: tuple[str, ...], **methods: tuple[str, ...]) -> AnswerShape:
+    """The shape of a class answer: ``class_shape("Pager", ("num_blocks", "block_size"), free=("seq_id",))``."""
+    return AnswerShape(name, parameters, tuple(methods.items()))

@@ -4,11 +4,16 @@ The questions are in the chapter; the answers are here, out of the reader's sigh
 line that explains the right answer (printed when it is given, and in solutions/) and a line
 for each wrong choice that says what it misses. A numeric answer is computed with labkit, as
 every number in the book is, and accepted within its ``rel_tol``.
+
+An answer of the wrong kind (a number for a multiple-choice question, a letter that is not one of
+its choices, a string for a numeric one) gets a ❌ saying what kind was expected, and counts as
+wrong. A quiz asked with something other than its question numbers is the chapter's bug: ValueError.
 """
 
 from __future__ import annotations
 
 import math
+import numbers
 from dataclasses import dataclass, field
 from typing import Any, Callable
 
@@ -27,6 +32,11 @@ class Question:
 
     def expected(self) -> Any:
         return self.answer() if callable(self.answer) else self.answer
+
+    @property
+    def choices(self) -> tuple[str, ...]:
+        """The letters of a multiple-choice question (the answer and each wrong one); () for a number."""
+        return tuple(sorted({self.answer, *self.wrong})) if isinstance(self.answer, str) else ()
 
 
 def _teaching_kib() -> float:
@@ -110,28 +120,45 @@ QUIZZES: dict[str, list[Question]] = {
 }
 
 
+def _kind_problem(question: Question, given: Any) -> str:
+    """'' when ``given`` is an answer of the question's kind, else what was expected."""
+    if question.choices:
+        if isinstance(given, str) and given.strip().lower() in question.choices:
+            return ""
+        return f"expected one of the letters {', '.join(map(repr, question.choices))}; got {given!r}"
+    if isinstance(given, numbers.Real) and not isinstance(given, bool) and math.isfinite(given):
+        return ""
+    return f"expected a number; got {type(given).__name__} {given!r}"
+
+
 def _matches(question: Question, given: Any) -> bool:
+    """Whether ``given``, an answer of the question's kind, is right."""
     want = question.expected()
     if isinstance(want, str):
-        return isinstance(given, str) and given.strip().lower() == want
-    if isinstance(given, bool) or not isinstance(given, (int, float)):
-        return False
+        return given.strip().lower() == want
     return math.isclose(float(given), float(want), rel_tol=question.rel_tol, abs_tol=1e-12)
 
 
 def verdicts(chapter: str, answers: dict[int, Any]) -> tuple[list[str], int, int]:
     """One line per question of ``chapter``'s quiz for ``answers`` (question number -> answer), and
     the counts of wrong and unanswered questions."""
-    if chapter not in QUIZZES:
+    if not isinstance(chapter, str) or chapter not in QUIZZES:
         raise ValueError(f"chapter must be one of {sorted(QUIZZES)}, got {chapter!r}")
     if type(answers) is not dict:
         raise ValueError(f"answers must be a dict {{question number: answer}}, got {type(answers).__name__}")
+    count = len(QUIZZES[chapter])
+    unknown = [k for k in answers if type(k) is not int or not 1 <= k <= count]
+    if unknown:
+        raise ValueError(f"answers must be keyed by the question numbers 1 to {count}, got {unknown[0]!r}")
     lines, wrong, open_ = [], 0, 0
     for number, question in enumerate(QUIZZES[chapter], start=1):
         given = answers.get(number)
         if given is None:
             open_ += 1
             lines.append(f"⏳ Question {number}: not answered yet.")
+        elif problem := _kind_problem(question, given):
+            wrong += 1
+            lines.append(f"❌ Question {number}: {problem}.")
         elif _matches(question, given):
             lines.append(f"✅ Question {number}: {question.why}")
         else:

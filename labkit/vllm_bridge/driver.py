@@ -150,7 +150,14 @@ def counters(llm) -> dict[str, float]:
 
 @contextlib.contextmanager
 def environment(variables: dict[str, str]):
-    """Set ``variables`` for the duration (vLLM reads its variables when it uses them, engine by engine)."""
+    """Set ``variables`` for the duration (vLLM reads its variables when it uses them, engine by engine).
+
+    Every name and value must be a string, checked before any is set: ``os.environ`` would refuse a
+    number halfway through, the variables before it set and never restored.
+    """
+    if not isinstance(variables, dict) or not all(isinstance(k, str) and k and "=" not in k and isinstance(v, str)
+                                                  for k, v in variables.items()):
+        raise ValueError(f"variables must be a dict of variable names to strings, got {variables!r}")
     saved = {name: os.environ.get(name) for name in variables}
     os.environ.update(variables)
     try:

@@ -37,7 +37,7 @@ import urllib.request
 from pathlib import Path
 from typing import Any, Sequence
 
-from ..checks import check_flag, check_int, check_number
+from ..checks import check_flag, check_int, check_number, check_token_ids
 from ..serving.sim.measure import StepSample
 
 
@@ -86,24 +86,83 @@ def vllm_env(kv_cache_gib: int = 1, threads: int = 1, step_log: str | os.PathLik
     return env
 
 
+# vLLM's CPU attention runs blocks of a multiple of 32 tokens only
+# (vllm/v1/attention/backends/cpu_attn.py: get_supported_kernel_block_sizes returns MultipleOf(32)).
+CPU_BLOCK_MULTIPLE = 32
+
+
 def engine_args(*, block_size: int = 32, max_model_len: int = 2048, max_num_seqs: int = 256,
                 max_num_batched_tokens: int = 2048, enable_prefix_caching: bool = True,
                 num_gpu_blocks_override: int | None = None) -> dict[str, Any]:
     """Arguments for vLLM's ``LLM``: the book's model in float32, eager, with these limits.
 
-    ``num_gpu_blocks_override`` fixes the pool at that many blocks, vLLM's null block among them
-    (so labkit's ``Engine`` gets one block fewer). Its counters need ``disable_log_stats=False``.
+    ``block_size``: a multiple of 32 tokens (vLLM's CPU attention knows no other). ``max_num_batched_tokens``
+    must be at least ``max_num_seqs``, as vLLM's ``SchedulerConfig`` requires: each request in a step
+    computes one token at least. ``num_gpu_blocks_override`` fixes the pool at that many blocks, vLLM's
+    null block among them (so labkit's ``Engine`` gets one block fewer). Its counters need
+    ``disable_log_stats=False``.
     """
-    args = dict(model=str(model_folder()), dtype="float32", block_size=check_int("block_size", block_size, 1),
-                max_model_len=check_int("max_model_len", max_model_len, 1),
-                max_num_seqs=check_int("max_num_seqs", max_num_seqs, 1),
-                max_num_batched_tokens=check_int("max_num_batched_tokens", max_num_batched_tokens, 1),
+    block_size = check_int("block_size", block_size, 1)
+    if block_size % CPU_BLOCK_MULTIPLE:
+        raise ValueError(f"block_size must be a multiple of {CPU_BLOCK_MULTIPLE} tokens (vLLM's CPU attention "
+                         f"runs no other), got {block_size}")
+    max_num_seqs = check_int("max_num_seqs", max_num_seqs, 1)
+    max_num_batched_tokens = check_int("max_num_batched_tokens", max_num_batched_tokens, 1)
+    if max_num_batched_tokens < max_num_seqs:
+        raise ValueError(f"max_num_batched_tokens must be >= max_num_seqs ({max_num_seqs}), as vLLM's "
+                         f"SchedulerConfig requires, got {max_num_batched_tokens}")
+    args = dict(model=str(model_folder()), dtype="float32", block_size=block_size,
+                max_model_len=check_int("max_model_len", max_model_len, 1), max_num_seqs=max_num_seqs,
+                max_num_batched_tokens=max_num_batched_tokens,
                 enable_prefix_caching=check_flag("enable_prefix_caching", enable_prefix_caching), enforce_eager=True,
                 disable_log_stats=False,
                 seed=0)
     if num_gpu_blocks_override is not None:
         args["num_gpu_blocks_override"] = check_int("num_gpu_blocks_override", num_gpu_blocks_override, 2)
     return args
+
+
+RUN_KEYS = ("engine", "prompts", "max_tokens", "env", "ignore_eos")  # what a run of run_offline may hold
+
+
+def _check_env(name: str, env: object) -> dict[str, str]:
+    """``env`` as environment variables: a dict of names to strings (``os.environ`` holds nothing else)."""
+    if not isinstance(env, dict) or not all(isinstance(k, str) and k and "=" not in k and isinstance(v, str)
+                                            for k, v in env.items()):
+        raise ValueError(f"{name} must be a dict of variable names to strings, e.g. "
+                         f"{{'VLLM_ENABLE_V1_MULTIPROCESSING': '0'}}, got {env!r}")
+    return dict(env)
+
+
+def _offline_run(i: int, run: object) -> dict[str, Any]:
+    """Run ``i`` of :func:`run_offline`, checked as the driver will read it (``runs[i]`` named in every message)."""
+    if not isinstance(run, dict):
+        raise TypeError(f"runs[{i}] must be a dict {{'engine': engine_args(...), 'prompts': ..., 'max_tokens': ...}}, "
+                        f"got {type(run).__name__}")
+    unknown = sorted(map(str, set(run) - set(RUN_KEYS)))
+    if unknown:
+        raise ValueError(f"runs[{i}] holds the unknown key(s) {', '.join(map(repr, unknown))}: a run may hold "
+                         f"{', '.join(RUN_KEYS)}")
+    if not isinstance(run.get("engine"), dict):
+        raise ValueError(f"runs[{i}]['engine'] must be a dict of vLLM's arguments (engine_args(...)), "
+                         f"got {run.get('engine')!r}")
+    prompts = run.get("prompts", [])
+    if not isinstance(prompts, (list, tuple)):
+        raise ValueError(f"runs[{i}]['prompts'] must be a list of prompts (token ids), got {type(prompts).__name__}")
+    prompts = [list(check_token_ids(f"runs[{i}]['prompts'][{j}]", p, 1)) for j, p in enumerate(prompts)]
+    max_model_len = run["engine"].get("max_model_len")
+    for j, p in enumerate(prompts):  # vllm/v1/engine/input_processor.py: _validate_prompt_len
+        if isinstance(max_model_len, int) and len(p) >= max_model_len:
+            raise ValueError(f"runs[{i}]['prompts'][{j}] holds {len(p)} tokens: vLLM refuses a prompt of "
+                             f"max_model_len ({max_model_len}) tokens or more (no room for one output token)")
+    max_tokens = run.get("max_tokens", [])
+    if not isinstance(max_tokens, (list, tuple)) or len(max_tokens) != len(prompts):
+        raise ValueError(f"runs[{i}]['max_tokens'] must be a list of one count per prompt ({len(prompts)}), "
+                         f"got {max_tokens!r}")
+    return {"engine": dict(run["engine"]), "prompts": prompts,
+            "env": _check_env(f"runs[{i}]['env']", run.get("env", {})),
+            "max_tokens": [check_int(f"runs[{i}]['max_tokens'][{j}]", n, 1) for j, n in enumerate(max_tokens)],
+            "ignore_eos": check_flag(f"runs[{i}]['ignore_eos']", run.get("ignore_eos", False))}
 
 
 def run_offline(runs: Sequence[dict[str, Any]], *, kv_cache_gib: int = 1, threads: int = 1,
@@ -122,25 +181,23 @@ def run_offline(runs: Sequence[dict[str, Any]], *, kv_cache_gib: int = 1, thread
     ``{"VLLM_ENABLE_V1_MULTIPROCESSING": "0"}``: the engine core in the driver's process, so that every
     prompt is queued before its first step (by default the core runs in a process of its own and
     starts stepping as soon as the first request reaches it).
+
+    Every run is checked as the driver will read it, and every argument, before vLLM is looked for:
+    a wrong call names what is wrong (``runs[1]['max_tokens'][0]``) on any machine, vLLM or none.
     """
-    _require()
-    if not runs:
-        raise ValueError("runs must hold at least one run")
-    job = {"runs": []}
-    for run in runs:
-        prompts, max_tokens = [list(map(int, p)) for p in run.get("prompts", [])], list(run.get("max_tokens", []))
-        if len(max_tokens) != len(prompts):
-            raise ValueError(f"max_tokens must hold one count per prompt ({len(prompts)}), got {len(max_tokens)}")
-        job["runs"].append({"engine": dict(run["engine"]), "prompts": prompts, "env": dict(run.get("env", {})),
-                            "max_tokens": [check_int("max_tokens", n, 1) for n in max_tokens],
-                            "ignore_eos": bool(run.get("ignore_eos", False))})
+    if not isinstance(runs, (list, tuple)) or not runs:
+        raise ValueError(f"runs must be a list of at least one run, got {runs!r}")
+    job = {"runs": [_offline_run(i, run) for i, run in enumerate(runs)]}  # every argument checked first,
+    env = vllm_env(kv_cache_gib, threads)
+    check_number("timeout_s", timeout_s, 0, strict=True)
+    _require()  # and only then whether vLLM is here to run them
     SCRATCH.mkdir(exist_ok=True)
     with tempfile.TemporaryDirectory(dir=SCRATCH) as scratch:
         job_path, out_path, log_path = (Path(scratch) / name for name in ("job.json", "out.json", "driver.log"))
         job_path.write_text(json.dumps(job))
         with open(log_path, "w") as log:
             done = subprocess.run([str(vllm_python()), str(DRIVER), "offline", str(job_path), str(out_path)],
-                                  env=vllm_env(kv_cache_gib, threads), stdout=log, stderr=subprocess.STDOUT,
+                                  env=env, stdout=log, stderr=subprocess.STDOUT,
                                   timeout=timeout_s, cwd=scratch)
         if done.returncode != 0 or not out_path.exists():
             tail = log_path.read_text()[-3000:]
@@ -167,8 +224,10 @@ class Server:
     """
 
     def __init__(self, *, kv_cache_gib: int = 1, threads: int = 1, start_timeout_s: float = 600, **engine):
-        _require()
         self.engine = engine_args(**engine)
+        vllm_env(kv_cache_gib, threads)  # checks both
+        check_number("start_timeout_s", start_timeout_s, 0, strict=True)
+        _require()
         self.port = _free_port()
         self.url = f"http://127.0.0.1:{self.port}"
         SCRATCH.mkdir(exist_ok=True)
@@ -234,6 +293,16 @@ class Server:
         return [line.split("] ", 1)[-1] for line in lines if any(n in line for n in needles)]
 
 
+def _check_running(server: object) -> Server:
+    """``server`` if it is a :class:`Server` that is running (inside its ``with`` block)."""
+    if not isinstance(server, Server):
+        raise TypeError(f"server must be a labkit.vllm_bridge.real.Server, got {type(server).__name__}")
+    process = getattr(server, "process", None)
+    if process is None or process.poll() is not None:
+        raise ValueError("server must be running: call this inside `with Server(...) as server:`")
+    return server
+
+
 def bench_serve(server: Server, *, request_rate: float, num_prompts: int, input_len: int, output_len: int,
                 range_ratio: float = 0.0, seed: int = 0, timeout_s: float = 1800) -> dict[str, Any]:
     """``vllm bench serve`` against ``server``: random prompts, Poisson arrivals at ``request_rate`` per second.
@@ -245,13 +314,19 @@ def bench_serve(server: Server, *, request_rate: float, num_prompts: int, input_
     ``STEP_COLUMNS``, for :func:`step_samples`), and ``metrics``: vLLM's counters over the run.
     """
     check_number("request_rate", request_rate, 0, strict=True, finite=True)
+    for name, value in (("num_prompts", num_prompts), ("input_len", input_len), ("output_len", output_len)):
+        check_int(name, value, 1)
+    check_int("seed", seed, 0)
+    check_number("timeout_s", timeout_s, 0, strict=True)
+    if check_number("range_ratio", range_ratio, 0) >= 1:  # vllm/benchmarks/datasets/utils.py
+        raise ValueError(f"range_ratio must lie in [0, 1) (vllm bench serve refuses others), got {range_ratio!r}")
+    _check_running(server)
     before_steps, before = len(read_steps(server.step_log)), server.metrics()
     with tempfile.TemporaryDirectory(dir=SCRATCH) as scratch:
         args = ["bench", "serve", "--backend", "vllm", "--base-url", server.url, "--model", server.engine["model"],
-                "--dataset-name", "random", "--random-input-len", str(check_int("input_len", input_len, 1)),
-                "--random-output-len", str(check_int("output_len", output_len, 1)),
-                "--random-range-ratio", str(range_ratio),
-                "--num-prompts", str(check_int("num_prompts", num_prompts, 1)),
+                "--dataset-name", "random", "--random-input-len", str(input_len),
+                "--random-output-len", str(output_len), "--random-range-ratio", str(range_ratio),
+                "--num-prompts", str(num_prompts),
                 "--request-rate", str(request_rate), "--seed", str(seed), "--ignore-eos", "--disable-tqdm",
                 "--save-result", "--save-detailed", "--result-dir", scratch, "--result-filename", "result.json",
                 "--percentile-metrics", "ttft,tpot,itl,e2el"]
@@ -287,9 +362,35 @@ STEP_COLUMNS = ("new_tokens", "context_tokens", "pairs", "seconds", "num_request
 def step_samples(steps: Sequence[dict[str, Any]] | dict[str, Sequence[float]]) -> list[StepSample]:
     """Recorded vLLM steps as chapter 06's ``StepSample``: the same three sums, the wall time, the requests.
 
-    ``steps``: one dict per step (:func:`read_steps`), or one list per field (:func:`bench_serve`'s columns).
+    ``steps``: one dict per step (:func:`read_steps`), or one list per field (:func:`bench_serve`'s columns,
+    all of one length). Each step needs every field of ``STEP_COLUMNS``; a step or a column without one
+    is refused, naming what is missing.
     """
     if isinstance(steps, dict):
+        missing = [k for k in STEP_COLUMNS if not isinstance(steps.get(k), (list, tuple))]
+        if missing:
+            raise ValueError(f"steps lacks the column(s) {', '.join(missing)} (it needs a list for each of "
+                             f"{', '.join(STEP_COLUMNS)})")
+        if len({len(steps[k]) for k in STEP_COLUMNS}) > 1:
+            raise ValueError(f"steps' columns must be of one length, got "
+                             f"{ {k: len(steps[k]) for k in STEP_COLUMNS} }")
         steps = [dict(zip(STEP_COLUMNS, row)) for row in zip(*(steps[k] for k in STEP_COLUMNS))]
-    return [StepSample(int(s["new_tokens"]), int(s["context_tokens"]), float(s["pairs"]), float(s["seconds"]),
-                       int(s["num_requests"])) for s in steps]
+    if not isinstance(steps, (list, tuple)) or not all(isinstance(s, dict) for s in steps):
+        raise TypeError(f"steps must be a list of dicts (read_steps) or a dict of columns (bench_serve), "
+                        f"got {type(steps).__name__}")
+    for i, s in enumerate(steps):
+        missing = [k for k in STEP_COLUMNS if k not in s]
+        if missing:
+            raise ValueError(f"steps[{i}] lacks the field(s) {', '.join(missing)} "
+                             f"(each step needs {', '.join(STEP_COLUMNS)})")
+    return [_sample(i, s) for i, s in enumerate(steps)]
+
+
+def _sample(i: int, step: dict[str, Any]) -> StepSample:
+    """Step ``i`` as a ``StepSample``; counts must be whole numbers, and a bad value names ``steps[i]``."""
+    try:
+        counts = [check_int(k, step[k], 0) for k in ("new_tokens", "context_tokens", "num_requests")]
+        return StepSample(counts[0], counts[1], check_number("pairs", step["pairs"], 0, finite=True),
+                          check_number("seconds", step["seconds"], 0, finite=True), counts[2])
+    except ValueError as err:
+        raise ValueError(f"steps[{i}]: {err}") from None

@@ -33,6 +33,7 @@ from dataclasses import dataclass, field
 
 import numpy as np
 
+from ...checks import check_flag, check_int, check_number
 from ...memory.capacity import PRESETS, ModelShape
 from ...units import GiB
 
@@ -60,10 +61,10 @@ class Device:
     source: str = field(default="", repr=False)
 
     def __post_init__(self) -> None:
-        for name in ("memory_bytes", "memory_bandwidth", "peak_flops"):
-            value = getattr(self, name)
-            if not isinstance(value, (int, float)) or isinstance(value, bool) or not value > 0:
-                raise ValueError(f"{name} must be a number > 0, got {value!r}")
+        if not isinstance(self.name, str) or not self.name:
+            raise ValueError(f"name must be a non-empty string, got {self.name!r}")
+        for name in ("memory_bytes", "memory_bandwidth", "peak_flops"):  # an infinite rate would make time 0
+            check_number(name, getattr(self, name), 0, strict=True, finite=True)
 
     @property
     def ridge_point(self) -> float:
@@ -119,6 +120,13 @@ class ModelCost:
     vocab_size: int
     tie_word_embeddings: bool = False
     source: str = field(default="", repr=False)
+
+    def __post_init__(self) -> None:
+        if not isinstance(self.shape, ModelShape):
+            raise TypeError(f"shape must be a labkit.memory.capacity.ModelShape, got {type(self.shape).__name__}")
+        for name in ("hidden_size", "intermediate_size", "vocab_size"):
+            check_int(name, getattr(self, name), 1)
+        check_flag("tie_word_embeddings", self.tie_word_embeddings)
 
     @property
     def num_attention_heads(self) -> int:
@@ -225,6 +233,10 @@ class CostModel:
                  overhead_s: float = 0.0):
         self.model = get_model_cost(model) if isinstance(model, str) else model
         self.device = get_device(device) if isinstance(device, str) else device
+        if not isinstance(self.model, ModelCost):
+            raise TypeError(f"model must be a ModelCost or one of {sorted(MODEL_COSTS)}, got {type(model).__name__}")
+        if not isinstance(self.device, Device):
+            raise TypeError(f"device must be a Device or one of {sorted(DEVICES)}, got {type(device).__name__}")
         if not isinstance(overhead_s, (int, float)) or isinstance(overhead_s, bool) \
                 or not 0 <= overhead_s < float("inf"):
             raise ValueError(f"overhead_s must be a finite number of seconds >= 0, got {overhead_s!r}")

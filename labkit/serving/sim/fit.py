@@ -22,13 +22,20 @@ import numpy as np
 
 from ...checks import check_int, check_number
 from ...memory.capacity import ModelShape
+from ...model.decoder import DecoderConfig
 from .costmodel import CostModel, Device, ModelCost
 from .measure import StepSample
 
 
-def model_cost(config, dtype_bytes: int, name: str = "") -> ModelCost:
+def model_cost(config: DecoderConfig, dtype_bytes: int, name: str = "") -> ModelCost:
     """The cost model's view of a ``labkit.model.decoder.DecoderConfig`` served with ``dtype_bytes``-byte
-    weights and cache (4 for float32 on a CPU, 2 for bfloat16)."""
+    weights and cache (4 for float32 on a CPU, 2 for bfloat16; 1 and 8 for 8- and 64-bit types)."""
+    if not isinstance(config, DecoderConfig):
+        raise TypeError(f"config must be a labkit.model.decoder.DecoderConfig (a Decoder's .config), "
+                        f"got {type(config).__name__}")
+    if check_int("dtype_bytes", dtype_bytes, 1) not in (1, 2, 4, 8):
+        raise ValueError(f"dtype_bytes must be one of 1, 2, 4, 8 (bytes per element), got {dtype_bytes}")
+    _check_name(name, allow_empty=True)
     shape = ModelShape(name or "decoder", num_layers=config.num_hidden_layers,
                        num_kv_heads=config.num_key_value_heads, head_dim=config.head_dim,
                        dtype_bytes=dtype_bytes, num_attention_heads=config.num_attention_heads)
@@ -106,6 +113,27 @@ class StepFit:
         return self.weight_read_s / float(np.median(decodes))
 
 
+def _check_name(name: object, allow_empty: bool = False) -> str:
+    """``name`` if it is a string (non-empty unless ``allow_empty``): the label of a model or device."""
+    if not isinstance(name, str) or not (name or allow_empty):
+        raise ValueError(f"name must be a {'' if allow_empty else 'non-empty '}string, got {name!r}")
+    return name
+
+
+def _check_fit_inputs(samples: object, cost: object, name: object) -> np.ndarray:
+    """Every input of a fit checked before any work: the samples' step times (seconds), as an array."""
+    if not isinstance(samples, (list, tuple)):
+        raise ValueError(f"samples must be a list of StepSample (measure_steps), got {type(samples).__name__}")
+    bad = next((s for s in samples if not isinstance(s, StepSample)), None)
+    if bad is not None:
+        raise ValueError(f"samples must hold StepSample objects, got {type(bad).__name__}")
+    if not isinstance(cost, ModelCost):
+        raise TypeError(f"cost must be a labkit.serving.sim.costmodel.ModelCost (model_cost(config, dtype_bytes), "
+                        f"or costmodel.get_model_cost(name)), got {type(cost).__name__}")
+    _check_name(name)
+    return _checked_seconds(samples)
+
+
 def _checked_seconds(samples: Sequence[StepSample]) -> np.ndarray:
     if len(samples) < 3:
         raise ValueError(f"samples must hold at least 3 measured steps, got {len(samples)}")
@@ -137,7 +165,7 @@ def fit_steps(samples: Sequence[StepSample], cost: ModelCost, memory_bandwidth: 
     predictions have the smallest mean squared relative error. Two free numbers, each pinned by its
     own steps: the prompt chunks (many tokens) set the arithmetic rate, the decodes the overhead.
     """
-    seconds = _checked_seconds(samples)
+    seconds = _check_fit_inputs(samples, cost, name)
     bandwidth = check_number("memory_bandwidth", memory_bandwidth, 0, strict=True, finite=True)
     grid = check_int("grid", grid, 2)
     peak = np.logspace(9, 16, grid)
@@ -162,7 +190,8 @@ def fit_device(samples: Sequence[StepSample], cost: ModelCost, name: str = "this
     if memory_bandwidth is not None:
         fit = fit_steps(samples, cost, memory_bandwidth, name, grid)
         return fit.device, fit.overhead_s
-    seconds = _checked_seconds(samples)
+    seconds = _check_fit_inputs(samples, cost, name)
+    grid = check_int("grid", grid, 2)
     bandwidth, peak = (a.ravel() for a in np.meshgrid(np.logspace(9, 13, grid), np.logspace(9, 16, grid),
                                                       indexing="ij"))
     best_bandwidth, best_peak, overhead = _best_on_grid(samples, cost, seconds, bandwidth, peak)

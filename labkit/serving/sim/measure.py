@@ -17,15 +17,21 @@ from typing import Sequence
 
 import torch
 
-from ...checks import check_int
+from ...checks import check_int, check_number
 from ...units import MiB
+from ..engine import Engine
+from ..request import Request
 from .simulator import step_sums
-from .workloads import RequestSpec
+from .workloads import RequestSpec, check_specs
 
 
 @dataclass(frozen=True)
 class StepSample:
-    """One measured engine step: what the cost model reads from it, and how long it took."""
+    """One measured engine step: what the cost model reads from it, and how long it took.
+
+    Counts are integers >= 0, ``pairs`` and ``seconds`` finite numbers >= 0, all checked when the sample
+    is built: a NaN time would make every fit to it NaN.
+    """
 
     new_tokens: int
     context_tokens: int
@@ -33,26 +39,56 @@ class StepSample:
     seconds: float
     num_requests: int = 0  # requests in the step (0: not recorded); a decode step has one new token each
 
+    def __post_init__(self) -> None:
+        for name in ("new_tokens", "context_tokens", "num_requests"):
+            check_int(name, getattr(self, name), 0)
+        check_number("pairs", self.pairs, 0, finite=True)
+        check_number("seconds", self.seconds, 0, finite=True)
+        if self.num_requests > self.new_tokens:
+            raise ValueError(f"num_requests must be <= new_tokens ({self.new_tokens}): each request in a step "
+                             f"computes at least one token, got {self.num_requests}")
+
     @property
     def is_decode(self) -> bool:
         """Every request in the step computes one token: no prompt chunk."""
         return 0 < self.num_requests == self.new_tokens
 
 
-def timed_step(engine) -> StepSample:
+def check_engine(engine: object) -> Engine:
+    """``engine`` if it is an idle ``labkit.serving.engine.Engine``: TypeError for anything else, ValueError
+    while it still has unfinished requests (their steps would be timed with the new ones)."""
+    if not isinstance(engine, Engine):
+        raise TypeError(f"engine must be a labkit.serving.engine.Engine, got {type(engine).__name__}")
+    if engine.has_unfinished():
+        raise ValueError("engine must be idle: it still has unfinished requests, whose steps would be timed too")
+    return engine
+
+
+def engine_requests(engine: Engine, specs: object) -> list[Request]:
+    """One ``Request`` of ``engine`` per spec (no early stop), every one checked (its tokens in the model's
+    vocabulary, its length within the pool) before any is queued; the engine is checked first."""
+    check_engine(engine)
+    return [engine._make_request(spec.prompt_token_ids, spec.output_len, eos_token_id=())
+            for spec in check_specs("specs", specs)]
+
+
+def timed_step(engine: Engine) -> StepSample:
     """Run one engine step; what it computed, and how long it took."""
+    if not isinstance(engine, Engine):
+        raise TypeError(f"engine must be a labkit.serving.engine.Engine, got {type(engine).__name__}")
     start = time.perf_counter()
     step = engine.step()
     seconds = time.perf_counter() - start
     return StepSample(*step_sums(step), seconds, len(step.chunks))
 
 
-def measure_steps(engine, specs: Sequence[RequestSpec]) -> list[StepSample]:
-    """Serve ``specs`` at once (arrival times ignored; no early stop), timing every step that ran the model."""
-    if not specs:
-        raise ValueError("specs must hold at least one RequestSpec")
-    for spec in specs:
-        engine.add_request(spec.prompt_token_ids, spec.output_len, eos_token_id=())
+def measure_steps(engine: Engine, specs: Sequence[RequestSpec]) -> list[StepSample]:
+    """Serve ``specs`` at once (arrival times ignored; no early stop), timing every step that ran the model.
+
+    ``engine``: an idle ``Engine``; ``specs``: a list of ``RequestSpec``, all checked before any is queued.
+    """
+    for request in engine_requests(engine, specs):
+        engine.scheduler.add_request(request)
     samples = []
     while engine.has_unfinished():
         sample = timed_step(engine)

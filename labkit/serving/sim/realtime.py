@@ -16,7 +16,8 @@ from typing import Sequence
 
 import numpy as np
 
-from .measure import StepSample, timed_step
+from ..engine import Engine
+from .measure import StepSample, engine_requests, timed_step
 from .percentiles import latency_percentiles
 from .workloads import RequestSpec
 
@@ -44,27 +45,30 @@ class MeasuredRun:
         return latency_percentiles(self.itl)
 
 
-def serve_in_real_time(engine, specs: Sequence[RequestSpec]) -> MeasuredRun:
+def serve_in_real_time(engine: Engine, specs: Sequence[RequestSpec]) -> MeasuredRun:
     """The engine serves ``specs``, each added when the wall clock reaches its ``arrival_time``.
 
     Requests ignore end-of-sequence tokens and stop after ``output_len`` tokens, as the
     simulator's do. While nothing is running the loop sleeps until the next arrival.
+    ``engine``: an idle ``Engine``; ``specs``: ``RequestSpec`` objects with distinct ``request_id`` values
+    (the outputs come back in their order), every one checked before the clock starts.
     """
-    if not specs:
-        raise ValueError("specs must hold at least one RequestSpec")
-    pending = deque(sorted(specs, key=lambda s: (s.arrival_time, s.request_id)))
-    origin = pending[0].arrival_time
+    requests = engine_requests(engine, specs)
+    if len({s.request_id for s in specs}) != len(specs):
+        raise ValueError("specs must have distinct request_id values (the outputs are returned in their order)")
+    pending = deque(sorted(zip(specs, requests), key=lambda p: (p[0].arrival_time, p[0].request_id)))
+    origin = pending[0][0].arrival_time
     start = time.perf_counter()
     clock = lambda: origin + time.perf_counter() - start  # noqa: E731  (the workload's time axis)
     running: list[tuple[RequestSpec, object, list[float]]] = []
     steps: list[StepSample] = []
     while pending or engine.has_unfinished():
-        while pending and pending[0].arrival_time <= clock():
-            spec = pending.popleft()
-            request = engine.add_request(spec.prompt_token_ids, spec.output_len, eos_token_id=())
+        while pending and pending[0][0].arrival_time <= clock():
+            spec, request = pending.popleft()
+            engine.scheduler.add_request(request)
             running.append((spec, request, []))
         if not engine.has_unfinished():
-            time.sleep(max(0.0, pending[0].arrival_time - clock()))
+            time.sleep(max(0.0, pending[0][0].arrival_time - clock()))
             continue
         sample = timed_step(engine)
         steps.append(sample)

@@ -46,12 +46,16 @@ class SimResult:
     """What a simulated run measured. Times are seconds since the first arrival.
 
     Per request (arrays in arrival order, ties by ``request_id``): ``arrival``, ``first_token`` (end of the
-    step that sampled its first token), ``finish``, ``prompt_len``, ``output_len``,
+    step that sampled its first token), ``finish``, ``prompt_len``, ``output_len`` (the tokens it generated:
+    its spec's, or fewer where ``max_model_len`` stopped it),
     ``hit_tokens`` (prompt tokens found in the prefix cache when first admitted),
     ``preemptions``. Per step: ``step_start``, ``step_end``, ``step_tokens``,
     ``num_running``, ``num_waiting``, ``used_blocks`` (held by a request) and
     ``live_tokens`` (K/V of unfinished requests). ``itl`` / ``itl_weight``: every
     interval between two tokens of one request, with how many tokens it stands for.
+    ``recomputed_tokens``: the work lost to preemption, the token positions a request computed
+    again, each counted once per extra time (prefix-hit positions it computes for the first time
+    after a preemption are not among them).
     ``schedule`` (with ``record_schedule``): per step, ``(request_id, start, num_tokens,
     block_table)`` of each scheduled request; ``queued_at_step``: the first step in
     which each request was a candidate; ``scheduler``: the scheduler after the run; ``requests``: its
@@ -262,21 +266,36 @@ def _output_ids(index: int, position: int, n: int) -> range:
 
 
 def _requests(specs: Sequence[RequestSpec], sched: Scheduler) -> list[Request]:
-    """One scheduler ``Request`` per spec, every spec checked before any is served."""
+    """One scheduler ``Request`` per spec, every spec checked before any is served (a ``RequestSpec`` checked
+    its own fields, its ``arrival_time`` finite and >= 0, when it was built)."""
     if len({getattr(s, "request_id", None) for s in specs}) != len(specs):
         raise ValueError("requests must have distinct request_id values")
     requests = []
     for spec in specs:
         if not isinstance(spec, RequestSpec):
             raise ValueError(f"requests must hold RequestSpec objects, got {type(spec).__name__}")
-        if not math.isfinite(spec.arrival_time):
-            raise ValueError(f"arrival_time must be a finite number of seconds, got {spec.arrival_time!r} "
-                             f"(request {spec.request_id})")
         if spec.output_len >= _OUTPUT_ID_STRIDE:
             raise ValueError(f"output_len must be < {_OUTPUT_ID_STRIDE}, got {spec.output_len}")
         requests.append(Request(spec.prompt_token_ids, spec.output_len, request_id=spec.request_id))
         sched.check_fits(requests[-1])
     return requests
+
+
+def _add_span(spans: list[list[int]], start: int, end: int) -> int:
+    """Add positions ``[start, end)`` to a request's computed ``spans`` (sorted, disjoint); returns how many
+    of them it had computed before. A request continuing where it stopped only extends its last span."""
+    if spans and spans[-1][1] == start:
+        spans[-1][1] = end
+        return 0
+    again = sum(max(0, min(e, end) - max(s, start)) for s, e in spans)
+    merged = sorted(spans + [[start, end]])
+    spans[:] = merged[:1]
+    for s, e in merged[1:]:
+        if s <= spans[-1][1]:
+            spans[-1][1] = max(spans[-1][1], e)
+        else:
+            spans.append([s, e])
+    return again
 
 
 class _Run:
@@ -302,7 +321,8 @@ class _Run:
         self.itl: list[float] = []         # every interval between two tokens of one request ...
         self.itl_weight: list[int] = []    # ... and how many such intervals it stands for
         self.schedule: list = []
-        self.skipped_steps = self._first_tokens = 0
+        self.skipped_steps = self._first_tokens = self.recomputed = 0
+        self.spans: list[list[list[int]]] = [[] for _ in range(n)]  # per request: [start, end) it computed
         self.bar = None
         if progress:
             from tqdm.auto import tqdm
@@ -339,6 +359,7 @@ class _Run:
         for c in step.chunks:
             r = c.request
             i = self.index[id(r)]
+            self.recomputed += _add_span(self.spans[i], c.start, c.start + c.num_tokens)
             if c.samples:
                 sampled.append(_output_id(i, len(r.output_token_ids)))
                 if self.first_token[i] is None:
@@ -382,6 +403,7 @@ class _Run:
             self.itl.append(ends[0] - self.last_token[i])
             self.itl_weight.append(1)
             self.last_token[i] = ends[min(k, last + 1) - 1]
+            self.spans[i][-1][1] += min(k, last + 1)  # its decodes: new positions after its last chunk
         self.itl.extend(np.subtract(ends[1:], stretch.starts[1:]).tolist())
         self.itl_weight.extend(stretch.active[1:])
         for s, finished in stretch.finished.items():
@@ -398,12 +420,9 @@ class _Run:
         specs = self.specs
         steps = {k: np.array(v, dtype=np.float64 if k in ("start", "end") else np.int64) for k, v in self.steps.items()}
         prompt_len = np.array([sp.prompt_len for sp in specs])
-        output_len = np.array([sp.output_len for sp in specs])
+        output_len = np.array([len(r.output_token_ids) for r in self.requests])  # max_model_len may stop one early
         step_tokens = steps["tokens"]
         hit_tokens = np.array([r.num_cached_tokens for r in self.requests], dtype=np.int64)  # first admissions
-        # Every prompt token not found in the cache is computed once, every output but the
-        # last once; anything beyond that was computed again after a preemption.
-        useful = int((prompt_len - hit_tokens).sum() + (output_len - 1).sum())
         return SimResult(
             num_blocks=self.sim.num_blocks, block_size=self.sim.block_size,
             arrival=np.array([sp.arrival_time for sp in specs]),
@@ -415,6 +434,6 @@ class _Run:
             num_running=steps["running"], num_waiting=steps["waiting"], used_blocks=steps["used"],
             live_tokens=steps["live"], itl=np.array(self.itl, dtype=np.float64),
             itl_weight=np.array(self.itl_weight, dtype=np.float64),
-            recomputed_tokens=int(step_tokens.sum()) - useful, schedule=self.schedule,
+            recomputed_tokens=self.recomputed, schedule=self.schedule,
             skipped_steps=self.skipped_steps, queued_at_step=self.queued_at_step, scheduler=self.sched,
             requests=self.requests)

@@ -58,7 +58,7 @@ def advance_decodes(sched: Scheduler, max_steps: int, next_tokens: Callable[[Req
     bs, running = sched.block_size, list(sched.running)
     computed = [r.num_computed_tokens for r in running]
     sampled = [len(r.output_token_ids) for r in running]
-    last = [r.max_new_tokens - n - 1 for r, n in zip(running, sampled)]  # the step of its last token
+    last = [r.max_output_tokens - n - 1 for r, n in zip(running, sampled)]  # the step of its last token
     ahead: dict[int, Sequence[int]] = {}  # tokens asked ahead, for requests that stop on a token
     for j, r in enumerate(running):
         if r.stop_token_ids:
@@ -156,7 +156,7 @@ def plan_stretch(sched: Scheduler, step: Step, clock: float, next_arrival: float
             return None
     computed = [r.num_computed_tokens for r in running]
     held = [len(r.block_table.block_ids) for r in running]  # a whole reservation, or the blocks filled
-    last = [r.max_new_tokens - len(r.output_token_ids) - 1 for r in running]
+    last = [r.max_output_tokens - len(r.output_token_ids) - 1 for r in running]
     k_max = min(last) if waiting else max(last) + 1
     if k_max < 1:
         return None

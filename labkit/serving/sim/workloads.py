@@ -41,9 +41,9 @@ from ...checks import check_int, check_number, check_token_ids
 from ...model.pretrained import chat_token_ids
 from .percentiles import QUANTILES, percentile
 
-__all__ = ["RequestSpec", "LengthProfile", "SHAREGPT", "ALPACA", "PROFILES", "poisson_arrivals",
-           "make_workload", "sharegpt_like", "alpaca_like", "long_document_questions", "distinct_short_requests",
-           "length_stats", "chat_requests"]
+__all__ = ["RequestSpec", "check_specs", "check_rng", "LengthProfile", "SHAREGPT", "ALPACA", "PROFILES",
+           "poisson_arrivals", "make_workload", "sharegpt_like", "alpaca_like", "long_document_questions",
+           "distinct_short_requests", "length_stats", "chat_requests"]
 
 VOCAB_SIZE = 32000
 
@@ -52,9 +52,12 @@ VOCAB_SIZE = 32000
 class RequestSpec:
     """One request of a workload: when it arrives, its prompt, and how long its answer will be.
 
-    ``output_len`` plays the part of the moment the model emits its end-of-sequence
-    token: the simulator stops the request after that many new tokens.
+    ``arrival_time`` is in seconds on the workload's clock, finite and >= 0 (the first request of a
+    Poisson workload arrives at 0). ``output_len`` plays the part of the moment the model emits its
+    end-of-sequence token: the simulator stops the request after that many new tokens.
     ``prefix_len`` is how many leading prompt tokens it shares with other requests.
+    Every field is checked here, when the spec is built, so that no loop that waits for an arrival
+    (the simulator's, ``serve_in_real_time``'s) ever sees a NaN, infinite or negative time.
     """
 
     request_id: int
@@ -64,8 +67,8 @@ class RequestSpec:
     prefix_len: int = 0
 
     def __post_init__(self) -> None:
-        # arrival_time is checked where it is used (Simulator.run refuses NaN, negative or infinite times).
         check_int("request_id", self.request_id, 0)
+        check_number("arrival_time", self.arrival_time, 0, finite=True)
         check_token_ids("prompt_token_ids", self.prompt_token_ids, min_len=1)
         check_int("output_len", self.output_len, 1)
         if check_int("prefix_len", self.prefix_len, 0) > len(self.prompt_token_ids):
@@ -75,6 +78,16 @@ class RequestSpec:
     @property
     def prompt_len(self) -> int:
         return len(self.prompt_token_ids)
+
+
+def check_specs(name: str, specs: object) -> list[RequestSpec]:
+    """``specs`` as a list: a list or tuple of at least one ``RequestSpec``, else ValueError naming ``name``."""
+    if not isinstance(specs, (list, tuple)) or not specs:
+        raise ValueError(f"{name} must be a list of at least one RequestSpec, got {specs!r:.60}")
+    bad = next((s for s in specs if not isinstance(s, RequestSpec)), None)
+    if bad is not None:
+        raise ValueError(f"{name} must hold RequestSpec objects, got {type(bad).__name__}")
+    return list(specs)
 
 
 @dataclass(frozen=True)
@@ -105,6 +118,7 @@ class LengthProfile:
     def sample(self, n: int, rng: np.random.Generator) -> tuple[np.ndarray, np.ndarray]:
         """``n`` prompt lengths and ``n`` output lengths (int64 arrays)."""
         check_int("n", n, 0)
+        check_rng(rng)
         prompts = _lognormal_lengths(n, self.prompt_mean, self.prompt_sigma, self.max_prompt_len, rng)
         outputs = _lognormal_lengths(n, self.output_mean, self.output_sigma, self.max_output_len, rng)
         return prompts, outputs
@@ -120,6 +134,14 @@ ALPACA = LengthProfile(
     "Alpaca-like", prompt_mean=19.31, output_mean=58.45, prompt_sigma=0.6, output_sigma=0.8,
     source="means from the PagedAttention paper (Kwon et al. 2023, Alpaca); log-normal spreads assumed")
 PROFILES = {p.name: p for p in (SHAREGPT, ALPACA)}
+
+
+def check_rng(rng: object) -> np.random.Generator:
+    """``rng`` if it is a NumPy ``Generator``, else TypeError: the seeded source of every draw here."""
+    if not isinstance(rng, np.random.Generator):
+        raise TypeError(f"rng must be a numpy.random.Generator (np.random.default_rng(seed)), "
+                        f"got {type(rng).__name__}")
+    return rng
 
 
 def _normal_cdf(x: float) -> float:
@@ -158,7 +180,7 @@ def poisson_arrivals(num_requests: int, arrival_rate: float, rng: np.random.Gene
     """
     num_requests = check_int("num_requests", num_requests, 0)
     arrival_rate = check_number("arrival_rate", arrival_rate, 0, strict=True)
-    gaps = rng.exponential(1.0 / arrival_rate, size=num_requests)
+    gaps = check_rng(rng).exponential(1.0 / arrival_rate, size=num_requests)
     if num_requests:
         gaps[0] = 0.0
     return np.cumsum(gaps)
@@ -239,8 +261,7 @@ def distinct_short_requests(num_requests: int, arrival_rate: float, seed: int = 
 
 def length_stats(requests: list[RequestSpec]) -> dict[str, float]:
     """Mean and p50/p90/p99 of prompt and output lengths: keep them beside every latency figure."""
-    if not requests:
-        raise ValueError("requests must hold at least one request")
+    check_specs("requests", requests)
     prompts = np.array([r.prompt_len for r in requests])
     outputs = np.array([r.output_len for r in requests])
     stats: dict[str, float] = {}
@@ -265,6 +286,9 @@ def chat_requests(tokenizer) -> tuple[list[RequestSpec], list[RequestSpec]]:
     ``tokenizer``'s chat template) with replies of 8 to 24 tokens (seeded). The first 6 arrive at once,
     to measure and fit steps on; the other 8 arrive as a Poisson stream at 5 requests/s, to test the
     fitted simulator's prediction on."""
+    if not callable(getattr(tokenizer, "apply_chat_template", None)):
+        raise TypeError(f"tokenizer must be a transformers tokenizer with a chat template "
+                        f"(labkit.model.pretrained.load_tokenizer), got {type(tokenizer).__name__}")
     chat = [chat_token_ids(tokenizer, [{"role": "system", "content": CHAT_SYSTEM}, {"role": "user", "content": q}])
             for q in CHAT_ASKS]
     lengths = np.random.default_rng(0).integers(8, 25, len(CHAT_ASKS)).tolist()

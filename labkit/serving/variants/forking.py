@@ -42,7 +42,8 @@ class ForkingScheduler(Scheduler):
         child = Request(list(request.prompt_token_ids), request.max_new_tokens, request.eos_token_id,
                         request_id=child_id, output_token_ids=list(request.output_token_ids),
                         num_computed_tokens=request.num_computed_tokens,
-                        block_table=self.prefix_cache.fork(request.block_table), status=RequestStatus.RUNNING)
+                        block_table=self.prefix_cache.fork(request.block_table), status=RequestStatus.RUNNING,
+                        max_model_len=request.max_model_len)
         self.running.append(child)
         self.requests[child.request_id] = child
         if id(request) in self._twins:  # its token is being sampled: the twin gets it too

@@ -1,9 +1,10 @@
 """Before paging: reserve a request's whole KV space when it is admitted (chapters 03 and 06).
 
 The PagedAttention paper compares vLLM with systems that give each request one contiguous
-region, sized at admission: Orca (Max) reserves ``max_model_len`` slots for every request,
-Orca (Oracle) exactly the slots its longest sequence needs (prompt + max_new_tokens - 1, as if
-the output length were known). ``ReservingScheduler`` plays both on the paged pool: through the
+region, sized at admission: Orca (Max) reserves room for ``max_model_len`` tokens for every request
+(vLLM's own per-request budget, ``cdiv(max_model_len, block_size)`` blocks), Orca (Oracle) exactly
+the slots its longest sequence needs (``Request.max_len``: prompt + outputs - 1, the outputs capped
+by ``max_model_len``, as if the output length were known). ``ReservingScheduler`` plays both on the paged pool: through the
 ``_admission_slots`` hook an admitted request takes blocks for its whole reservation at once, so
 its table never grows, it is never preempted, and a request waits until its whole reservation is
 free. The slots reserved but not yet written are chapter 03's waste, paid here in concurrency.
@@ -33,8 +34,8 @@ def check_allocation(allocation: object, max_model_len: object) -> str:
 class ReservingScheduler(Scheduler):
     """A ``Scheduler`` whose requests take their whole reservation at admission.
 
-    ``reserve="max_len"`` (Orca (Max)) reserves ``max_model_len`` slots per request (required);
-    ``"exact"`` (Orca (Oracle)) reserves ``request.max_len``.
+    ``reserve="max_len"`` (Orca (Max)) reserves ``max_model_len`` slots per request (required), the room a
+    request of ``max_model_len`` tokens is given; ``"exact"`` (Orca (Oracle)) reserves ``request.max_len``.
     """
 
     def __init__(self, *args, reserve: str = "max_len", **kwargs):
