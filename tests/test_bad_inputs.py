@@ -102,6 +102,21 @@ def tiny_decoder() -> decoder.Decoder:
     return decoder.Decoder.random(tiny_config())
 
 
+TINY_MODEL = decoder.Decoder.random(tiny_config(), seed=0)
+
+
+def idle_engine() -> engine.Engine:
+    """An idle engine over the tiny model (vocabulary of 32 ids, 16 blocks of 4 tokens)."""
+    return engine.Engine(TINY_MODEL, num_blocks=16, block_size=4, use_triton=False)
+
+
+def busy_engine() -> engine.Engine:
+    """An engine that still has a request of its own to serve."""
+    e = idle_engine()
+    e.add_request([1, 2, 3], 2, eos_token_id=())
+    return e
+
+
 def prefix_cache() -> prefix.PrefixCache:
     return prefix.PrefixCache(paging.BlockAllocator(8), 4)
 

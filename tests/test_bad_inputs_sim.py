@@ -17,35 +17,19 @@ import pytest
 
 import labkit  # noqa: F401  (first: Triton's interpreter without a GPU)
 from labkit.memory.capacity import TEACHING_MODEL
-from labkit.model.decoder import Decoder, DecoderConfig
-from labkit.serving.engine import Engine
 from labkit.serving.sim import costmodel, fit, measure, realtime, workloads
 from labkit.serving.sim.measure import StepSample
 from labkit.serving.sim.workloads import RequestSpec
-from test_bad_inputs import On, run_case
+from test_bad_inputs import On, busy_engine, idle_engine, run_case, tiny_config
 
 nan, inf = math.nan, math.inf
-CONFIG = DecoderConfig(vocab_size=32, hidden_size=16, intermediate_size=32, num_hidden_layers=1,
-                       num_attention_heads=2, num_key_value_heads=1)
-MODEL = Decoder.random(CONFIG, seed=0)
+CONFIG = tiny_config()
 COST = fit.model_cost(CONFIG, 4)
 SAMPLES = [StepSample(1, 0, 1.0, 0.1), StepSample(8, 0, 36.0, 0.3), StepSample(2, 10, 22.0, 0.12)]
 SPEC = dict(request_id=0, arrival_time=0.0, prompt_token_ids=[1, 2, 3], output_len=2)
 SAMPLE = dict(new_tokens=4, context_tokens=40, pairs=170.0, seconds=0.01, num_requests=4)
 DEVICE = dict(name="d", memory_bytes=1e9, memory_bandwidth=1e11, peak_flops=1e12)
 MODEL_COST = dict(shape=TEACHING_MODEL, hidden_size=4096, intermediate_size=14336, vocab_size=128256)
-
-
-def engine() -> Engine:
-    """An idle engine over the tiny model (vocabulary of 32 ids)."""
-    return Engine(MODEL, num_blocks=16, block_size=4, use_triton=False)
-
-
-def busy_engine() -> Engine:
-    """An engine that still has a request of its own to serve."""
-    e = engine()
-    e.add_request([1, 2, 3], 2, eos_token_id=())
-    return e
 
 
 def spec(request_id: int = 0, arrival: float = 0.0, prompt: list[int] | None = None) -> RequestSpec:
@@ -97,23 +81,23 @@ CASES = [
     # ---- measure: the engine and the specs, all checked before any request is queued
     ("measure_steps engine None", measure.measure_steps, (None, [spec()]), {}, TypeError, "engine"),
     ("measure_steps engine busy", measure.measure_steps, (busy_engine(), [spec()]), {}, ValueError, "engine"),
-    ("measure_steps specs of ints", measure.measure_steps, (engine(), [1, 2]), {}, ValueError, "specs"),
-    ("measure_steps specs one RequestSpec", measure.measure_steps, (engine(), spec()), {}, ValueError, "specs"),
-    ("measure_steps specs a string", measure.measure_steps, (engine(), "abc"), {}, ValueError, "specs"),
+    ("measure_steps specs of ints", measure.measure_steps, (idle_engine(), [1, 2]), {}, ValueError, "specs"),
+    ("measure_steps specs one RequestSpec", measure.measure_steps, (idle_engine(), spec()), {}, ValueError, "specs"),
+    ("measure_steps specs a string", measure.measure_steps, (idle_engine(), "abc"), {}, ValueError, "specs"),
     ("measure_steps token outside the vocabulary, second spec", measure.measure_steps,
-     (engine(), [spec(), spec(1, prompt=[1, 500])]), {}, ValueError, "prompt_token_ids"),
+     (idle_engine(), [spec(), spec(1, prompt=[1, 500])]), {}, ValueError, "prompt_token_ids"),
     ("timed_step engine a string", measure.timed_step, ("engine",), {}, TypeError, "engine"),
     # ---- realtime
     ("serve_in_real_time engine a string", realtime.serve_in_real_time, ("engine", [spec()]), {}, TypeError, "engine"),
     ("serve_in_real_time engine busy", realtime.serve_in_real_time, (busy_engine(), [spec()]), {}, ValueError,
      "engine"),
-    ("serve_in_real_time specs of ints", realtime.serve_in_real_time, (engine(), [1, 2]), {}, ValueError, "specs"),
-    ("serve_in_real_time specs one RequestSpec", realtime.serve_in_real_time, (engine(), spec()), {}, ValueError,
+    ("serve_in_real_time specs of ints", realtime.serve_in_real_time, (idle_engine(), [1, 2]), {}, ValueError, "specs"),
+    ("serve_in_real_time specs one RequestSpec", realtime.serve_in_real_time, (idle_engine(), spec()), {}, ValueError,
      "specs"),
-    ("serve_in_real_time duplicate request_id", realtime.serve_in_real_time, (engine(), [spec(), spec()]), {},
+    ("serve_in_real_time duplicate request_id", realtime.serve_in_real_time, (idle_engine(), [spec(), spec()]), {},
      ValueError, "request_id"),
     ("serve_in_real_time token outside the vocabulary, second spec", realtime.serve_in_real_time,
-     (engine(), [spec(), spec(1, prompt=[1, 500])]), {}, ValueError, "prompt_token_ids"),
+     (idle_engine(), [spec(), spec(1, prompt=[1, 500])]), {}, ValueError, "prompt_token_ids"),
     # ---- fit
     ("model_cost config a dict", fit.model_cost, (vars(CONFIG).copy(), 4), {}, TypeError, "config"),
     ("model_cost dtype_bytes 3", fit.model_cost, (CONFIG, 3), {}, ValueError, "dtype_bytes"),

@@ -22,15 +22,10 @@ from pathlib import Path
 import pytest
 
 import labkit  # noqa: F401  (first: Triton's interpreter without a GPU)
-from labkit.model.decoder import Decoder, DecoderConfig
-from labkit.serving.engine import Engine
 from labkit.vllm_bridge import compare, driver, real, record
-from test_bad_inputs import run_case  # (no row here acts on a method, so no On)
+from test_bad_inputs import busy_engine, idle_engine, run_case  # (no row here acts on a method, so no On)
 
 nan, inf = math.nan, math.inf
-CONFIG = DecoderConfig(vocab_size=32, hidden_size=16, intermediate_size=32, num_hidden_layers=1,
-                       num_attention_heads=2, num_key_value_heads=1)
-MODEL = Decoder.random(CONFIG, seed=0)
 # Every row that could write the record points here; a refused call must leave the folder empty.
 SCRATCH = Path(tempfile.mkdtemp(prefix="labkit-bridge-rows-"))
 RECORD = SCRATCH / "data" / "record.json"
@@ -43,18 +38,6 @@ COLUMNS = {k: [v, v] for k, v in STEP.items()}
 ENTRY = dict(inputs={"rate": 0.5}, date="2026-12-01T17:40:20+00:00", machine={"cores": 2}, result={"x": 1})
 VLLM_STEPS = [{"scheduled": {"0-a4607f2b": 32, "1-a4607f2b": 32}, "preempted": []},
               {"scheduled": {"0-a4607f2b": 1}, "preempted": ["1-a4607f2b"]}]
-
-
-def engine() -> Engine:
-    """An idle engine over the tiny model (vocabulary of 32 ids, 16 blocks of 4 tokens)."""
-    return Engine(MODEL, num_blocks=16, block_size=4, use_triton=False)
-
-
-def busy_engine() -> Engine:
-    """An engine that still has a request of its own to serve."""
-    e = engine()
-    e.add_request([1, 2, 3], 2, eos_token_id=())
-    return e
 
 
 def unstarted_server() -> real.Server:
@@ -180,10 +163,10 @@ CASES = [
     ("serve_with_engine a busy engine", compare.serve_with_engine, (busy_engine(), [[1, 2]], [2]), {}, ValueError,
      "engine"),
     ("serve_with_engine the second prompt out of the vocabulary", compare.serve_with_engine,
-     (engine(), [[1, 2], [1, 99]], [2, 2]), {}, ValueError, "prompts[1]"),
-    ("serve_with_engine max_tokens 0", compare.serve_with_engine, (engine(), [[1, 2]], [0]), {}, ValueError,
+     (idle_engine(), [[1, 2], [1, 99]], [2, 2]), {}, ValueError, "prompts[1]"),
+    ("serve_with_engine max_tokens 0", compare.serve_with_engine, (idle_engine(), [[1, 2]], [0]), {}, ValueError,
      "max_tokens[0]"),
-    ("serve_with_engine two counts for one prompt", compare.serve_with_engine, (engine(), [[1, 2]], [2, 2]), {},
+    ("serve_with_engine two counts for one prompt", compare.serve_with_engine, (idle_engine(), [[1, 2]], [2, 2]), {},
      ValueError, "max_tokens"),
     # ---- the driver (vLLM's Python runs it; this function imports nothing of vLLM)
     ("driver environment a number as a value", entered, ({"LABKIT_ROW_A": "1", "LABKIT_ROW_B": 1},), {},
@@ -235,7 +218,7 @@ def test_good_inputs_still_work(tmp_path):
     record.save_record("s", ENTRY, path)
     assert record.load_record(path)["s"] == ENTRY
     assert record.recorded_run("s", {"rate": 0.5}, never_run, rerun=False, path=path) == ENTRY
-    ours = compare.serve_with_engine(engine(), [[1, 2, 3], [4, 5]], [2, 3])
+    ours = compare.serve_with_engine(idle_engine(), [[1, 2, 3], [4, 5]], [2, 3])
     assert [len(o) for o in ours["outputs"]] == [2, 3]  # the tiny model has no EOS: each runs to its count
     assert ours["num_cached_tokens"] == [0, 0] and ours["schedule"][0] == {0: 3, 1: 2}
     with driver.environment({"LABKIT_ROW_C": "1"}):

@@ -92,7 +92,7 @@ class Engine:
 
         ``eos_token_id``: the id(s) that end it early; None means the model's ``config.eos_token_id``.
         """
-        return self.scheduler.add_request(self._make_request(prompt_token_ids, max_new_tokens, eos_token_id))
+        return self.scheduler.add_request(self.make_request(prompt_token_ids, max_new_tokens, eos_token_id))
 
     def _eos_ids(self, eos_token_id: int | Sequence[int] | None) -> tuple[int, ...]:
         """The stop ids, checked against the vocabulary (empty: never stop early)."""
@@ -100,9 +100,9 @@ class Engine:
             eos_token_id = self.model.config.eos_token_id
         return parse_stop_token_ids(eos_token_id, vocab_size=self.model.config.vocab_size)
 
-    def _make_request(self, prompt_token_ids: Sequence[int], max_new_tokens: int,
+    def make_request(self, prompt_token_ids: Sequence[int], max_new_tokens: int,
                       eos_token_id: int | Sequence[int] | None = None) -> Request:
-        """A checked ``Request``, not queued yet; it stops on any of its EOS ids."""
+        """A checked ``Request``, not queued yet (``add_request`` queues one); it stops on any of its EOS ids."""
         ids = list(prompt_token_ids) if isinstance(prompt_token_ids, (list, tuple, range)) else prompt_token_ids
         eos = self._eos_ids(eos_token_id)
         request = Request(ids, max_new_tokens, eos or None)
@@ -151,7 +151,7 @@ class Engine:
         if not prompts:
             raise ValueError("prompts must hold at least one prompt")
         # all checked before any is queued
-        requests = [self._make_request(p, max_new_tokens, eos_token_id) for p in prompts]
+        requests = [self.make_request(p, max_new_tokens, eos_token_id) for p in prompts]
         for request in requests:
             self.scheduler.add_request(request)
         while self.has_unfinished():

@@ -103,7 +103,7 @@ def _checked_requests(engine: Engine, prompts: Sequence[Sequence[int]], max_toke
     requests = []
     for i, (prompt, n) in enumerate(zip(prompts, max_tokens)):
         try:
-            requests.append(engine._make_request(prompt, n))
+            requests.append(engine.make_request(prompt, n))
         except ValueError as err:
             raise ValueError(f"prompts[{i}] with max_tokens[{i}] = {n!r}: {err}") from None
     return requests

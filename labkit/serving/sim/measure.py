@@ -68,7 +68,7 @@ def engine_requests(engine: Engine, specs: object) -> list[Request]:
     """One ``Request`` of ``engine`` per spec (no early stop), every one checked (its tokens in the model's
     vocabulary, its length within the pool) before any is queued; the engine is checked first."""
     check_engine(engine)
-    return [engine._make_request(spec.prompt_token_ids, spec.output_len, eos_token_id=())
+    return [engine.make_request(spec.prompt_token_ids, spec.output_len, eos_token_id=())
             for spec in check_specs("specs", specs)]
 
 
