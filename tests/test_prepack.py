@@ -210,3 +210,19 @@ def test_a_forward_that_needs_gradients_raises():
     unpack(layer.requires_grad_(True))
     layer(x).sum().backward()  # unpacked, it trains
     assert layer.weight.grad is not None
+
+
+def test_a_weight_whose_new_storage_takes_the_old_address_is_still_seen():
+    """New weights in new storage (``.data =``, as ``Module.to`` and ``.float()`` do) that the allocator
+    places at the very address the packed copy was made from: the packed layer must still repack, never
+    multiply with the copy of the old weights. Many rounds, so that the address is reused."""
+    layer = nn.Linear(64, 96)
+    prepack(layer)
+    x = torch.randn(5, 64)
+    with torch.no_grad():
+        for _ in range(40):
+            layer.weight.data = torch.randn(96, 64)  # values bfloat16 cannot hold; packed at the next forward
+            torch.testing.assert_close(layer(x), x @ layer.weight.T + layer.bias, rtol=1e-5, atol=1e-5)
+            layer.to(torch.bfloat16)  # the float32 storage is freed ...
+            layer.float()             # ... and a new one, of the same size, may take its address
+            torch.testing.assert_close(layer(x), x @ layer.weight.T + layer.bias, rtol=1e-5, atol=1e-5)

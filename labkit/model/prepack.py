@@ -16,9 +16,9 @@ another summation order (results agree to about 1e-4, not bit for bit), same thr
 ``unpack(model)`` turns them back. ``benchmarks/continuous_batching.py`` measures what it saves
 (its results are chapter 05's table). What a packed layer promises:
 
-* **The copy follows the weight.** It remembers which tensor, storage and version (the counter
-  every in-place write bumps) it was made from, and the next forward remakes it when any of them
-  changed: after ``load_state_dict``, an in-place write under ``torch.no_grad()``, a new
+* **The copy follows the weight.** It remembers the address and version (the counter every in-place
+  write bumps) of the weight it was made from, and holds that weight's storage, so that no new weight
+  can be given the same address; the next forward remakes the copy when either changed: after ``load_state_dict``, an in-place write under ``torch.no_grad()``, a new
   ``weight``, a ``.double().float()`` round trip. Only a write through ``weight.data`` goes unseen
   (it bumps no version, by design of ``.data``; nor does a weight made under ``inference_mode``
   have one): after such a write, call ``unpack`` and ``prepack``.
@@ -34,8 +34,6 @@ another summation order (results agree to about 1e-4, not bit for bit), same thr
 """
 
 from __future__ import annotations
-
-import weakref
 
 import torch
 from torch import nn
@@ -63,12 +61,17 @@ def _unpackable(layer: nn.Linear, name: str) -> str | None:
 
 
 def _source(weight: torch.Tensor, bias: torch.Tensor | None) -> tuple:
-    """What a packed copy is made from: the weight tensor (weakly held), its storage and version (an
-    in-place write bumps it), and the bias's dtype and device (the packed multiply reads the bias as is).
+    """What a packed copy is made from: the weight's data, held (so that its storage stays alive and no
+    later tensor can take its address), and :func:`_state`."""
+    return weight.detach(), _state(weight, bias)
 
-    A weight made under ``inference_mode`` tracks no version: -1, and in-place writes go unseen."""
-    return weakref.ref(weight), (weight.data_ptr(), -1 if weight.is_inference() else weight._version,
-                                 None if bias is None else (bias.dtype, bias.device))
+
+def _state(weight: torch.Tensor, bias: torch.Tensor | None) -> tuple:
+    """The weight's address and version (an in-place write bumps it), and the bias's dtype and device (the
+    packed multiply reads the bias as is). A weight made under ``inference_mode`` tracks no version: -1,
+    and in-place writes go unseen."""
+    return (weight.data_ptr(), -1 if weight.is_inference() else weight._version,
+            None if bias is None else (bias.dtype, bias.device))
 
 
 def _reorder(weight: torch.Tensor, rows: int) -> torch.Tensor:
@@ -97,11 +100,7 @@ class PackedLinear(nn.Linear):
 
     def is_current(self) -> bool:
         """Whether the packed copy was made from the weight as it is now."""
-        if self.packed_from is None:
-            return False
-        ref, state = self.packed_from
-        weight = self.weight
-        return ref() is weight and state == _source(weight, self.bias)[1]
+        return self.packed_from is not None and self.packed_from[1] == _state(self.weight, self.bias)
 
     def repack(self) -> None:
         """Make the packed copy again from ``weight``, or raise if it is no longer float32 on the CPU."""
