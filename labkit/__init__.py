@@ -10,7 +10,8 @@ subpackage         what it holds                                                
 ``units``          units (two modules, not packages: everything uses them)
 ``model``          the decoder (``decoder``), real weights from a GGUF file or a       01, capstone
                    Hugging Face folder (``gguf``, ``gguf_decoder``, ``pretrained``),
-                   weights prepacked for the CPU (``prepack``)
+                   weights prepacked for the CPU (``prepack``), the projections
+                   fused as the engine runs them (``fused``)
 ``memory``         what the KV cache's memory is, without tensors: block arithmetic    02, 03, 04
                    (``blocks``), the allocator and block tables (``paging``), the
                    prefix cache (``prefix``), bytes per token and capacity

@@ -608,6 +608,8 @@ CASES: list[tuple[str, Any, tuple, dict, type, str]] = [
     ("Simulator.run progress str", On(lambda: simulator.Simulator(num_blocks=64), "run"),
      ([workloads.RequestSpec(**GOOD_SPEC)],), {"progress": "no"}, ValueError, "progress"),
     ("Engine use_triton str", engine.Engine, (tiny_decoder(), 8), {"use_triton": "no"}, ValueError, "use_triton"),
+    ("Engine prepare str", engine.Engine, (tiny_decoder(), 8), {"prepare": "yes"}, ValueError, "prepare"),
+    ("Engine prepare None", engine.Engine, (tiny_decoder(), 8), {"prepare": None}, ValueError, "prepare"),
     ("Engine scheduler_cls", engine.Engine, (tiny_decoder(), 8), {"scheduler_cls": dict}, ValueError,
      "scheduler_cls"),
     ("generate negative token", contiguous.generate, (tiny_decoder(), [-1], 1), {}, ValueError, "prompt_ids"),
@@ -766,7 +768,7 @@ def test_every_table_together_covers_the_newer_modules_and_has_unique_labels():
     rows = all_cases()
     assert len({c[0] for c in rows}) == len(rows) and len(rows) >= len(CASES) + 74 + 40
     modules = {getattr(c[1].factory if isinstance(c[1], On) else c[1], "__module__", "") for c in rows}
-    for name in ("model.prepack", "memory.formats", "caches.quant_quality", "kernels.reference", "serving.sim.fit",
+    for name in ("model.prepack", "model.fused", "memory.formats", "caches.quant_quality", "kernels.reference", "serving.sim.fit",
                  "serving.sim.measure", "serving.sim.realtime", "serving.sim.workloads", "vllm_bridge.real",
                  "vllm_bridge.record", "vllm_bridge.compare", "teaching.build_it", "teaching.exercises",
                  "teaching.quizzes"):

@@ -1,4 +1,4 @@
-"""Bad input to ``labkit.model.prepack`` refused (issue 38): one row a case, checked by
+"""Bad input to ``labkit.model.prepack`` (issue 38) and ``labkit.model.fused`` (issue 43) refused: one row a case, checked by
 ``tests/test_bad_inputs.py``'s ``run_case`` (the exception, the parameter named in its message, and
 the model and arguments unchanged). A refused ``prepack`` also packs no layer, which the snapshot
 (weights only) cannot see: the last test checks it.
@@ -12,7 +12,8 @@ import torch
 from torch import nn
 
 import labkit  # noqa: F401  (first: Triton's interpreter without a GPU)
-from labkit.model import prepack
+from labkit.model import fused, prepack
+from labkit.model.decoder import Decoder, DecoderConfig
 from test_bad_inputs import run_case
 
 pytestmark = pytest.mark.skipif(not prepack.available(), reason="this PyTorch has no oneDNN")
@@ -54,6 +55,13 @@ CASES = [
     ("unpack model a state_dict", prepack.unpack, (nn.Linear(4, 4).state_dict(),), {}, ValueError, "model"),
     ("is_packed model None", prepack.is_packed, (None,), {}, ValueError, "model"),
     ("is_packed model a list of modules", prepack.is_packed, ([nn.Linear(4, 4)],), {}, ValueError, "model"),
+    # ---- fused: chapter 01's Decoder only (its layers are what it stacks)
+    *[(f"{call.__name__} model {label}", call, (bad,), {}, ValueError, "model")
+      for call in (fused.fuse, fused.unfuse, fused.is_fused, fused.prepare, fused.can_prepare, fused.unprepare,
+                   fused.is_prepared)
+      for label, bad in (("None", None), ("str", "model"), ("an nn.Linear", nn.Linear(4, 4)),
+                         ("transformers-like Sequential", two_layers()),
+                         ("a list of decoders", [Decoder(DecoderConfig(num_hidden_layers=1))]))],
 ]
 
 

@@ -52,7 +52,7 @@ def random_prompts(seed: int, n: int, shared: int, lo: int, hi: int) -> list[lis
 def test_triton_engine_mixed_chunked_prefix_and_preemption(model):
     """Everything at once on the real (interpreted) kernels: kept to about a dozen steps."""
     prompts = random_prompts(0, 3, shared=8, lo=1, hi=6) + [[5, 6, 7]]
-    engine = poisoned_engine(model, num_blocks=7, block_size=4, max_num_batched_tokens=8)
+    engine = poisoned_engine(model, num_blocks=7, block_size=4, max_num_batched_tokens=8, use_triton=True)
     assert engine.backend.use_triton
     steps = []
     requests = [engine.add_request(p, 5) for p in prompts]
@@ -210,12 +210,15 @@ def test_the_engine_inherits_the_gate_and_parses_stop_ids_once(model):
 
 def test_kernel_backend_says_what_attend_runs(model, monkeypatch):
     """Issue 22: a chapter prints what runs, not what it assumes. use_triton=False is always the
-    references; use_triton=True is Triton (compiled or interpreted) unless a fallback reason holds."""
+    references; use_triton=True is Triton (compiled or interpreted) unless a fallback reason holds. Issue 43:
+    the default is Triton only where it compiles, the batched path anywhere else."""
     from labkit.kernels import fallback
 
     refs = Engine(model, num_blocks=8, block_size=4, use_triton=False).backend
-    assert refs.kernel_backend() == "the kernels' PyTorch references (use_triton=False)"
-    triton_pool = Engine(model, num_blocks=8, block_size=4).backend
+    assert refs.kernel_backend() == "the batched PyTorch path of labkit.kernels.cpu"
+    default = Engine(model, num_blocks=8, block_size=4).backend
+    assert default.use_triton == (labkit.RUNTIME.triton_mode == "compiled")
+    triton_pool = Engine(model, num_blocks=8, block_size=4, use_triton=True).backend
     said = triton_pool.kernel_backend()
     mode = labkit.RUNTIME.triton_mode
     if fallback.fallback_reason(triton_pool.dtype, triton_pool.device) is None:

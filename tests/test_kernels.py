@@ -176,6 +176,44 @@ def test_mixed_step_on_the_cpu_equals_the_per_sequence_reference():
     torch.testing.assert_close(got, ref, rtol=1e-12, atol=1e-12)
 
 
+def test_a_planned_pass_writes_like_the_reference_and_skips_slot_minus_one():
+    """Issue 43: the CPU path plans a pass once (``cpu.plan_batch``); its write is the reference's, a
+    slot of -1 taking no token, and its attention over the pass is the per-sequence reference's."""
+    gen = torch.Generator().manual_seed(3)
+    lens, q_lens = [7, 12, 3], [2, 5, 1]
+    k_cache, v_cache, block_tables, seq_lens = make_pool(lens, 2, 8, 4, torch.float64, gen, device="cpu")
+    slots = torch.randperm(k_cache.shape[0] * 4, generator=gen)[:sum(q_lens)]
+    slots[[1, 4]] = -1  # two tokens a prefix cache already holds
+    k = torch.randn(sum(q_lens), 2, 8, generator=gen, dtype=torch.float64)
+    v = torch.randn(sum(q_lens), 2, 8, generator=gen, dtype=torch.float64)
+    cu = torch.tensor([0] + q_lens).cumsum(0).to(torch.int32)
+    plan = cpu.plan_batch(block_tables, seq_lens, cu, 4, slots, per_kv=2)  # 4 query heads, 2 KV heads
+    assert [g.q_max for g in plan.groups] == [1, 5] and not plan.in_order  # decode rows, then the chunks
+    pools = [torch.zeros_like(k_cache) for _ in range(4)]
+    reference.write_kv_ref(k, v, pools[0], pools[1], slots)
+    cpu.write_kv(k, v, pools[2], pools[3], plan)
+    assert torch.equal(pools[2], pools[0]) and torch.equal(pools[3], pools[1])
+    assert int((pools[2] != 0).any(-1).any(-1).sum()) == sum(q_lens) - 2  # 8 tokens written, 2 skipped
+    q = torch.randn(sum(q_lens), 4, 8, generator=gen, dtype=torch.float64)
+    torch.testing.assert_close(cpu.paged_attention(q, k_cache, v_cache, plan),
+                               reference.paged_prefill_attention_ref(q, k_cache, v_cache, block_tables, seq_lens, cu),
+                               rtol=1e-12, atol=1e-12)
+
+
+def test_the_engine_plans_each_pass_once_on_the_cpu(monkeypatch):
+    """Per-step metadata is built once, not per layer: one plan per forward pass, read by every layer."""
+    from labkit.model.decoder import Decoder, DecoderConfig
+    from labkit.serving.engine import Engine
+
+    model = Decoder.random(DecoderConfig(vocab_size=64, hidden_size=32, intermediate_size=48, num_hidden_layers=3,
+                                         num_attention_heads=4, num_key_value_heads=2), seed=0)
+    engine = Engine(model, num_blocks=16, block_size=4, use_triton=False)
+    made = []
+    monkeypatch.setattr(cpu, "plan_batch", lambda *a, plan=cpu.plan_batch: made.append(1) or plan(*a))
+    engine.generate([[1, 2, 3, 4, 5], [6, 7]], 4)
+    assert len(made) == len(engine.stats) > 0
+
+
 @needs_kernels
 @pytest.mark.parametrize("dtype", list(TOL))
 @pytest.mark.parametrize("num_splits", [3, 7])

@@ -1,7 +1,9 @@
 """Block allocator, block tables and the paged KV cache (labkit.memory.paging).
 
 The model and every tensor it is fed live on ``labkit.DEVICE`` (where ``PagedKVCache`` puts its
-pool by default), so on a GPU the paged cache runs the compiled Triton kernels.
+pool by default), so on a GPU the paged cache runs the compiled Triton kernels. On a CPU its default
+is the batched PyTorch path (issue 43); the tests that compare with the contiguous cache run both
+that default and the Triton kernels (``use_triton=True``, interpreted there).
 """
 
 from __future__ import annotations
@@ -176,9 +178,10 @@ def model() -> Decoder:
     return Decoder.random(CONFIG, seed=3).to(DEVICE)
 
 
-def test_paged_cache_reproduces_the_contiguous_cache_step_by_step(model):
+@pytest.mark.parametrize("use_triton", [None, True], ids=["default", "triton"])
+def test_paged_cache_reproduces_the_contiguous_cache_step_by_step(model, use_triton):
     prompt = torch.randint(0, CONFIG.vocab_size, (1, 9), generator=torch.Generator().manual_seed(0)).to(DEVICE)
-    paged = PagedKVCache(CONFIG, num_blocks=6, block_size=4)  # 9 + 4 tokens span the 4-token blocks
+    paged = PagedKVCache(CONFIG, num_blocks=6, block_size=4, use_triton=use_triton)  # 9 + 4 tokens: 4 blocks
     contiguous = KVCache(CONFIG)
     feed = prompt
     with torch.no_grad():
@@ -191,21 +194,23 @@ def test_paged_cache_reproduces_the_contiguous_cache_step_by_step(model):
     assert paged.allocator.num_used == blocks_needed(paged.seq_len, 4)
 
 
-def test_generate_paged_matches_contiguous_generation_for_a_ragged_batch(model):
+@pytest.mark.parametrize("use_triton", [None, True], ids=["default", "triton"])
+def test_generate_paged_matches_contiguous_generation_for_a_ragged_batch(model, use_triton):
     gen = torch.Generator().manual_seed(4)
     lengths = [1, 8, 9, 13]  # one token, on and around the 8-token block boundary
     prompts = [torch.randint(0, CONFIG.vocab_size, (n,), generator=gen).tolist() for n in lengths]
-    paged = generate_paged(model, prompts, max_new_tokens=6, block_size=8)
+    paged = generate_paged(model, prompts, max_new_tokens=6, block_size=8, use_triton=use_triton)
     for prompt, got in zip(prompts, paged):
         want = generate(model, prompt, 6)
         assert got.tokens == want.tokens and got.cache_tokens == want.cache_tokens
         torch.testing.assert_close(got.logits, want.logits, atol=1e-4, rtol=1e-4)
 
 
-def test_paged_cache_in_float16_stays_close(model):
+@pytest.mark.parametrize("use_triton", [None, True], ids=["default", "triton"])
+def test_paged_cache_in_float16_stays_close(model, use_triton):
     prompt = list(range(1, 12))
     want = generate(model, prompt, 4)
-    got = generate_paged(model, [prompt], 4, block_size=8, dtype=torch.float16)[0]
+    got = generate_paged(model, [prompt], 4, block_size=8, dtype=torch.float16, use_triton=use_triton)[0]
     torch.testing.assert_close(got.logits, want.logits, atol=3e-2, rtol=3e-2)
 
 

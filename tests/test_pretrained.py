@@ -21,6 +21,7 @@ import pytest
 import torch
 
 import labkit  # first: sets up Triton's interpreter without a GPU
+from labkit.model import fused
 from labkit.model.decoder import Decoder, DecoderConfig
 from labkit.model.pretrained import from_pretrained, load_tokenizer, read_safetensors
 from labkit.serving.engine import Engine
@@ -155,7 +156,7 @@ def test_engine_greedy_tokens_equal_transformers_generate(checkpoints, name):
     model = from_pretrained(path, dtype=torch.float32).to(labkit.DEVICE)
     shared = [7, 3, 91, 45, 12, 60, 8, 33]
     prompts = [shared + [5, 17], shared + [99], [4, 4, 2]]
-    engine = Engine(model, num_blocks=24, block_size=4, max_num_batched_tokens=16)
+    engine = Engine(model, num_blocks=24, block_size=4, max_num_batched_tokens=16, use_triton=True)
     assert engine.backend.use_triton
     new = 8
     got = engine.generate(prompts[:1], new, eos_token_id=())  # no early stop
@@ -166,7 +167,9 @@ def test_engine_greedy_tokens_equal_transformers_generate(checkpoints, name):
     # EOS as a list (Llama 3 instruct models stop on several ids): stop at the third token of the
     # first reply; an id that never comes first in the list, so the engine's own check is used.
     stop = [SHAPE["vocab_size"] - 1 if got[0][2] != SHAPE["vocab_size"] - 1 else 0, got[0][2]]
-    # the kernels' PyTorch references this time (test_kernels proves them equal): half the interpreter's time
+    # the CPU's batched path this time (test_kernels proves it equal to the references): far faster than the
+    # interpreter. On a CPU the engine prepared the model (fused, packed): the tokens must still be transformers'.
+    assert fused.is_prepared(model) == fused.can_prepare(model)
     engine = Engine(model, num_blocks=24, block_size=4, max_num_batched_tokens=16, use_triton=False)
     with_eos = engine.generate(prompts, new, eos_token_id=stop)
     assert with_eos == [hf_greedy(hf, p, new, eos=stop) for p in prompts]

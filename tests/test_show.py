@@ -32,3 +32,24 @@ def test_missing_markers_raise():
         excerpt_lines(blocks.blocks_needed, "no such line")
     with pytest.raises(ValueError, match="last="):
         excerpt_lines(blocks.blocks_needed, "def blocks_needed", "no such line")
+
+
+def test_committed_result_finds_the_newest_benchmark_file_or_none(tmp_path, monkeypatch):
+    """Issue 43: chapters read a benchmark's committed results through one helper."""
+    import pytest
+
+    from labkit.teaching.results import committed_result
+
+    results = tmp_path / "repo" / "benchmarks" / "results"
+    results.mkdir(parents=True)
+    for name in ("vllm_cpu_2026-12-01.json", "vllm_cpu_2026-12-03.json", "vllm_cpu_2026-12-03.md"):
+        (results / name).write_text("{}")
+    (tmp_path / "repo" / "chapters").mkdir()
+    monkeypatch.chdir(tmp_path / "repo" / "chapters")  # a notebook runs in chapters/
+    assert committed_result("vllm_cpu_*.json") == results / "vllm_cpu_2026-12-03.json"
+    assert committed_result("kernels_static.json") is None
+    monkeypatch.chdir(tmp_path)  # no repository above: no results
+    assert committed_result("vllm_cpu_*.json") is None
+    for bad in ("", None, "results/vllm_cpu_*.json"):
+        with pytest.raises(ValueError, match="pattern"):
+            committed_result(bad)

@@ -20,7 +20,7 @@ from functools import cached_property
 import torch
 
 from ..checks import check_flag, check_int, check_token_ids
-from ..kernels import cpu, fallback, paged_attention, reference
+from ..kernels import cpu, fallback, paged_attention
 from ..kernels.device import DEVICE, RUNTIME
 from ..memory.blocks import blocks_needed
 from ..memory.formats import check_tensor_scales, kv_quant
@@ -63,6 +63,15 @@ class AttentionMetadata:
         q_lens = self.cu_seqlens_q[1:] - self.cu_seqlens_q[:-1]
         return bool((q_lens == 1).all())
 
+    def cpu_plan(self, block_size: int, per_kv: int) -> cpu.BatchPlan:
+        """The CPU path's plan of this pass (``labkit.kernels.cpu.plan_batch``): made at layer 0, read by every
+        layer. ``per_kv``: query heads per KV head."""
+        plan = self.__dict__.get("_cpu_plan")
+        if plan is None:
+            plan = self.__dict__["_cpu_plan"] = cpu.plan_batch(self.block_tables, self.seq_lens, self.cu_seqlens_q,
+                                                                block_size, self.slot_mapping, per_kv)
+        return plan
+
 
 class KVPool:
     """Every layer's K and V block pool, and paged attention over it.
@@ -72,10 +81,11 @@ class KVPool:
     protocol for a pass described by ``self.meta``: ``write_kv`` stores the new K and V in their
     slots, then the decode kernel (one new token per sequence) or the prefill kernel (several)
     reads each sequence's blocks. The caches of chapters 03 to 05 differ only in who decides the
-    block tables; they all attend through this class. ``use_triton=False`` runs the kernels'
-    PyTorch references instead (same results, much faster than Triton's interpreter on a CPU; decode
-    rows in their batched form, ``labkit.kernels.cpu.paged_decode_attention_batched``, even in a step
-    that also runs prompt chunks: ``labkit.kernels.cpu.paged_attention_batched``).
+    block tables; they all attend through this class. ``use_triton``: the Triton kernels (True), or
+    the CPU's batched PyTorch path (False: ``labkit.kernels.cpu``, the references' arithmetic, planned
+    once per pass and read by every layer, much faster than Triton's interpreter on a CPU). None, the
+    default, takes the kernels where they compile (a CUDA GPU) and the batched path elsewhere
+    (``RUNTIME.triton_by_default``): Triton's interpreter runs only when asked for.
 
     ``kv_cache_dtype`` (appendix A3, ``labkit.memory.formats``): "auto" stores K and V in ``dtype``; a scheme
     such as "int8_per_block" stores codes in ``k_caches``/``v_caches`` and float32 scales in
@@ -86,7 +96,7 @@ class KVPool:
 
     def __init__(self, config: DecoderConfig, num_blocks: int, block_size: int,
                  dtype: torch.dtype = torch.float32, device: torch.device | str | None = None,
-                 use_triton: bool = True, kv_cache_dtype: str = "auto"):
+                 use_triton: bool | None = None, kv_cache_dtype: str = "auto"):
         check_config(config)
         check_int("num_blocks", num_blocks, 1)
         check_int("block_size", block_size, 1)
@@ -95,7 +105,8 @@ class KVPool:
         kq = kv_quant(kv_cache_dtype)
         self.config, self.block_size, self.dtype = config, block_size, dtype
         self.device = torch.device(device) if device is not None else DEVICE
-        self.use_triton = check_flag("use_triton", use_triton)
+        self.use_triton = (RUNTIME.triton_by_default(self.device) if use_triton is None
+                           else check_flag("use_triton", use_triton))
         self.kv_cache_dtype, self.kv_quant = kv_cache_dtype, kq
         layers, heads, head_dim = config.num_hidden_layers, config.num_key_value_heads, config.head_dim
         if kq is None:
@@ -175,17 +186,24 @@ class KVPool:
         """q [batch, new, Hq, D], k and v [batch, new, Hkv, D], flattened in the order of ``self.meta``."""
         meta = self.meta
         self._check_qkv(q, k, v, None if meta is None else meta.slot_mapping.numel())
-        write_kv = paged_attention.write_kv if self.use_triton else reference.write_kv_ref
-        decode = paged_attention.paged_decode_attention if self.use_triton else cpu.paged_decode_attention_batched
-        prefill = paged_attention.paged_prefill_attention if self.use_triton else cpu.paged_attention_batched
         kc, vc, kw = self.k_caches[layer_idx], self.v_caches[layer_idx], self._kv_args(layer_idx)
+        shape, dtype, heads = q.shape, q.dtype, q.shape[2:]
+        if not self.use_triton:  # the CPU's batched path, planned once per pass
+            plan = meta.cpu_plan(self.block_size, self.config.group_size)
+            q, k, v = (t if t.dtype == self.dtype else t.to(self.dtype) for t in (q, k, v))  # the pool's dtype
+            cpu.write_kv(k, v, kc, vc, plan, **kw)
+            q = q.reshape(-1, *heads)
+            out = cpu.paged_attention(q, kc, vc, plan, **kw).view(shape)
+            return out if out.dtype == dtype else out.to(dtype)
         flat = lambda t: t.reshape(-1, *t.shape[2:]).to(self.dtype).contiguous()  # noqa: E731
-        write_kv(flat(k), flat(v), kc, vc, meta.slot_mapping, **kw)
+        q, k, v = flat(q), flat(k), flat(v)
+        paged_attention.write_kv(k, v, kc, vc, meta.slot_mapping, **kw)
         if meta.decode_only:
-            out = decode(flat(q), kc, vc, meta.block_tables, meta.seq_lens, **kw)
+            out = paged_attention.paged_decode_attention(q, kc, vc, meta.block_tables, meta.seq_lens, **kw)
         else:
-            out = prefill(flat(q), kc, vc, meta.block_tables, meta.seq_lens, meta.cu_seqlens_q, **kw)
-        return out.view(q.shape).to(q.dtype)
+            out = paged_attention.paged_prefill_attention(q, kc, vc, meta.block_tables, meta.seq_lens,
+                                                          meta.cu_seqlens_q, **kw)
+        return out.view(shape).to(dtype)
 
     def kernel_backend(self) -> str:
         """What ``attend`` runs on this machine, in words: the Triton kernels (compiled, or in
@@ -196,7 +214,7 @@ class KVPool:
         compiled launch failed on this GPU.
         """
         if not self.use_triton:
-            return "the kernels' PyTorch references (use_triton=False)"
+            return "the batched PyTorch path of labkit.kernels.cpu"
         why = fallback.fallback_reason(self.dtype, self.device,
                                        *(() if self.kv_quant is None else (self.kv_cache_dtype,)))
         if why is not None:
@@ -229,7 +247,7 @@ class PagedKVCache(KVPool):
 
     def __init__(self, config: DecoderConfig, num_blocks: int, block_size: int = 16,
                  dtype: torch.dtype = torch.float32, device: torch.device | str | None = None,
-                 batch_size: int = 1, *, use_triton: bool = True, kv_cache_dtype: str = "auto"):
+                 batch_size: int = 1, *, use_triton: bool | None = None, kv_cache_dtype: str = "auto"):
         check_int("batch_size", batch_size, 0)
         super().__init__(config, num_blocks, block_size, dtype, device, use_triton, kv_cache_dtype)
         self.allocator = BlockAllocator(num_blocks)
@@ -328,7 +346,7 @@ class PagedKVCache(KVPool):
 @torch.no_grad()
 def generate_paged(model: Decoder, prompts: list[list[int]], max_new_tokens: int, block_size: int = 16,
                    num_blocks: int | None = None, dtype: torch.dtype = torch.float32, *,
-                   use_triton: bool = True, kv_cache_dtype: str = "auto",
+                   use_triton: bool | None = None, kv_cache_dtype: str = "auto",
                    kv_scales: tuple[list[float], list[float]] | None = None) -> list[Generation]:
     """Greedy decoding of several prompts of different lengths on one paged pool.
 

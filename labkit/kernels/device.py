@@ -71,6 +71,13 @@ class Runtime:
         """Whether Triton runs the kernels in its interpreter, on the CPU."""
         return self.triton_mode == "interpreter"
 
+    def triton_by_default(self, device: torch.device | str) -> bool:
+        """Whether a pool on ``device`` attends with the Triton kernels unless told otherwise: only where they
+        compile (a CUDA GPU). On a CPU the batched PyTorch path (``labkit.kernels.cpu``) is many times faster
+        than Triton's interpreter, which runs only when asked for (``use_triton=True``): chapter 03, appendix A1
+        and the kernel tests."""
+        return self.triton_mode == "compiled" and torch.device(device).type == "cuda"
+
     def kernels_can_run(self, dtype: torch.dtype) -> bool:
         """True when the Triton kernels can run for ``dtype``; else labkit uses the PyTorch reference."""
         if self.triton_mode == "unavailable":

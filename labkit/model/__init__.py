@@ -6,5 +6,7 @@
 * ``gguf_decoder``: a GGUF file's metadata, weights and tokenizer as the decoder's;
 * ``pretrained``: ``from_pretrained`` (a GGUF file or a Hugging Face folder), ``real_model()``
   (the book's one source of its real model), the tokenizer and its chat template;
-* ``prepack``: the weights reordered once for the CPU's matrix multiply, as vLLM's CPU backend does.
+* ``prepack``: the weights reordered once for the CPU's matrix multiply, as vLLM's CPU backend does;
+* ``fused``: the decoder as the engine runs it, q/k/v and gate/up each one multiply (``fuse``), then
+  packed (``prepare``), as vLLM builds and loads its Llama.
 """

@@ -40,6 +40,12 @@ from torch import nn
 
 __all__ = ["PackedLinear", "available", "is_packed", "prepack", "unpack"]
 
+# oneDNN's kernel for 1 or 2 rows streams the weights more slowly than its kernel for 4 (on the 2-core AMD
+# EPYC where the book is tested, a decode step of one request took 52 ms unpadded and 46 ms padded; of two,
+# 61 and 46 ms: benchmarks/README.md). A packed layer given fewer rows multiplies a buffer of this many;
+# in a multiply bound by reading the weights, the extra rows cost nothing, and their results are dropped.
+MIN_ROWS = 4
+
 INFERENCE_ONLY = ("a prepacked layer is inference-only (oneDNN's packed multiply has no backward): call the model "
                   "under torch.no_grad() or torch.inference_mode(), or labkit.model.prepack.unpack(model) to train")
 
@@ -80,22 +86,36 @@ def _reorder(weight: torch.Tensor, rows: int) -> torch.Tensor:
         return torch.ops.mkldnn._reorder_linear_weight(weight.detach(), rows)
 
 
+def _row_buffer(layer: nn.Linear) -> torch.Tensor:
+    """``MIN_ROWS`` rows of ``layer``'s input, written in place at every call, in inference mode or not: so
+    never an inference tensor, even when made while a step runs under ``torch.inference_mode()``."""
+    with torch.inference_mode(False):
+        return torch.zeros(MIN_ROWS, layer.in_features, dtype=layer.weight.dtype, device=layer.weight.device)
+
+
 class PackedLinear(nn.Linear):
     """An ``nn.Linear`` whose forward multiplies with a oneDNN-reordered copy of its weight.
 
     ``packed_weight`` is the copy and ``packed_from`` what it was made from (``_source``);
-    ``rows_hint`` is ``prepack``'s ``batch_size``, kept for remaking the copy.
+    ``rows_hint`` is ``prepack``'s ``batch_size``, kept for remaking the copy; ``padded`` the buffer of
+    ``MIN_ROWS`` rows that fewer rows are multiplied in.
     """
 
     packed_weight: torch.Tensor | None
     packed_from: tuple | None
     rows_hint: int
+    padded: torch.Tensor | None
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         if torch.is_grad_enabled() and any(t is not None and t.requires_grad for t in (x, self.weight, self.bias)):
             raise RuntimeError(INFERENCE_ONLY)
         if not self.is_current():
             self.repack()
+        rows = x.numel() // self.in_features
+        if 0 < rows < MIN_ROWS and x.dtype == self.padded.dtype:
+            self.padded[:rows] = x.reshape(rows, self.in_features)  # its other rows: old ones, never read back
+            out = torch.ops.mkldnn._linear_pointwise(self.padded, self.packed_weight, self.bias, "none", [], "")
+            return out[:rows].view(*x.shape[:-1], self.out_features)
         return torch.ops.mkldnn._linear_pointwise(x, self.packed_weight, self.bias, "none", [], "")
 
     def is_current(self) -> bool:
@@ -109,10 +129,11 @@ class PackedLinear(nn.Linear):
             raise RuntimeError(f"{why}, and this layer is prepacked: call labkit.model.prepack.unpack(model) "
                                "before moving the model, or move it back (.float(), .cpu()) to pack again")
         self.packed_weight, self.packed_from = _reorder(self.weight, self.rows_hint), _source(self.weight, self.bias)
+        self.padded = _row_buffer(self)
 
     def __getstate__(self) -> dict:
         """For ``copy.deepcopy`` and pickling: everything but the packed copy, remade at the first forward."""
-        return super().__getstate__() | {"packed_weight": None, "packed_from": None}
+        return super().__getstate__() | {"packed_weight": None, "packed_from": None, "padded": None}
 
 
 def _check_model(model: object) -> None:
@@ -141,6 +162,7 @@ def prepack(model: nn.Module, batch_size: int = 16) -> int:
     for (_, m), copy in zip(linears, copies):
         m.__class__ = PackedLinear
         m.rows_hint, m.packed_weight, m.packed_from = batch_size, copy, _source(m.weight, m.bias)
+        m.padded = _row_buffer(m)
     return len(linears)
 
 
@@ -150,7 +172,7 @@ def unpack(model: nn.Module) -> int:
     packed = [m for m in model.modules() if type(m) is PackedLinear]
     for m in packed:
         m.__class__ = nn.Linear
-        for name in ("packed_weight", "packed_from", "rows_hint"):
+        for name in ("packed_weight", "packed_from", "rows_hint", "padded"):
             m.__dict__.pop(name, None)
     return len(packed)
 

@@ -17,10 +17,11 @@ Each ``Engine.step()`` follows what vLLM v1 does each iteration (``vllm/v1/engin
 3. The step's tokens from *all* requests are flattened into one batch ``[1, total_tokens]``
    with explicit positions: prompt chunks and single decode tokens side by side, as vLLM v1
    batches them. (nano-vllm does not mix them: each of its steps is prefill only or decode only.)
-4. The decoder (chapter 01) runs once. Its attention goes through
-   ``KVPool.attend`` (chapter 03): ``write_kv`` scatters the new K/V into their slots,
-   then the Triton paged-attention kernels (chapter 03) attend over each request's
-   blocks, request ``i`` owning query rows ``cu_seqlens_q[i]:cu_seqlens_q[i+1]``.
+4. The decoder (chapter 01, prepared once at load: ``labkit.model.fused.prepare``) runs once.
+   Its attention goes through ``KVPool.attend`` (chapter 03): the new K/V are scattered into
+   their slots, then attention reads each request's blocks, request ``i`` owning query rows
+   ``cu_seqlens_q[i]:cu_seqlens_q[i+1]``: the Triton paged-attention kernels on a GPU, the
+   batched PyTorch path on a CPU (``labkit.kernels.cpu``, planned once for all layers).
 5. The logits at the last token of each chunk that reaches the end of its known tokens
    (and only there: ``logits_indices``, as vLLM computes them) are turned into the next token
    (greedy), and ``Scheduler.postprocess`` appends them, finishes requests and releases their
@@ -38,8 +39,9 @@ from typing import Sequence
 import torch
 
 from ..caches.paged import AttentionMetadata, KVPool
-from ..checks import parse_stop_token_ids
+from ..checks import check_flag, parse_stop_token_ids
 from ..memory.prefix import CacheKey
+from ..model import fused
 from ..model.decoder import Decoder
 from .request import Request
 from .scheduler import Scheduler
@@ -49,7 +51,7 @@ __all__ = ["Engine"]
 
 
 class Engine:
-    """A continuous-batching engine: decoder + paged K/V + prefix cache + scheduler + Triton kernels.
+    """A continuous-batching engine: decoder + paged K/V + prefix cache + scheduler + attention kernels.
 
     ``model``: a ``labkit.model.decoder.Decoder``. ``num_blocks`` blocks of ``block_size`` tokens
     form the K/V pool; ``max_num_batched_tokens`` is the token budget of a step and
@@ -57,8 +59,14 @@ class Engine:
     ``enable_prefix_caching``, ``full_sequence_must_fit`` (vLLM's admission gate, on by default):
     passed to the scheduler, an instance of ``scheduler_cls`` (a ``Scheduler`` or a variant of it,
     such as ``labkit.serving.variants.forking.ForkingScheduler``). ``dtype``: of the
-    K/V pool (default: the model's). ``use_triton``: the Triton kernels (default) or their
-    PyTorch references. Greedy decoding; ``stats`` holds one ``StepStats`` per step.
+    K/V pool (default: the model's). ``use_triton``: the Triton kernels (True) or the CPU's batched
+    PyTorch path (False); None picks the kernels on a GPU and the batched path on a CPU
+    (``labkit.caches.paged.KVPool``). Greedy decoding; ``stats`` holds one ``StepStats`` per step.
+
+    ``prepare`` (default True): the model is prepared once, in place, as vLLM prepares one after loading
+    it (``labkit.model.fused.prepare``): on a CPU in float32 its q/k/v and gate/up projections are fused
+    and every multiply is prepacked for oneDNN; anywhere else it is left as it is. Its outputs stay the
+    plain model's up to the order of float32 sums; ``prepare=False`` runs the model as given.
 
     End of sequence: a request stops after ``max_new_tokens`` or after emitting one of its
     ``eos_token_id`` (default: the model's ``config.eos_token_id``, one id or a list; pass
@@ -68,7 +76,7 @@ class Engine:
     def __init__(self, model: Decoder, num_blocks: int, block_size: int = 16, max_num_batched_tokens: int = 256,
                  *, max_num_seqs: int = 256, enable_prefix_caching: bool = True,
                  full_sequence_must_fit: bool = True, scheduler_cls: type[Scheduler] = Scheduler,
-                 dtype: torch.dtype | None = None, use_triton: bool = True):
+                 dtype: torch.dtype | None = None, use_triton: bool | None = None, prepare: bool = True):
         if not isinstance(model, Decoder):
             raise ValueError(f"model must be a labkit.model.decoder.Decoder, got {type(model).__name__}")
         self.model = model
@@ -80,11 +88,14 @@ class Engine:
         if not (isinstance(scheduler_cls, type) and issubclass(scheduler_cls, Scheduler)):
             raise ValueError(f"scheduler_cls must be labkit.serving.scheduler.Scheduler or a subclass, "
                              f"got {scheduler_cls!r}")
+        check_flag("prepare", prepare)
         self.scheduler = scheduler_cls(num_blocks, block_size, max_num_batched_tokens, max_num_seqs=max_num_seqs,
                                        enable_prefix_caching=enable_prefix_caching, cache_key=key,
                                        full_sequence_must_fit=full_sequence_must_fit)
         self.backend = KVPool(cfg, num_blocks, block_size, self.dtype, weight.device, use_triton)
         self.stats: list[StepStats] = []
+        if prepare:  # last: a refused argument leaves the model as it was
+            fused.prepare(model)
 
     def add_request(self, prompt_token_ids: Sequence[int], max_new_tokens: int,
                     eos_token_id: int | Sequence[int] | None = None) -> Request:
@@ -115,7 +126,7 @@ class Engine:
     def has_unfinished(self) -> bool:
         return self.scheduler.has_unfinished()
 
-    @torch.no_grad()
+    @torch.inference_mode()  # as vLLM runs its model: no autograd bookkeeping on any tensor
     def step(self) -> Step:
         """Schedule, run the model once on every scheduled token, sample, update."""
         step = self.scheduler.schedule()
