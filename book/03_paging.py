@@ -626,7 +626,7 @@ assert torch.allclose(chunked, dense, atol=1e-5)
 model = Decoder.random(DecoderConfig(num_hidden_layers=2, hidden_size=128, num_attention_heads=4,
                                      num_key_value_heads=2), seed=0)
 prompts = [[1, 2, 3, 4, 5], list(range(10, 27)), [7]]
-paged_runs = generate_paged(model, prompts, max_new_tokens=4, block_size=8)
+paged_runs = generate_paged(model, prompts, max_new_tokens=4, block_size=8, use_triton=True)  # these kernels
 for prompt, run in zip(prompts, paged_runs):
     contiguous = generate(model, prompt, 4)
     diff = (run.logits - contiguous.logits).abs().max().item()

@@ -525,24 +525,24 @@ assert edit_at < common_prefix_len(first, prompts["question 2"])
 # %% [markdown]
 # Now the engine serves them one after the other in one pool of 16-token blocks, with the prefix
 # cache on and off; each reply stops at the end-of-turn token or after 8 tokens. On a CPU the
-# engine runs the kernels' PyTorch references, which chapter 03 proved equal to the Triton kernels.
+# engine attends with PyTorch in one batched call per layer, the arithmetic of the references that
+# chapter 03 proved equal to the Triton kernels; on a GPU it runs the kernels themselves.
 #
 # The table gives each request's cached prompt tokens and its time to first token, its prefill.
-# Such a time misleads in two ways. The first forward pass of a process also pays one-off costs, so
+# Such a time misleads in two ways. The first forward pass of a process can pay one-off costs, so
 # an untimed round of prefills warms the model up first. And a busy machine adds noise, so each
 # mode then serves the prompts three times, the modes taking turns at going first, and the table
 # keeps each request's fastest.
 
 # %%
 # NBVAL_SKIP_IN_SOLUTIONS
-use_triton = labkit.RUNTIME.triton_mode == "compiled"  # on a GPU the Triton kernels, on a CPU their references
 ran_on = {}
 
 
 def serve(enable_prefix_caching: bool, max_new_tokens: int) -> dict[str, tuple]:
     """Each prompt served alone, in order, in one engine: (request, seconds to its first token)."""
     engine = Engine(chat_model, num_blocks=64, block_size=16, max_num_batched_tokens=256,
-                    enable_prefix_caching=enable_prefix_caching, use_triton=use_triton)
+                    enable_prefix_caching=enable_prefix_caching)
     ran_on["attention"] = engine.backend.kernel_backend()
     out = {}
     for name, ids in prompts.items():
@@ -648,7 +648,7 @@ assert book_on - book_off < min(1.0, 0.01 * min(miss_on, miss_off))
 # NBVAL_SKIP_IN_SOLUTIONS
 eos = chat_model.config.eos_token_id
 eos = {eos} if isinstance(eos, int) else set(eos)
-engine = Engine(chat_model, num_blocks=64, block_size=16, max_num_batched_tokens=512, use_triton=use_triton)
+engine = Engine(chat_model, num_blocks=64, block_size=16, max_num_batched_tokens=512)
 whole = ["question 1", "question 2", "question 2, one more space"]
 replies = dict(zip(whole, engine.generate([prompts[name] for name in whole], max_new_tokens=64)))
 for name, ids in replies.items():

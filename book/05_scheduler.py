@@ -410,28 +410,30 @@ assert all(r.is_finished for r in pre_reqs) and pre.allocator.num_free == 6
 # 5. takes the argmax at the last token of every chunk that reached the end of its prompt, and
 #    hands the new tokens back to `scheduler.postprocess`.
 #
-# The attention backend, `KVPool.attend`, is where the model meets the pool. It picks the Triton
-# kernels or their PyTorch references once, by a flag of the pool:
+# The attention backend, `KVPool.attend`, is where the model meets the pool. Each layer it does
+# two things: scatter the new keys and values into their slots (the slot mapping the scheduler
+# assigned), and attend over each request's blocks. On a GPU the Triton kernels of chapter 03 do it.
+# A step that holds only decode tokens takes the decode kernel (one query per request); any prompt
+# chunk in the step takes the prefill kernel, which handles queries of every length:
 
 # %%
-excerpt(labkit.caches.paged.KVPool.attend, "write_kv = ", "prefill = ")
+excerpt(labkit.caches.paged.KVPool.attend, "paged_attention.write_kv(", "meta.cu_seqlens_q")
 
 # %% [markdown]
-# and then does two things per layer: scatter the new keys and values into their slots (the slot
-# mapping the scheduler assigned), and attend over each request's blocks. A step that holds only
-# decode tokens takes the decode kernel (one query per request); any prompt chunk in the step takes
-# the prefill kernel, which handles queries of every length, a decode token included:
+# On a CPU (the default there, `use_triton=None`) the same arithmetic runs in PyTorch, batched:
+# layer 0 plans the pass once (`labkit.kernels.cpu.plan_batch`: every request's slots and what each
+# query may see), and every layer reuses the plan for one gather and one attention call per group,
+# the decode rows in one group, the prompt chunks in another:
 
 # %%
-excerpt(labkit.caches.paged.KVPool.attend, "write_kv(flat(k)", "out = prefill(")
+excerpt(labkit.caches.paged.KVPool.attend, "if not self.use_triton", "out = cpu.paged_attention")
 
 # %% [markdown]
 # A research assistant's load: four questions about the same 24-token report, in a pool of 24
-# blocks of 4 tokens, with a budget of 16 tokens per step. (Small, because without a GPU the
-# Triton kernels run in the interpreter.)
+# blocks of 4 tokens, with a budget of 16 tokens per step. (Small: this run asks for chapter 03's
+# Triton kernels, `use_triton=True`, which without a GPU run in Triton's interpreter.)
 
 # %%
-cpu = labkit.RUNTIME.triton_mode != "compiled"
 cfg = DecoderConfig(vocab_size=128, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
                     num_attention_heads=4, num_key_value_heads=2)
 model = Decoder.random(cfg, seed=0).to(labkit.DEVICE)
@@ -442,7 +444,7 @@ prompts = [report + q for q in questions]
 NEW = 5
 
 POOL = 24
-engine = Engine(model, num_blocks=POOL, block_size=4, max_num_batched_tokens=16)
+engine = Engine(model, num_blocks=POOL, block_size=4, max_num_batched_tokens=16, use_triton=True)
 served = [engine.add_request(p, NEW) for p in prompts]  # in arrival order
 steps = []
 while engine.has_unfinished():
@@ -490,13 +492,13 @@ assert engine.scheduler.allocator.num_free == POOL
 # %% [markdown]
 # And the same work without prefix caching, and with a pool too small for everyone at once. To make
 # the scheduler preempt, the small-pool runs admit by the first chunk alone (`full_sequence_must_fit=
-# False`, the article's rule); one more run keeps vLLM's gate. Still the same tokens. (On a CPU these
-# runs call the kernels' PyTorch references, which chapter 03 proves equal to the Triton kernels, to
-# keep the chapter quick.)
+# False`, the article's rule); one more run keeps vLLM's gate. Still the same tokens. (These runs
+# take the engine's default: on a CPU the batched PyTorch path, the arithmetic of the references that
+# chapter 03 proves equal to the Triton kernels, and much quicker than Triton's interpreter.)
 
 # %%
 def run_engine(**kw):
-    e = Engine(model, block_size=4, max_num_batched_tokens=16, use_triton=not cpu, **kw)
+    e = Engine(model, block_size=4, max_num_batched_tokens=16, **kw)
     return e.generate(prompts, NEW), e.stats, e.backend.kernel_backend()
 
 
@@ -546,8 +548,8 @@ assert recompute > hidden >= 0
 #
 # The pool is made tight on purpose: the four prompts fit (so vLLM's gate admits them all), but not
 # the four prompts with all their replies, so the scheduler must preempt a running request on the
-# way and recompute it later. On a CPU the engine calls the kernels' PyTorch references (a 30-layer
-# model through Triton's interpreter would take minutes); on a GPU, the Triton kernels.
+# way and recompute it later. On a CPU the engine runs its batched PyTorch path (a 30-layer model
+# through Triton's interpreter would take minutes); on a GPU, the Triton kernels.
 
 # %%
 # NBVAL_SKIP_IN_SOLUTIONS
@@ -578,7 +580,7 @@ prompt_blocks, common = distinct_blocks(chat_prompts)
 full_blocks, _ = distinct_blocks([p + [0] * REPLY for p in chat_prompts])  # any reply tokens: none is shared
 tight = full_blocks - 2
 assert prompt_blocks <= tight < full_blocks
-real_engine = Engine(real, num_blocks=tight, block_size=BLOCK, max_num_batched_tokens=256, use_triton=not cpu)
+real_engine = Engine(real, num_blocks=tight, block_size=BLOCK, max_num_batched_tokens=256)
 replies = real_engine.generate(chat_prompts, REPLY)  # stops at config.eos_token_id
 print(f"attention ran {real_engine.backend.kernel_backend()}")
 
@@ -634,20 +636,17 @@ print(f"{short_ask}\n  -> {tokenizer.decode(whole, skip_special_tokens=True)!r} 
 # transformers' `generate` in static batches of 16 in arrival order. It runs for minutes; the
 # chapter reads its committed results.
 #
-# A serving engine also prepares its step once, at load. Most of a CPU step multiplies a few rows by
-# every weight matrix, and vLLM's CPU backend reorders each matrix once into the layout oneDNN's
-# kernels read (`dispatch_cpu_unquantized_gemm`, `vllm/model_executor/layers/utils.py`).
-# `labkit.model.prepack` does the same for the engine: same weights, same float32, same thread. The
-# benchmark runs each side both ways (the GEMM column), so scheduling's share stands apart.
+# The benchmark runs each side with plain `nn.Linear` multiplies and with packed ones (the GEMM
+# column; `labkit.model.prepack`, vLLM's `dispatch_cpu_unquantized_gemm` in
+# `vllm/model_executor/layers/utils.py`), so scheduling's share stands apart.
 
 # %%
 # NBVAL_CHECK_OUTPUT
 import json
-from pathlib import Path
 
-BATCHING = next((sorted((p / "benchmarks" / "results").glob("real_model_64_*.json"))[-1]
-                 for p in (Path.cwd(), *Path.cwd().parents)
-                 if list((p / "benchmarks" / "results").glob("real_model_64_*.json"))), None)
+from labkit.teaching.results import committed_result
+
+BATCHING = committed_result("real_model_64_*.json")
 if BATCHING is None:  # a pip install (Colab) has labkit but not the repository's benchmarks/
     print("benchmarks/results/real_model_64_*.json ships with the repository: clone it to see this table.")
 else:
@@ -714,6 +713,48 @@ if BATCHING is not None:
 # In a static batch the useful slots fall like a staircase as short requests end, and a new batch
 # starts only at the bottom. The engine stays at 16 until the queue runs dry, then only falls. With
 # Poisson arrivals a static batch also waits to fill before its first token: its TTFT shows it.
+#
+# ### What makes a step fast
+#
+# Scheduling decides how many steps; the model decides what each costs. `benchmarks/vllm_cpu.py`
+# serves 16 chat requests with this engine and with the real vLLM (appendix A4) on one thread of the
+# same CPU, taking turns, and checks every token. Three things, each what vLLM does, make the
+# engine's step: `Engine` prepares the model once (`labkit.model.fused.prepare`: q, k and v one
+# multiply, gate and up another, every weight reordered for oneDNN, norms and RoPE in fewer
+# operations); attention is planned once per step; a step runs in `torch.inference_mode()`. The
+# second row is the model as loaded (`prepare=False`):
+
+# %%
+# NBVAL_CHECK_OUTPUT
+SPEED = committed_result("vllm_cpu_*.json")
+if SPEED is None:
+    print("benchmarks/results/vllm_cpu_*.json ships with the repository: clone it to see this table.")
+else:
+    speed = json.loads(SPEED.read_text())
+    print(f"{speed['command']} ({speed['date']}), {speed['rounds']} rounds, each engine's fastest")
+    print(f"{'engine':<52}{'tokens/s':>9}{'ms/step':>8}{'fixed ms':>9}{'same tokens':>12}")
+    for e in speed["engines"]:
+        print(f"{e['name']:<52}{e['tokens_per_s']:>9.1f}{e['ms_per_step']:>8.0f}{e['fixed_ms']:>9.0f}"
+              f"{e['tokens_equal']:>9} of {speed['requests']}")
+    print(f"labkit over vLLM in process: {speed['ratio_to_vllm_in_process']:.2f}x (rounds: "
+          f"{', '.join(f'{r:.2f}' for r in speed['ratio_per_round'])})")
+    multiplies = speed["breakdown"][0]["multiplies"]
+    print(f"{multiplies} multiplies per step ({7 * (multiplies - 1) // 4 + 1} unfused); a decode step of:")
+    for b in speed["breakdown"]:
+        print(f"{b['batch']:>4} running: {b['step_ms']:5.1f} ms = multiplies {b['multiplies_ms']:5.1f} + "
+              f"attention {b['attention_ms']:4.1f} + the rest {b['rest_ms']:4.1f}")
+    engines = {e["name"]: e for e in speed["engines"]}
+    assert all(e["tokens_equal"] == speed["requests"] for e in speed["engines"])
+    assert engines["labkit Engine"]["tokens_per_s"] > 1.3 * engines[
+        "labkit Engine, model as loaded (prepare=False)"]["tokens_per_s"]
+    assert speed["ratio_to_vllm_in_process"] > 0.9  # within a tenth of vLLM's speed
+    assert all(b["multiplies_ms"] > b["attention_ms"] + b["rest_ms"] for b in speed["breakdown"])
+
+# %% [markdown]
+# The book's engine serves within a tenth of vLLM's speed, with the same tokens ("fixed ms": the
+# fixed cost per step, fitted as in appendix A6). A step is mostly its multiplies. What remains
+# between the engines is the rest: attention, which copies each request's blocks where vLLM's C++
+# kernel reads them in place, and a layer's many small PyTorch operations, a few C++ kernels in vLLM.
 
 
 # %% [markdown]
@@ -732,6 +773,8 @@ if BATCHING is not None:
 # - With more requests than slots, the engine refills a slot in the step after it frees, where a
 #   static batch waits for its longest member: fewer steps for the same tokens, and the speed-up
 #   is that step ratio over the ratio of step costs.
+# - A step's cost is mostly its multiplies. Prepared once as vLLM prepares a model (fused, packed),
+#   with attention planned once per step, the engine serves within a tenth of vLLM's speed.
 #
 # [Appendix A5](A5_vllm_scheduler.ipynb) follows vLLM's scheduler further. Chapter 06 drives this
 # `Scheduler` with a cost model: fitting in memory is one thing; serving fast enough is another.
