@@ -718,11 +718,11 @@ if BATCHING is not None:
 #
 # Scheduling decides how many steps; the model decides what each costs. `benchmarks/vllm_cpu.py`
 # serves 16 chat requests with this engine and with the real vLLM (appendix A4) on one thread of the
-# same CPU, taking turns, and checks every token. Three things, each what vLLM does, make the
-# engine's step: `Engine` prepares the model once (`labkit.model.fused.prepare`: q, k and v one
-# multiply, gate and up another, every weight reordered for oneDNN, norms and RoPE in fewer
-# operations); attention is planned once per step; a step runs in `torch.inference_mode()`. The
-# second row is the model as loaded (`prepare=False`):
+# same CPU, taking turns, and checks every token. `Engine` prepares the model once, as vLLM does
+# (`labkit.model.fused.prepare`: q, k and v one multiply, gate and up another, every weight
+# reordered for oneDNN; norms and RoPE in fewer operations); attention is planned once per step;
+# a step runs in `torch.inference_mode()`, as vLLM's does. The second row is the model as loaded
+# (`prepare=False`):
 
 # %%
 # NBVAL_CHECK_OUTPUT
@@ -753,8 +753,9 @@ else:
 # %% [markdown]
 # The book's engine serves within a tenth of vLLM's speed, with the same tokens ("fixed ms": the
 # fixed cost per step, fitted as in appendix A6). A step is mostly its multiplies. What remains
-# between the engines is the rest: attention, which copies each request's blocks where vLLM's C++
-# kernel reads them in place, and a layer's many small PyTorch operations, a few C++ kernels in vLLM.
+# between the engines is the rest: attention, the cache write and RoPE, which vLLM runs as C++
+# kernels (its attention reads each request's blocks in place, labkit's copies them first), and
+# the many small PyTorch operations of a layer.
 
 
 # %% [markdown]

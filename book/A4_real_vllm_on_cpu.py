@@ -516,8 +516,9 @@ else:
 # model as vLLM prepares one (fused projections, packed weights: `labkit.model.fused`), both make the
 # same multiplies, so their fixed costs per step come close. On the model as loaded, labkit's fixed
 # cost is more than twice that: 211 unfused multiplies and chapter 01's many small operations per
-# layer. What is left between the engines is attention and those small operations, which vLLM runs
-# as C++ kernels.
+# layer. What is left between the engines is attention, the cache write and RoPE, which vLLM runs
+# as C++ kernels (`vllm/v1/attention/backends/cpu_attn.py`, `RotaryEmbedding.forward_cpu`), and a
+# layer's other small PyTorch operations.
 #
 # ## Summary
 #
@@ -535,7 +536,7 @@ else:
 #   falls short, because real decode steps grow with the batch faster than a roofline, and a busy
 #   machine widens the gap.
 # - With its model prepared as vLLM prepares one, labkit's engine comes close to vLLM's fixed cost
-#   per step; attention and a layer's small operations, C++ kernels in vLLM, make the rest.
+#   per step; attention and RoPE, C++ kernels in vLLM, and a layer's small operations make the rest.
 #
 # ## What you can now do
 #

@@ -24,8 +24,9 @@ back chapter 01's modules.
 
 Why fewer operations matter on a CPU: every PyTorch operation costs a few microseconds of dispatch
 before any arithmetic, more when the weights a step streams through the caches have just pushed out
-the interpreter's own data. A decode step of SmolLM2 is some 7,000 such operations; vLLM runs each
-layer's small ones as a handful of C++ kernels.
+the interpreter's own data, and a decode step of SmolLM2 is thousands of them. vLLM's CPU backend
+runs the rotary embedding, the cache write and attention as C++ kernels; its norms and activation
+are PyTorch operations, as here.
 
 ``prepare(model)`` is what the engine runs on a CPU: fused, then every multiply prepacked for oneDNN
 (``labkit.model.prepack``), as vLLM's CPU backend prepares a model once after loading it. The
@@ -117,8 +118,9 @@ def _stack_when_loaded(module: _Stacked, state_dict: dict, prefix: str, local_me
 
 class FusedRMSNorm(RMSNorm):
     """Chapter 01's ``RMSNorm`` in five operations: ``x / sqrt(eps + sum(x^2) / D) * weight``, the mean and the
-    epsilon in one ``addcmul`` (vLLM's CPU backend: one C++ kernel, ``RMSNorm.forward_cpu``,
-    ``vllm/model_executor/layers/layernorm.py``). Half types keep chapter 01's float32 path."""
+    epsilon in one ``addcmul``. vLLM's CPU backend runs chapter 01's formula as PyTorch operations
+    (``ir.ops.rms_norm``'s native implementation, ``vllm/ir/ops/layernorm.py``), the residual added in the
+    same call (``fused_add_rms_norm``). Half types keep chapter 01's float32 path."""
 
     def __init__(self, plain: RMSNorm):
         with torch.device("meta"):
@@ -154,8 +156,9 @@ def rotate(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tenso
     """Chapter 01's ``apply_rope`` in three operations: ``x cos + roll(x) (sign sin)``.
 
     Rolling the last dimension by half makes ``(x[D/2:], x[:D/2])``; with the first half's sine
-    negated that is ``(-x[D/2:], x[:D/2]) sin``, the rotated pairs. vLLM's CPU backend rotates with
-    one C++ kernel (``RotaryEmbedding.forward_cpu``, ``vllm/model_executor/layers/rotary_embedding``).
+    negated that is ``(-x[D/2:], x[:D/2]) sin``, the rotated pairs. vLLM's CPU backend rotates q and k in
+    place with one C++ kernel (``RotaryEmbedding.forward_cpu`` calls ``ops.rotary_embedding``,
+    ``vllm/model_executor/layers/rotary_embedding/base.py``).
     """
     if x.dtype in (torch.float16, torch.bfloat16):  # half types rotate in float32, as apply_rope does
         return rotate(x.float(), cos, sin).to(x.dtype)
