@@ -34,7 +34,6 @@ roadmap("A1");  # the article's pipeline, this appendix's part highlighted
 
 # %%
 import json
-from pathlib import Path
 
 import matplotlib.pyplot as plt
 import numpy as np
@@ -45,6 +44,7 @@ from labkit.kernels.launch import choose_num_splits, launch_settings
 from labkit.kernels.paged_attention import paged_decode_attention
 from labkit.kernels.reference import gather_kv, paged_decode_attention_ref
 from labkit.serving.sim.costmodel import DEVICES, Device
+from labkit.teaching.results import committed_result
 
 print(labkit.describe())
 ON_GPU = labkit.RUNTIME.triton_mode == "compiled"
@@ -68,8 +68,7 @@ ON_GPU = labkit.RUNTIME.triton_mode == "compiled"
 
 # %%
 # NBVAL_CHECK_OUTPUT
-STATIC = next((p / "benchmarks" / "results" / "kernels_static.json" for p in (Path.cwd(), *Path.cwd().parents)
-               if (p / "benchmarks" / "results" / "kernels_static.json").exists()), None)
+STATIC = committed_result("kernels_static.json")
 if STATIC is None:  # a pip install (Colab) has labkit but not the repository's benchmarks/
     print("benchmarks/results/kernels_static.json ships with the repository: clone it to see this table.")
 else:

@@ -67,10 +67,10 @@ class BatchPlan:
     """One pass over a paged pool, planned once for all its layers (``plan_batch``).
 
     The kernels' inputs (``block_tables``, ``seq_lens``, ``cu_seqlens_q``, ``slot_mapping``) and GQA's
-    group (``per_kv``, query heads per KV head), then what
-    every layer reads alike: the attention ``groups`` (``in_order``: one group whose rows are the pass's
-    rows in order, so nothing is gathered or scattered) and the writes (``written``: the slots that
-    take a token, ``written_from``: which tokens, None meaning all; slot -1 takes none).
+    group (``per_kv``, query heads per KV head), then what every layer reads alike: the attention
+    ``groups`` (``in_order``: one group whose rows are the pass's rows in order, so nothing is gathered or
+    scattered) and the writes (``written``: the slots that take a token, ``written_from``: which tokens,
+    None meaning all; slot -1 takes none).
     """
 
     block_tables: torch.Tensor

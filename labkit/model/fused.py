@@ -45,7 +45,8 @@ from torch import nn
 from . import prepack as packing
 from .decoder import MLP, Attention, Decoder, DecoderConfig, RMSNorm, causal_attention, check_decoder
 
-__all__ = ["FusedAttention", "FusedMLP", "FusedRMSNorm", "fuse", "unfuse", "is_fused", "prepare", "unprepare", "is_prepared"]
+__all__ = ["FusedAttention", "FusedMLP", "FusedRMSNorm", "fuse", "unfuse", "is_fused", "can_prepare", "prepare",
+           "unprepare", "is_prepared"]
 
 
 def stack(parts: list[nn.Linear]) -> nn.Linear:
@@ -125,8 +126,7 @@ class FusedRMSNorm(RMSNorm):
     def __init__(self, plain: RMSNorm):
         with torch.device("meta"):
             super().__init__(plain.weight.shape[0], plain.eps)
-        self.weight = plain.weight
-        w = plain.weight
+        self.weight = w = plain.weight
         self.register_buffer("eps_tensor", torch.tensor(plain.eps, dtype=w.dtype, device=w.device), persistent=False)
         self.register_buffer("inverse_size", torch.tensor(1 / w.shape[0], dtype=w.dtype, device=w.device),
                              persistent=False)
