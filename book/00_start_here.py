@@ -1,6 +1,9 @@
 # %% [markdown]
 # # 00 · Start here
 #
+# **The message.** This book follows one data structure, the KV cache, from why it grows to what a
+# server can hold and serve, and every number in it is computed by code you can run.
+#
 # **KV Cache Labs** is an executable textbook about one data structure: the key-value cache of a
 # transformer language model, and how it decides what a long-context LLM server can hold and how
 # fast it can serve. Every number in the book is computed by the code beside it, every figure is
@@ -11,28 +14,40 @@
 # - see the map of the book,
 # - learn how the notebooks, exercises and widgets work,
 # - check your environment: which device runs the code, and how Triton runs its kernels.
+#
+# **Time:** about 10 minutes to read and run.
 
 # %% [markdown]
 # ## The map
 #
-# | chapter | question | what you build with `labkit` |
-# |---|---|---|
-# | 01 · why the cache grows | what does a model keep per token, and why? | a tiny Llama-style decoder; prefill, decode, a growing cache |
-# | 02 · cost per token | how many bytes does one token cost? | the byte formula, GQA, real model presets, a capacity explorer |
-# | 03 · paging | how do we stop reserving memory we never use? | a block allocator, block tables, Triton paged-attention kernels |
-# | 04 · prefix reuse | when may two requests share cached state? | a prefix cache with block hashes, reference counts, copy-on-write |
-# | 05 · capacity in the scheduler | who gets memory this iteration? | `plan_iteration` with a token and block budget; a small engine |
-# | 06 · from fit to serve | does fitting in memory mean serving fast? | a serving simulator: occupancy, reuse, latency |
-# | A1 · under the compiler (appendix to 03) | what does a GPU make of the paged kernels? | compiler reports, occupancy, a roofline of decode |
-# | A2 · vLLM's start-up log (appendix to 06) | what will vLLM print, and why may it refuse to start? | vLLM 0.33.0's KV-cache arithmetic |
-# | A3 · fewer bytes per element (appendix to 02) | what does an fp8, int8 or int4 cache cost in quality? | a quantized paged cache, its Triton decode, a measurement on the real model |
-# | A4 · the real vLLM on your CPU (appendix to A2, 05, 06) | does the real vLLM do what the book predicts? | vLLM run beside labkit (optional: `make vllm`) |
-# | A5 · vLLM's scheduler, step by step (appendix to 05) | which waiting requests does vLLM admit, and why? | admission rules (head of line, the whole-sequence gate), priority, recompute or swap, a step-by-step comparison with vLLM |
-# | A6 · measuring a server (appendix to 06) | is a simulated result a measurement? | rate sweeps over several draws, the paper's headline, the simulator calibrated on the real engine |
+# Every chapter and appendix opens with this figure, the article's pipeline, its own part
+# highlighted. Under each part are the chapters and appendices that work on it:
+
+# %%
+from labkit.teaching.diagrams import roadmap
+
+roadmap("00");  # the whole map, nothing highlighted
+
+# %% [markdown]
+# | chapter | question | what you build with `labkit` | time |
+# |---|---|---|---|
+# | 01 · why the cache grows | what does a model keep per token, and why? | a tiny Llama-style decoder; prefill, decode, a growing cache; the real model in it | about 35 min |
+# | 02 · cost per token | how many bytes does one token cost? | the byte formula, GQA, real model presets, a capacity explorer | about 30 min |
+# | 03 · paging | how do we stop reserving memory we never use? | a block allocator, block tables, slots; paged attention checked against its reference | about 35 min |
+# | 04 · prefix reuse | when may two requests share cached state? | a prefix cache with block hashes, reference counts, copy-on-write | about 35 min |
+# | 05 · capacity in the scheduler | who gets memory this iteration? | `plan_iteration` with a token and block budget; a small engine | about 40 min |
+# | 06 · from fit to serve | does fitting in memory mean serving fast? | a serving simulator: occupancy, reuse, latency | about 40 min |
+# | A1 · the paged kernels (appendix to 03) | how do the paged kernels walk a block table, and what does a GPU make of them? | the Triton kernels step by step, compiler reports, occupancy, a roofline, split-K | about 45 min |
+# | A2 · vLLM's start-up log (appendix to 02, 06) | what will vLLM print, and why may it refuse to start? | vLLM 0.33.0's KV-cache arithmetic, tensor and pipeline parallelism | about 30 min |
+# | A3 · fewer bytes per token (appendix to 02) | what does an fp8, int8 or int4 cache cost in quality, and what do windows and latent caches save? | a quantized paged cache, its Triton decode, a measurement on the real model | about 40 min |
+# | A4 · the real vLLM on your CPU (appendix to A2, 05, 06) | does the real vLLM do what the book predicts? | vLLM run beside labkit (optional: `make vllm`) | about 25 min |
+# | A5 · vLLM's scheduler, step by step (appendix to 05) | which waiting requests does vLLM admit, and why? | admission rules (head of line, the whole-sequence gate), priority, recompute or swap, a step-by-step comparison with vLLM | about 25 min |
+# | A6 · measuring a server (appendix to 06) | is a simulated result a measurement? | rate sweeps over several draws, the paper's headline, the simulator calibrated on the real engine | about 30 min |
+# | A7 · a model in one file (appendix to 01) | what does a GGUF file hold, and what must a loader undo? | the file's metadata and tensors, a 4-bit block decoded by hand, RoPE's two row orders checked | about 15 min |
 #
+# Read in order, the chapters take about 215 minutes to read and run, and the appendices about 210 more.
 # The six chapters follow one article's six sections and build on each other; read them in order.
-# Each appendix deepens the chapter it names and can be skipped on a first reading. Every chapter
-# and appendix opens with the same map, the article's pipeline, with its own part highlighted.
+# Each appendix deepens the chapter it names and can be skipped on a first reading.
 
 # %% [markdown]
 # ## Words and symbols
@@ -87,7 +102,7 @@
 #
 # Requests **A, B and C** are chapter 02's three, of 8,192, 4,096 and 2,048 tokens, the sizes the
 # article reasons with. Elsewhere letters name the requests of one example only (chapter 04's A and
-# B share a report; chapter 05's walk is W, X, Y, Z), and each example introduces its own.
+# B share a report; chapter 05's walks are W, X, Y, Z and P, Q, R), and each example introduces its own.
 #
 # The words for memory, in code (chapter 03 builds these classes): a pool of 8 blocks, where an
 # earlier request holds 2 blocks, and a 37-token request in 16-token blocks.

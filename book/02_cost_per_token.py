@@ -13,6 +13,10 @@
 # %% [markdown]
 # # 02 · What each token costs
 #
+# **The message.** One token's cache costs 2 × layers × KV heads × head dimension × bytes per
+# element, counted with the KV heads and never the query heads, and a device's KV pool divided by
+# that cost times the length says how many sequences fit.
+#
 # Chapter 01 showed that the cache grows by one entry per token. Before we can decide how to
 # *manage* that memory (chapters 03 to 05), we need to know how big an entry is. It turns out
 # to be a product of four numbers you can read off any model's `config.json`.
@@ -24,8 +28,12 @@
 #   3 GiB when three requests reserve their maximum length up front;
 # - why the formula takes the number of **KV heads**, not query heads (GQA), and how large the
 #   mistake is;
-# - how real models compare, and what tensor and pipeline parallelism leave on each device;
+# - how real models compare, per token and at their own context limits;
 # - how many sequences fit on a device, with an explorer you can play with.
+#
+# Two appendices take the formula further: [A2](A2_vllm_start_up.ipynb) splits the cache over
+# several devices and reads vLLM's start-up log, and [A3](A3_fewer_bytes_per_element.ipynb) stores
+# fewer bytes per token (8-bit and 4-bit elements, sliding windows, a latent cache).
 
 # %%
 from labkit.teaching.diagrams import roadmap
@@ -36,7 +44,7 @@ roadmap("02");  # the article's pipeline, this chapter's part highlighted
 # **You need:** chapter 01: the cache keeps one key and one value per layer, per KV head and per
 # token, and several query heads can share one KV head (GQA).
 #
-# **Time:** about 35 minutes to read and run.
+# **Time:** about 30 minutes to read and run.
 
 # %%
 import torch
@@ -254,12 +262,14 @@ assert from_json == PRESETS["Llama-3-8B"]
 assert from_json.head_dim == llama3_8b_config["hidden_size"] // llama3_8b_config["num_attention_heads"]
 
 # %% [markdown]
-# The table uses the article's formula for every model (no sliding windows applied, 2-byte
-# elements). DeepSeek-V3 is the exception in kind: its latent cache has no factor 2 (section 7).
-# Each model was also built for a longest context, its `config.json`'s `max_position_embeddings`:
-# 8,192 tokens for Llama-3 and Gemma-2, far more for others. The formula would give bytes for any
-# length, but a request longer than the model's limit is not one it can serve, so the last column
-# takes each model at its own limit (the teaching model has none; "-" in the table).
+# The table uses the article's formula for every model: 2-byte elements, and no sliding windows
+# applied, though Mistral-7B and Gemma-2-9B keep only a window of recent tokens in some layers
+# (appendix A3 counts them). DeepSeek-V3 is the exception in kind: it caches one latent vector per
+# token and layer, with no factor 2 (the "lat" in the table; appendix A3 again). Each model was also
+# built for a longest context, its `config.json`'s `max_position_embeddings`: 8,192 tokens for
+# Llama-3 and Gemma-2, far more for others. The formula would give bytes for any length, but a
+# request longer than the model's limit is not one it can serve, so the last column takes each model
+# at its own limit (the teaching model has none; "-" in the table).
 
 # %%
 # NBVAL_CHECK_OUTPUT
@@ -300,123 +310,7 @@ assert PRESETS["Gemma-2-9B"].bytes_per_token() == 6 * PRESETS["Qwen2.5-7B"].byte
 # 8 KV heads of dimension 256 in 42 layers, against 4 heads of 128 in 28.
 
 # %% [markdown]
-# ## 6. Split across devices
-#
-# A model too big for one device is split. The cache follows the split:
-#
-# - **tensor parallelism** (TP) gives each device a share of the attention heads, and with them
-#   a share of the KV heads. When there are more devices than KV heads, a head cannot be cut:
-#   each device keeps one whole KV head, and heads are *replicated*. Either way the numbers must
-#   divide: the devices divide the KV heads, or the KV heads divide the devices. vLLM builds its
-#   K and V projections that way (`vllm/model_executor/layers/linear.py: QKVParallelLinear`) and
-#   refuses to start otherwise, so 8 KV heads on 5 devices are refused, here as there
-#   (`capacity.kv_heads_per_device`, the one rule both this chapter and chapter 06 use);
-# - **pipeline parallelism** (PP) gives each device (stage) a range of layers, and the cache of
-#   only those layers. When the layers do not divide evenly, vLLM gives the extra layers to the
-#   stages *before* the last (`vllm/distributed/utils.py: get_pp_indices`), and so does
-#   `capacity.pipeline_stages`: 61 layers on 4 stages are 15, 15, 16, 15.
-#
-# `capacity.shard` returns the busiest device's share as a `ModelShape`, so the same formula
-# applies per device. Llama-3-70B has 8 KV heads and 80 layers:
-
-# %%
-# NBVAL_CHECK_OUTPUT
-big = PRESETS["Llama-3-70B"]
-print(f"{'TP':>3}{'PP':>4}{'devices':>9}{'KV heads/dev':>14}{'layers/dev':>12}{'per token/dev':>15}{'all devices':>13}")
-per_device = {}
-for tp, pp in [(1, 1), (2, 1), (4, 1), (8, 1), (16, 1), (1, 2), (1, 4), (8, 2)]:
-    dev = capacity.shard(big, tensor_parallel_size=tp, pipeline_parallel_size=pp)
-    per_device[tp, pp] = dev.bytes_per_token()
-    print(f"{tp:>3}{pp:>4}{tp * pp:>9}{dev.num_kv_heads:>14}{dev.num_layers:>12}"
-          f"{format_bytes(dev.bytes_per_token()):>15}{format_bytes(tp * pp * dev.bytes_per_token()):>13}")
-assert per_device[8, 1] == big.bytes_per_token() // 8
-assert per_device[16, 1] == per_device[8, 1]  # 16 devices, 8 KV heads: each head lives on 2 devices
-assert per_device[1, 4] == big.bytes_per_token() // 4
-for tp in [1, 2, 4, 8]:  # only divided: the total stays at the model's per-token cost
-    assert tp * per_device[tp, 1] == big.bytes_per_token() == 320 * KiB
-assert per_device[16, 1] == 40 * KiB and 16 * per_device[16, 1] == 2 * big.bytes_per_token() == 640 * KiB
-assert [len(s) for s in capacity.pipeline_stages(61, 4)] == [15, 15, 16, 15]
-try:
-    capacity.shard(big, tensor_parallel_size=5)  # 8 KV heads on 5 devices: neither divides the other
-except ValueError as refusal:
-    print(f"\nTP=5: ValueError: {refusal}")
-
-# %% [markdown]
-# Read the last column. Up to TP=8 the total over all devices stays at the model's per-token cost:
-# the cache is only divided. At TP=16 each device holds as much as at TP=8, and the total doubles:
-# the replication is real memory. The same happens to a latent MLA cache (next section), which has
-# a single "head" and is therefore kept whole on every TP device.
-
-# %% [markdown]
-# ## 7. Beyond the article: quantized, windowed and latent caches
-#
-# The article's formula assumes an unquantized cache and no sliding window, and that every
-# layer stores separate K and V. Three common departures, each a small change to the formula:
-#
-# **An 8-bit cache** (e.g. vLLM's `kv_cache_dtype="fp8"`) halves `b`. With vLLM's plain `"fp8"`
-# the scales are *per tensor*: one for K and one for V in each layer, a few bytes per layer, left
-# out here. Its per-token-head variants (`"fp8_per_token_head"`, `"int8_per_token_head"`) store two
-# 4-byte scales with every head of every token instead: 264 bytes per head and token where 256
-# hold the data, for a head dimension of 128 (`labkit.vllm_bridge.predict.page_size_bytes` counts them).
-# [Appendix A3](A3_fewer_bytes_per_element.ipynb) builds fp8, int8 and int4 caches and measures what
-# they cost on the real model.
-
-# %%
-fp8 = TEACHING_MODEL.with_dtype("fp8")
-print(f"teaching model, 8-bit cache: {format_bytes(fp8.bytes_per_token())} per token, "
-      f"request A {format_bytes(fp8.cache_bytes(8192))}")
-assert 2 * fp8.cache_bytes(8192) == TEACHING_MODEL.cache_bytes(8192)
-from labkit.vllm_bridge import predict
-assert predict.page_size_bytes(TEACHING_MODEL, 1, "fp8_per_token_head") == 8 * 264  # 8 KV heads, 1 token
-assert predict.page_size_bytes(TEACHING_MODEL, 1, "fp8") == 8 * 256
-
-# %% [markdown]
-# **Sliding-window layers** attend only to the last W tokens, so they need to keep only W.
-# Mistral-7B-v0.1 uses a window in every layer; Gemma-2-9B alternates local (windowed) layers
-# with global ones. Past the window, their caches stop growing, or grow at half the rate. Each
-# model is taken at its window and at its own context limit:
-
-# %%
-# NBVAL_CHECK_OUTPUT
-for name in ["Mistral-7B-v0.1", "Gemma-2-9B"]:
-    p = PRESETS[name]
-    print(f"{name}: window {p.sliding_window:,} tokens in {len(p.sliding_layers)} of {p.num_layers} layers, "
-          f"max_position_embeddings {p.max_position_embeddings:,}")
-    for length in [p.sliding_window, p.max_position_embeddings]:
-        print(f"  {length:>7,} tokens: {format_bytes(p.cache_bytes(length, apply_window=False)):>10} "
-              f"plain formula, {format_bytes(p.cache_bytes(length)):>10} with the window")
-mistral, gemma = PRESETS["Mistral-7B-v0.1"], PRESETS["Gemma-2-9B"]
-assert mistral.cache_bytes(mistral.max_position_embeddings) == mistral.cache_bytes(mistral.sliding_window)
-assert 2 * len(gemma.sliding_layers) == gemma.num_layers  # half the layers are local
-growth = gemma.cache_bytes(gemma.max_position_embeddings) - gemma.cache_bytes(gemma.sliding_window)
-assert 2 * growth == gemma.cache_bytes(gemma.max_position_embeddings, apply_window=False) - gemma.cache_bytes(
-    gemma.sliding_window, apply_window=False)  # past the window: half the rate
-
-# %% [markdown]
-# **A latent cache.** DeepSeek-V3's multi-head latent attention (MLA) stores, per token and layer,
-# one compressed vector (`kv_lora_rank` elements) plus a small key for the rotary position part
-# (`qk_rope_head_dim` elements), shared by all its query heads. There is no separate K and V, so no
-# factor 2. Had it cached a full K (`qk_nope_head_dim + qk_rope_head_dim` elements) and V
-# (`v_head_dim` elements) for every head, as plain multi-head attention does, each token would
-# cost dozens of times as much. All the numbers come from its `config.json` excerpt:
-
-# %%
-# NBVAL_CHECK_OUTPUT
-mla, ds = PRESETS["DeepSeek-V3"], capacity.PRESET_CONFIGS["DeepSeek-V3"]
-layers, heads, b = ds["num_hidden_layers"], ds["num_attention_heads"], mla.dtype_bytes
-latent_dim = ds["kv_lora_rank"] + ds["qk_rope_head_dim"]
-k_dim, v_dim = ds["qk_nope_head_dim"] + ds["qk_rope_head_dim"], ds["v_head_dim"]
-full_mha = layers * heads * (k_dim + v_dim) * b  # layers x heads x (K dims + V dims) x bytes
-print(f"latent: {ds['kv_lora_rank']} + {ds['qk_rope_head_dim']} = {latent_dim} elements per token and layer, "
-      f"{layers} layers")
-print(f"DeepSeek-V3 latent cache: {mla.bytes_per_token():,} bytes = {format_bytes(mla.bytes_per_token())} per token")
-print(f"full K ({k_dim} dims) and V ({v_dim} dims) for {heads} heads: {format_bytes(full_mha)} per token, "
-      f"{full_mha / mla.bytes_per_token():.0f}x more")
-assert mla.bytes_per_token() == layers * latent_dim * b  # no factor 2
-assert capacity.shard(mla, tensor_parallel_size=8).bytes_per_token() == mla.bytes_per_token()  # replicated
-
-# %% [markdown]
-# ## 8. From bytes to capacity
+# ## 6. From bytes to capacity
 #
 # How many sequences fit on one device? Subtract what the device needs for other things (the
 # weights, the activation workspace, a safety margin) and divide what is left, the KV pool, by
@@ -435,15 +329,19 @@ assert fit == 7
 #
 # Pick a preset, then move the sliders. The readout gives bytes per token, bytes per request and
 # the number of sequences that fit; the plot shows that number against the context length, with
-# your request count as a dashed line. (The explorer applies the article's formula: no windows.)
+# your request count as a dashed line. The explorer applies the article's formula (no windows), and
+# its "KV cache dtype" menu offers appendix A3's 8-bit and 4-bit caches beside float32 and bfloat16.
+# Lengths past the preset's `max_position_embeddings` get a warning, and the plot draws them dotted.
+#
 # Below the table, **vLLM would print** the two start-up lines vLLM computes for the same device
-# (`labkit.vllm_bridge.predict`, chapter 06): the pool is device × `gpu_memory_utilization` (its own slider) −
-# set aside, cut into 16-token blocks (a utilization of 1.0 is the article's idealised device: a
-# real GPU refuses it, as chapter 06 explains), with `max_model_len` = the context length. For
-# Mistral and Gemma 2 it budgets the windows as vLLM does, so its concurrency differs from
-# "sequences that fit"; when one request would not fit, it shows vLLM's refusal instead.
-# Lengths past the preset's `max_position_embeddings` get a warning, and the plot draws them dotted;
-# vLLM refuses such a `max_model_len` outright (chapter 06), and the box says so.
+# (`labkit.vllm_bridge.predict`): the pool is device × `gpu_memory_utilization` (its own slider) −
+# set aside, cut into 16-token blocks, with `max_model_len` = the context length. When one request
+# would not fit, or the context passes the model's limit, the box shows vLLM's refusal instead.
+# [Appendix A2](A2_vllm_start_up.ipynb) reads these lines and refusals one by one, and explains why
+# a real GPU refuses a utilization of 1.0 (the article's idealised device, the slider's start) and
+# why vLLM's concurrency for Mistral and Gemma 2, whose windows it budgets its own way, differs
+# from "sequences that fit".
+#
 # Try: Qwen2.5-7B at its limit of 131,072 tokens on an 80 GiB device with 20 GiB set aside; then
 # switch the KV cache dtype to fp8; then pick Llama-3-8B, whose limit is far shorter; then set
 # aside more than the device has.
@@ -460,10 +358,8 @@ CapacityExplorer()
 # 20 GiB set aside for weights and workspace, which leaves a 60 GiB KV pool. The 20 GiB hold the
 # bfloat16 weights of the models of 7 to 9 billion parameters (checked below with a 10% margin over
 # the count in each name). Llama-3-70B and DeepSeek-V3 are left out: their weights alone outgrow
-# one such device, and section 6 showed how their caches split over several. For each model, the
-# bars count the sequences of 8,192 tokens (within every one of these models' context limits) that
-# fit in the pool: by the article's formula, and with the model's sliding window applied as in
-# section 7.
+# one such device. For each model, the bars count the sequences of 8,192 tokens (within every one
+# of these models' context limits) that fit in the pool, by the article's formula.
 
 # %%
 # NBVAL_CHECK_OUTPUT
@@ -476,45 +372,32 @@ for name, billions in billions_in_name.items():
     assert not PRESETS[name].beyond_context(context)
 fit_formula = {n: capacity.sequences_that_fit(PRESETS[n].cache_bytes(context, apply_window=False), device, set_aside)
                for n in billions_in_name}
-fit_window = {n: capacity.sequences_that_fit(PRESETS[n].cache_bytes(context), device, set_aside)
-              for n in billions_in_name}
 print(f"KV pool: {format_bytes(device)} - {format_bytes(set_aside)} = {format_bytes(pool)}; "
       f"sequences of {context:,} tokens that fit:")
-print(f"{'model':17}{'per sequence':>14}{'fit':>6}{'with window':>13}")
+print(f"{'model':17}{'per sequence':>14}{'fit':>6}")
 for n in billions_in_name:
-    print(f"{n:17}{format_bytes(PRESETS[n].cache_bytes(context, apply_window=False)):>14}{fit_formula[n]:>6}"
-          f"{fit_window[n]:>13}")
+    print(f"{n:17}{format_bytes(PRESETS[n].cache_bytes(context, apply_window=False)):>14}{fit_formula[n]:>6}")
 assert fit_formula == {"Qwen2.5-7B": 137, "Mistral-7B-v0.1": 60, "Llama-3-8B": 60, "Gemma-2-9B": 22}
-assert fit_window == {"Qwen2.5-7B": 137, "Mistral-7B-v0.1": 120, "Llama-3-8B": 60, "Gemma-2-9B": 30}
-assert fit_window["Mistral-7B-v0.1"] == 2 * fit_formula["Mistral-7B-v0.1"]  # the window halves its 8K cache
 
 # %%
 names = sorted(billions_in_name, key=fit_formula.get)
-rows = range(len(names))
 fig, ax = plt.subplots(figsize=(7, 3.5))
-ax.barh([r + 0.2 for r in rows], [fit_formula[n] for n in names], height=0.4, color="C0",
-        label="article's formula (no window)")
-ax.barh([r - 0.2 for r in rows], [fit_window[n] for n in names], height=0.4, color="C1",
-        label="with the model's sliding window")
-for r, n in zip(rows, names):
-    ax.text(fit_formula[n], r + 0.2, f" {fit_formula[n]}", va="center", fontsize="small")
-    ax.text(fit_window[n], r - 0.2, f" {fit_window[n]}", va="center", fontsize="small")
-ax.set_yticks(list(rows), [f"{n}\n{format_bytes(PRESETS[n].bytes_per_token())}/token" for n in names])
+ax.barh(names, [fit_formula[n] for n in names], color="C0")
+for r, n in enumerate(names):
+    ax.text(fit_formula[n], r, f" {fit_formula[n]}", va="center", fontsize="small")
+ax.set_yticks(range(len(names)), [f"{n}\n{format_bytes(PRESETS[n].bytes_per_token())}/token" for n in names])
 ax.set_xlabel(f"sequences of {context:,} tokens that fit")
-ax.set_xlim(0, 1.25 * max(fit_window.values()))
+ax.set_xlim(0, 1.15 * max(fit_formula.values()))
 ax.set_title(f"One {format_bytes(pool)} pool ({format_bytes(device)} device): "
              f"{min(fit_formula.values())} to {max(fit_formula.values())} sequences of {context:,} tokens")
-ax.legend(loc="lower right", fontsize="small")
 fig.tight_layout()
 plt.show()
 
 # %% [markdown]
 # The same pool holds 22 sequences of Gemma-2-9B and 137 of Qwen2.5-7B: the bytes per token, not
-# the size of the model, decide how many conversations a device can keep. Sliding windows change
-# the count only for the models that have them: Mistral-7B's window of 4,096 tokens halves each
-# 8,192-token cache and doubles what fits (60 to 120), and Gemma-2-9B's windowed half of the layers
-# takes it from 22 to 30. (The article's own example, seven 8,192-token sequences of the teaching model in
-# a 7 GiB pool on a 24 GiB device, is the explorer's starting setting.)
+# the size of the model, decide how many conversations a device can keep. (The article's own
+# example, seven 8,192-token sequences of the teaching model in a 7 GiB pool on a 24 GiB device, is
+# the explorer's starting setting.)
 
 # %% [markdown]
 # One number to carry into chapter 03, which allocates the cache in blocks of 16 token slots: the
@@ -536,15 +419,13 @@ assert TEACHING_MODEL.block_bytes(16) == 16 * per_token == 2 * MiB
 #   exactly, and the hidden size changes nothing.
 # - Reserving the maximum length up front held 3 GiB for 1.75 GiB of state; 1.25 GiB was
 #   reservation, not data.
-# - Use KV heads, not query heads: the mistake overstates the cache by the GQA group size.
-# - Tensor parallelism divides the KV heads until there is one per device, then replicates them;
-#   pipeline parallelism divides the layers.
-# - Beyond the article, 8-bit caches halve the bytes, sliding windows cap the length per layer,
-#   and a latent MLA cache drops the factor 2 and the per-head copies.
+# - Use KV heads, not query heads: the mistake overstates the cache by the GQA group size, and a
+#   planner that makes it admits only a group's share of the sequences that fit.
 # - A model's `max_position_embeddings` bounds the requests worth sizing: the formula gives bytes
 #   for any length, not the model's ability to serve it.
 # - In one 60 GiB pool, from 22 (Gemma-2-9B) to 137 (Qwen2.5-7B) sequences of 8,192 tokens fit:
-#   bytes per token, not model size, set the count.
+#   bytes per token, not model size, set the count. The explorer asks the same for any setting and
+#   shows what vLLM would print (appendix A2 reads those lines).
 # - Next, chapter 03 replaces whole-sequence reservations with blocks of 16 tokens:
 #   `TEACHING_MODEL.block_bytes(16)` is 2 MiB (printed above).
 
@@ -608,7 +489,9 @@ ex.check("Exercise 2", answer_2)
 # %% [markdown]
 # **Exercise 3.** Write `fits(device_gib, reserved_gib, context_len)`: how many sequences of
 # `context_len` tokens of the teaching model fit in the pool of a device with `device_gib` GiB,
-# of which `reserved_gib` GiB are set aside. Use plain arithmetic, not `labkit.memory.capacity`.
+# of which `reserved_gib` GiB are set aside. Use plain arithmetic, not `labkit.memory.capacity`. The
+# checker draws devices, reserves and lengths afresh, among them a pool that holds a whole number of
+# sequences exactly and one too small for a single sequence.
 
 # %%
 def fits(device_gib, reserved_gib, context_len):
@@ -618,12 +501,9 @@ def fits(device_gib, reserved_gib, context_len):
     # END SOLUTION
 
 
-def expected_fits(device_gib, reserved_gib, context_len):
-    return capacity.sequences_that_fit(TEACHING_MODEL.cache_bytes(context_len), device_gib * GiB, reserved_gib * GiB)
+from labkit.teaching import build_it
 
-
-ex.check_function("Exercise 3", fits, [((d, r, t), expected_fits(d, r, t))
-                                       for d, r, t in [(24, 17, 8192), (80, 20, 131072), (80, 20, 5000), (141, 16.5, 32768)]],
+ex.check_function("Exercise 3", fits, build_it.fits_cases(),
                   forbid=[capacity.sequences_that_fit, capacity.kv_pool_bytes, capacity.cache_bytes,
                           capacity.ModelShape.cache_bytes, capacity.ModelShape.bytes_per_token],
                   hint="pool = (device - reserved) GiB in bytes; one sequence = context_len × 131,072 bytes.")
@@ -635,67 +515,51 @@ ex.check_function("Exercise 3", fits, [((d, r, t), expected_fits(d, r, t))
 # Integer division counts only whole sequences: a sequence that does not fit entirely cannot run.
 
 # %% [markdown]
-# **Exercise 4.** Gemma-2-9B runs with tensor parallelism over 16 devices. It has 8 KV heads.
-# How many bytes per token does each device's cache hold? (Think about what happens to a KV head
-# when there are more devices than heads.)
+# **Exercise 4 (build it).** Write `bytes_per_token_from_config(config)`: the bytes one token adds
+# to the cache of the model a `config.json` dict describes, every element in the file's `torch_dtype`
+# (`"float32"` 4 bytes, `"bfloat16"` and `"float16"` 2). Two keys may be missing: without
+# `num_key_value_heads` the model has one KV head per query head (no GQA); without `head_dim` it is
+# `hidden_size // num_attention_heads`. When `head_dim` is there, it wins: Gemma-2-9B's is 256, not
+# 3584 // 16 = 224. The checker draws configs with and without each key, in each dtype.
 
 # %%
-# BEGIN SOLUTION
-answer_4 = 2 * 42 * 1 * 256 * 2
-# END SOLUTION
-# BEGIN STUB
-answer_4 = None  # replace None with your expression
-# END STUB
-assert PRESETS["Gemma-2-9B"].num_kv_heads == 8  # as the exercise says
-ex.check("Exercise 4", answer_4, hint="each device keeps one whole KV head of every layer")
-
-# %% [markdown]
-# SOLUTIONS ONLY
-# **Why this works.** A KV head cannot be cut in two: with 16 devices and 8 KV heads, each head is
-# copied onto 2 devices, so every device holds exactly 1 KV head of each of Gemma-2-9B's 42 layers,
-# with `head_dim` 256 in bf16. Past the KV-head count, more devices stop shrinking the per-device cache.
-
-# %% [markdown]
-# **Exercise 5 (build it).** Write `sequence_bytes(shape, length)`: the cache of one sequence of
-# `length` tokens for a `ModelShape` whose `sliding_layers` keep at most `sliding_window` tokens and
-# whose `latent` cache stores one vector per token and layer (no factor 2), from its fields alone.
-# The checker draws plain, windowed and latent models at lengths 0, 1, the window and one over it.
-
-# %%
-def sequence_bytes(shape: capacity.ModelShape, length: int) -> int:
+def bytes_per_token_from_config(config: dict) -> int:
     # BEGIN SOLUTION
-    factor = 1 if shape.latent else 2  # K and V, or one latent vector
-    per_layer = factor * shape.num_kv_heads * shape.head_dim * shape.dtype_bytes  # one token, one layer
-    windowed = len(shape.sliding_layers)
-    kept = min(length, shape.sliding_window) if windowed else length  # a window layer keeps the last W
-    return ((shape.num_layers - windowed) * length + windowed * kept) * per_layer
+    query_heads = config["num_attention_heads"]
+    kv_heads = config.get("num_key_value_heads", query_heads)  # no key: one KV head per query head
+    head_dim = config.get("head_dim", config["hidden_size"] // query_heads)  # no key: hidden size shared out
+    element = {"float32": 4, "bfloat16": 2, "float16": 2}[config["torch_dtype"]]
+    return 2 * config["num_hidden_layers"] * kv_heads * head_dim * element  # K and V, every layer
     # END SOLUTION
 
 
-from labkit.teaching import build_it
-
-ex.check_function("Exercise 5", sequence_bytes, build_it.sequence_bytes_cases(),
-                  forbid=[capacity.ModelShape.cache_bytes, capacity.ModelShape.bytes_per_token,
-                          capacity.ModelShape.bytes_per_token_per_layer, capacity.ModelShape.kv_factor,
-                          capacity.ModelShape.block_bytes, capacity.bytes_per_token, capacity.cache_bytes],
-                  hint="window layers keep min(length, window) tokens; the others keep all; latent: factor 1.")
+gemma_config = capacity.PRESET_CONFIGS["Gemma-2-9B"]  # the numbers quoted in the exercise
+assert (gemma_config["head_dim"], gemma_config["hidden_size"], gemma_config["num_attention_heads"]) == (256, 3584, 16)
+ex.check_function("Exercise 4", bytes_per_token_from_config, build_it.config_bytes_cases(),
+                  forbid=[capacity.ModelShape.from_config, capacity.ModelShape.bytes_per_token,
+                          capacity.bytes_per_token, capacity.ModelShape.cache_bytes, capacity.cache_bytes],
+                  hint="config.get(key, default) for the two keys that may be missing; then 2 × L × Hkv × D × b.")
 
 # %% [markdown]
 # SOLUTIONS ONLY
-# **Why this works.** It is `labkit/memory/capacity.py: ModelShape.cache_bytes` with `kv_factor` and
-# `bytes_per_token_per_layer` written out: each layer's bytes per token times the tokens it keeps.
+# **Why this works.** It is the formula with each factor read the way `ModelShape.from_config` reads
+# it: the KV heads where the file names them (falling back to the query heads, which is plain
+# multi-head attention, not the GQA mistake), `head_dim` where the file gives it (falling back to the
+# hidden size shared out among the query heads), and the element size of the dtype.
 
 # %% [markdown]
 # **Quiz.** Answer with a letter or a number.
 # 1. Which doubles the cache per token? (a) twice the query heads; (b) twice the KV heads;
 #    (c) twice the hidden size, `head_dim` and KV heads unchanged.
-# 2. 8 KV heads on 16 devices instead of 8: the cache per device (a) halves; (b) stays; (c) doubles.
-# 3. An 8-bit cache instead of bf16: the sequences a pool holds (a) double; (b) stay; (c) halve.
+# 2. A planner sizes Llama-3-8B (32 query heads, 8 KV heads) with its query heads. The sequences
+#    it admits are (a) four times what fits; (b) what fits; (c) a quarter of what fits.
+# 3. The teaching model on a 24 GiB device with 17 GiB set aside holds 7 sequences of 8,192 tokens.
+#    On a 31 GiB device with the same 17 GiB set aside it holds (a) 9; (b) 14; (c) 7.
 # 4. The teaching model's cache per token, in KiB?
 
 # %%
 # BEGIN SOLUTION
-quiz = {1: "b", 2: "b", 3: "a", 4: 128}
+quiz = {1: "b", 2: "c", 3: "b", 4: 128}
 # END SOLUTION
 # BEGIN STUB
 quiz = {1: None, 2: None, 3: None, 4: None}  # a letter or a number each
@@ -708,10 +572,9 @@ ex.quiz(quiz)
 # - Compute a model's KV bytes per token from its `config.json`: layers, KV heads, head dimension
 #   and dtype, with `head_dim` derived when the file does not give it.
 # - Spot the GQA mistake (query heads in place of KV heads) and say by what factor it overstates.
-# - Count how many sequences of a given length fit in a device's pool after weights and reserve.
-# - Work out the per-device cache under tensor and pipeline parallelism, including when KV heads are
-#   replicated.
-# - Say what an 8-bit cache, a sliding window or a latent (MLA) cache changes in the formula.
+# - Count how many sequences of a given length fit in a device's pool after weights and reserve,
+#   and check a model's `max_position_embeddings` before sizing a request past it.
+# - Use the explorer to ask the same of any model, dtype and device, and see what vLLM would print.
 
 # %% [markdown]
 # ## References
@@ -726,8 +589,6 @@ ex.quiz(quiz)
 # - Joshua Ainslie et al., *GQA: Training Generalized Multi-Query Transformer Models from Multi-Head
 #   Checkpoints*, 2023, [arXiv:2305.13245](https://arxiv.org/abs/2305.13245): grouped-query attention
 #   (section 4).
-# - DeepSeek-AI, *DeepSeek-V3 Technical Report*, 2024, [arXiv:2412.19437](https://arxiv.org/abs/2412.19437):
-#   multi-head latent attention (section 7).
 # - The models' `config.json` files on the Hugging Face Hub, transcribed in
 #   `labkit.memory.capacity.PRESET_CONFIGS` (each preset's `source` says which fields):
 #   [meta-llama/Meta-Llama-3-8B](https://huggingface.co/meta-llama/Meta-Llama-3-8B),
@@ -736,14 +597,11 @@ ex.quiz(quiz)
 #   [Qwen/Qwen2.5-7B](https://huggingface.co/Qwen/Qwen2.5-7B),
 #   [google/gemma-2-9b](https://huggingface.co/google/gemma-2-9b),
 #   [deepseek-ai/DeepSeek-V3](https://huggingface.co/deepseek-ai/DeepSeek-V3).
-# - vLLM documentation: [Quantized KV Cache](https://docs.vllm.ai/en/latest/features/quantization/quantized_kvcache/)
-#   (`kv_cache_dtype="fp8"`, per-tensor scales; section 7) and
-#   [Conserving Memory](https://docs.vllm.ai/en/latest/configuration/conserving_memory/) (what to
-#   change when the cache does not fit; the explorer's refusal points there).
-# - vLLM code, read in version 0.33.0 ([github.com/vllm-project/vllm](https://github.com/vllm-project/vllm)):
-#   `vllm/distributed/utils.py: get_pp_indices` (pipeline stages, section 6); for the explorer's
-#   "vLLM would print" lines (`labkit.vllm_bridge.predict`, chapter 06): `vllm/v1/kv_cache_interface.py`
-#   (`AttentionSpec.page_size_bytes`, `MLAAttentionSpec`, `SlidingWindowSpec`),
+# - vLLM documentation: [Conserving Memory](https://docs.vllm.ai/en/latest/configuration/conserving_memory/)
+#   (what to change when the cache does not fit; the explorer's refusal points there).
+# - vLLM code, read in version 0.33.0 ([github.com/vllm-project/vllm](https://github.com/vllm-project/vllm)),
+#   for the explorer's "vLLM would print" lines (`labkit.vllm_bridge.predict`, appendix A2):
+#   `vllm/v1/kv_cache_interface.py` (`AttentionSpec.page_size_bytes`, `MLAAttentionSpec`, `SlidingWindowSpec`),
 #   `vllm/v1/core/kv_cache_planning.py` (`get_kv_cache_configs`, `_check_enough_kv_cache_memory`),
 #   `vllm/v1/core/kv_cache_utils.py` (`get_max_concurrency_for_kv_cache_config`) and
 #   `vllm/v1/worker/gpu_worker.py` (`Worker.determine_available_memory`).

@@ -1,26 +1,29 @@
 # %% [markdown]
 # # 03 · Paged blocks
 #
-# Chapter 02 priced one token of cache. A serving system holds many requests at once, each of
-# unknown final length, and must decide *where* their tokens go. Reserving the longest possible
-# sequence for every request wastes most of the memory; PagedAttention (Kwon et al., SOSP 2023)
-# hands out memory in small fixed-size blocks instead, the way an operating system pages memory.
-# This chapter builds that allocator and the attention kernels that read through it.
+# **The message.** Handing out cache memory in small fixed-size blocks, found through a block table,
+# lets a server fill almost all the memory it reserves with real tokens, where reserving each
+# request's longest possible length leaves most of it empty.
 #
-# **You will learn**
+# Chapter 02 priced one token of cache. A serving system holds many requests at once, each of
+# unknown final length, and must decide *where* their tokens go. PagedAttention (Kwon et al., SOSP
+# 2023) hands out memory in small fixed-size blocks, the way an operating system pages memory. This
+# chapter builds that allocator, measures what it saves, and checks that attention read through a
+# block table gives the same answer.
+#
+# **What you will learn**
 #
 # - how blocks, block tables and slots work, and the article's numbers: a 16-token block of the
 #   teaching model is 2 MiB, and a 37-token request takes 3 blocks with 1.375 MiB of empty tail;
-# - how much memory holds real tokens with a reservation at the maximum length, and with paging;
-# - what the block size trades: tail waste against block-table entries and kernel efficiency;
-# - what paging does **not** do: it neither compresses elements nor makes attention sparse;
-# - how a paged-attention kernel in Triton walks a block table, step by step, proven against
-#   a plain PyTorch reference (interpreted on a CPU, compiled on a GPU), and how to change what
-#   it attends to;
+# - how much memory holds real tokens with a reservation at the maximum length, and with paging,
+#   and how contiguous reservations also lose free memory to holes;
+# - what the block size trades: tail waste against block-table entries;
+# - what paging does **not** do: it neither compresses elements nor makes attention sparse, and
+#   attention over scattered blocks equals attention over one contiguous tensor;
 # - that chapter 01's decoder produces the same tokens on the paged cache.
 #
-# What a GPU makes of the kernel (registers, occupancy, tensor cores, why decode is bound by
-# memory bandwidth) is the subject of appendix [A1 · under the compiler](A1_under_the_compiler.ipynb).
+# How labkit's Triton kernels walk a block table, step by step, and what a GPU makes of them, is
+# appendix [A1 · the paged kernels](A1_under_the_compiler.ipynb).
 
 # %%
 from labkit.teaching.diagrams import roadmap
@@ -31,11 +34,9 @@ roadmap("03");  # the article's pipeline, this chapter's part highlighted
 # **You need:** chapter 02: bytes per token, and the teaching model's 128 KiB per token; chapter 01:
 # the decoder, its cache and greedy generation.
 #
-# **Time:** about 40 minutes to read and run.
+# **Time:** about 35 minutes to read and run.
 
 # %%
-import math
-
 import matplotlib.pyplot as plt
 import numpy as np
 import torch
@@ -44,11 +45,8 @@ import labkit
 from labkit.caches.contiguous import generate
 from labkit.caches.paged import generate_paged
 from labkit.kernels.cpu import paged_decode_attention_batched
-from labkit.kernels.fallback import fallback_reason
-from labkit.kernels.launch import LOG2E
-from labkit.kernels.paged_attention import paged_decode_attention, paged_prefill_attention, write_kv
-from labkit.kernels.reference import gather_kv, paged_decode_attention_ref, paged_prefill_attention_ref, write_kv_ref
-from labkit.kernels.triton_paged import paged_decode_kernel
+from labkit.kernels.paged_attention import paged_decode_attention, write_kv
+from labkit.kernels.reference import gather_kv, paged_decode_attention_ref, paged_prefill_attention_ref
 from labkit.memory.blocks import blocks_needed
 from labkit.memory.paging import BlockAllocator, BlockTable, OutOfBlocksError
 from labkit.model.decoder import Decoder, DecoderConfig, causal_attention
@@ -113,7 +111,7 @@ excerpt(BlockAllocator.allocate_many, "if n > self.num_free", "return")
 
 # %% [markdown]
 # A sequence's block table grows by whole blocks, only when its new tokens no longer fit the last
-# one, and returns their *slot mapping*, the pool slots the kernels will write their K and V to:
+# one, and returns their *slot mapping*, the pool slots their K and V will be written to:
 
 # %%
 excerpt(BlockTable.append, "new = allocator", "return self.slots")
@@ -174,11 +172,12 @@ assert allocator.num_free == 8
 #
 # ### How much reserved memory holds tokens
 #
-# We measure that on chapter 06's ShareGPT-like workload: 10,000 requests whose prompt and output
-# lengths are log-normal with the means of the ShareGPT conversations in the PagedAttention paper
-# (161 and 338 tokens), each capped at 1,024 tokens. After decode step `t` a request holds
-# `prompt + t` live tokens. `labkit.memory.pool_plan.reservation_shares` divides the live tokens by what the
-# requests reserved, summed over all requests and steps, under the four policies of the paper's
+# We measure that on 10,000 chat-like requests drawn by labkit's `sharegpt_like`, whose prompt and
+# output lengths are log-normal with the means of the ShareGPT conversations in the PagedAttention
+# paper (161 and 338 tokens), each capped at 1,024 tokens (it also draws arrival times, unused
+# here). After decode step `t` a request holds `prompt + t` live tokens.
+# `labkit.memory.pool_plan.reservation_shares` divides the live tokens by what the requests
+# reserved, summed over all requests and steps, under the four policies of the paper's
 # Figure 2: reserve the 2,048-token limit (Orca (Max)); reserve the final length rounded up to a
 # power of two (Orca (Pow2)); reserve exactly the final length, as if it were known (Orca (Oracle));
 # or hold only the 16-token blocks the live tokens fill (vLLM).
@@ -189,9 +188,10 @@ from labkit.memory.pool_plan import PAPER_FIG2, reservation_shares
 from labkit.serving.sim.workloads import SHAREGPT, sharegpt_like
 
 MAX_LEN = SHAREGPT.max_prompt_len + SHAREGPT.max_output_len
-requests = sharegpt_like(10_000, arrival_rate=4.0, seed=0)  # chapter 06's workload
+requests = sharegpt_like(10_000, arrival_rate=4.0, seed=0)  # the arrival times are not used here
 lengths = np.array([r.prompt_len + r.output_len for r in requests])
 assert MAX_LEN == 2048 and lengths.max() <= MAX_LEN
+assert (round(SHAREGPT.prompt_mean), round(SHAREGPT.output_mean), SHAREGPT.max_output_len) == (161, 338, 1024)
 
 shares = reservation_shares(requests, max_len=MAX_LEN, block_size=16)
 print(f"{len(lengths):,} requests, mean final length {lengths.mean():.0f} tokens, longest {lengths.max()}")
@@ -245,6 +245,9 @@ plt.show()
 # case) and labkit's paged allocator serve the first 2,000 of the same requests on the same 16,384
 # slots. A request arrives every 16 steps and holds its slots for as many steps as it has output
 # tokens; on average, the live requests ask for a little less than the whole pool (printed below).
+# Here the paged allocator, too, reserves each request's final length on arrival instead of growing
+# block by block, so contiguity is the only difference between the two: the demo isolates external
+# fragmentation.
 
 # %%
 def first_fit(holes: list[list[int]], size: int) -> int | None:
@@ -311,11 +314,15 @@ print(f"first fit, worst refusal: {worst[0]:,} slots free in total, the largest 
 assert refused["first fit", True] > 0 and refused["paged", True] == 0 and worst[0] > 4 * worst[1]
 assert refused["first fit", True] + refused["first fit", False] > refused["paged", False]
 assert refused["first fit", False] == 0  # "every request first fit refused", below
+refused_total = {kind: refused[kind, True] + refused[kind, False] for kind in ("first fit", "paged")}
+assert (refused_total["paged"], refused_total["first fit"]) == (117, 129)  # quoted below
 
 # %% [markdown]
 # Every refusal of first fit came while enough slots were free in total; at the worst one, the free
-# slots added up to more than four times the largest hole. The paged allocator refused fewer, and
-# only when too few blocks were free: any free block can take any logical block.
+# slots added up to more than four times the largest hole. The paged allocator refused 117 requests
+# against first fit's 129, each only when too few blocks were free: any free block can take any
+# logical block. Its 117 are the price of reserving final lengths on a pool this busy, not of
+# fragmentation; holding only the blocks the live tokens fill (section 2) would ask for less.
 #
 # ## 3. Choosing the block size
 #
@@ -359,8 +366,10 @@ plt.show()
 # ## 4. What paging does not change
 #
 # Paging changes where K and V live, not what they are: no element is compressed, and attention
-# still reads every position (nothing becomes sparse). Scatter a sequence's keys into shuffled
-# blocks, gather them back through the block table, and attend over them:
+# still reads every position (nothing becomes sparse). To see it, put a 37-token sequence's keys
+# and values into three scattered blocks of a pool shaped `[num_blocks, block_size, num_kv_heads,
+# head_dim]` (the shape vLLM's flash-attention kernel reads). labkit's `write_kv(k, v, k_cache,
+# v_cache, slot_mapping)` stores each token's K and V at its slot, the pool seen as one row per slot:
 
 # %%
 gen = torch.Generator().manual_seed(0)
@@ -373,16 +382,46 @@ pool_v = torch.zeros_like(pool_k)
 table = torch.tensor([5, 2, 7], dtype=torch.int32)  # three blocks, anywhere in the pool
 slots = torch.tensor([int(table[p // block_size]) * block_size + p % block_size for p in range(seq_len)])
 write_kv(k, v, pool_k, pool_v, slots)
+print("slots of tokens 0, 16 and 36:", slots[[0, 16, 36]].tolist())
+assert torch.equal(pool_k.view(-1, num_kv_heads, head_dim)[slots], k)  # each token's K sits at its slot
 
+# %% [markdown]
+# `gather_kv` reads them back in order. It indexes the pool with the first
+# `ceil(seq_len / block_size)` ids of the block table, so the blocks come out in logical order
+# wherever they lie, lays them end to end and cuts off the empty tail:
+
+# %%
+excerpt(gather_kv, "block_size = cache.shape[1]", "return")
+
+# %%
 back = gather_kv(pool_k, table, seq_len)
 print("gathered keys identical to the contiguous keys:", torch.equal(back, k))
 print("elements stored per position:", back[0].numel(), "of dtype", back.dtype, "(as before)")
 assert torch.equal(back, k) and torch.equal(gather_kv(pool_v, table, seq_len), v)
 
+# %% [markdown]
+# Attention over a paged cache is *defined* by that gather: the reference, `paged_decode_attention_ref`,
+# gathers each sequence's K and V and runs chapter 01's attention over them, each KV head repeated
+# for its group of query heads (GQA):
+
+# %%
+excerpt(paged_decode_attention_ref, "for i, n in", "out[i] =")
+
+# %% [markdown]
+# `paged_decode_attention`, the call an engine makes, must give the same output. It runs a Triton
+# kernel (interpreted on a CPU) that reads each block where it lies instead of copying it out first;
+# appendix [A1](A1_under_the_compiler.ipynb) walks through it. One new query with 8 heads on the
+# 2 KV heads, against the reference and against chapter 01's attention over the contiguous K and V:
+
+# %%
 q = torch.randn(1, 8, head_dim, generator=gen, dtype=torch.float16)
-paged_out = paged_decode_attention(q, pool_k, pool_v, table[None], torch.tensor([seq_len], dtype=torch.int32))
+seq_lens = torch.tensor([seq_len], dtype=torch.int32)
+paged_out = paged_decode_attention(q, pool_k, pool_v, table[None], seq_lens)
+ref_out = paged_decode_attention_ref(q, pool_k, pool_v, table[None], seq_lens)
 dense_out = causal_attention(q[None].float(), k[None].float(), v[None].float())[0].half()
-print("max |paged - contiguous| attention output:", f"{(paged_out.float() - dense_out.float()).abs().max():.1e}")
+print(f"max |paged - reference| : {(paged_out.float() - ref_out.float()).abs().max():.1e}")
+print(f"max |paged - contiguous|: {(paged_out.float() - dense_out.float()).abs().max():.1e}")
+assert torch.allclose(paged_out.float(), ref_out.float(), atol=2e-3)
 assert torch.allclose(paged_out.float(), dense_out.float(), atol=2e-3)
 
 # %% [markdown]
@@ -438,195 +477,19 @@ for s, empty in zip(snapshots, tail):
     assert 0 <= empty <= (STEP_BLOCK - 1) * len(s.tables)
 
 # %% [markdown]
-# ## 6. The kernels, step by step
-#
-# Paging moves the problem into the attention kernel: a sequence's keys are no longer one tensor
-# but blocks scattered over a pool. `labkit.kernels` holds three Triton kernels, each defined by a
-# PyTorch reference:
-#
-# | function | what it does |
-# |---|---|
-# | `write_kv(k, v, k_cache, v_cache, slot_mapping)` | scatters new tokens' K and V into their slots |
-# | `paged_decode_attention(q, k_cache, v_cache, block_tables, seq_lens)` | one new query per sequence |
-# | `paged_prefill_attention(..., cu_seqlens_q)` | many new queries per sequence, causal |
-#
-# The layout is that of vLLM's flash-attention backend: pools `[num_blocks, block_size,
-# num_kv_heads, head_dim]`, int32 `block_tables` `[num_seqs, max_blocks_per_seq]` and `seq_lens`
-# `[num_seqs]`. Other backends order the axes inside a block their own way (vLLM 0.33.0's FlashInfer
-# backend offers `NHD` and `HND`); blocks, tables and slots carry over. On this machine:
-
-# %%
-print(labkit.RUNTIME.reason)
-why = fallback_reason(torch.float32, labkit.DEVICE)
-print("float32 kernels:", "Triton" if why is None else f"PyTorch reference, because {why}")
-
-# %% [markdown]
-# ### The reference: gather, then attend
-#
-# The reference is the definition the kernel must meet. `gather_kv` indexes the pool with the first
-# `ceil(seq_len / block_size)` ids of the block table (the blocks come out in logical order,
-# wherever they lie), lays them end to end and cuts off the empty tail:
-
-# %%
-excerpt(gather_kv, "block_size = cache.shape[1]", "return")
-
-# %% [markdown]
-# `paged_decode_attention_ref` then runs chapter 01's attention over each sequence's gathered K and
-# V, each KV head repeated for its group of query heads (GQA), in float32:
-
-# %%
-excerpt(paged_decode_attention_ref, "for i, n in", "out[i] =")
-
-# %% [markdown]
-# Gathering copies every key and value once more before attention reads them; the Triton kernel
-# reads each block where it lies instead.
-#
-# ### One program of the decode kernel, by hand
-#
-# The kernel launches one *program* per (sequence, KV head). It loads the query heads of that KV
-# head's group and walks the positions `BLOCK_N` at a time: find each position's physical block and
-# row, load K, compute the scores `q @ K^T * scale` (masking positions past `seq_len`), and update an
-# **online softmax**, a running maximum `m`, denominator `l` and unnormalised output `acc`, rescaled
-# by `exp(m_old - m_new)` when the maximum grows. At the end it writes `acc / l`. Here is one
-# program in plain PyTorch, printing each step:
-
-# %%
-gen = torch.Generator().manual_seed(1)
-NUM_HEADS, NUM_KV_HEADS, HEAD_DIM, BLOCK_SIZE = 4, 2, 32, 8
-lens = [21, 5]
-k_cache = torch.randn(10, BLOCK_SIZE, NUM_KV_HEADS, HEAD_DIM, generator=gen)
-v_cache = torch.randn(10, BLOCK_SIZE, NUM_KV_HEADS, HEAD_DIM, generator=gen)
-block_tables = torch.tensor([[7, 2, 9], [4, 0, 0]], dtype=torch.int32)  # row 1 uses one block; 0s are padding
-seq_lens = torch.tensor(lens, dtype=torch.int32)
-q = torch.randn(2, NUM_HEADS, HEAD_DIM, generator=gen)
-
-
-def one_program(seq: int, kv_head: int, block_n: int = 16, verbose: bool = True) -> torch.Tensor:
-    """The decode kernel's work for one (sequence, KV head), in plain PyTorch."""
-    group = NUM_HEADS // NUM_KV_HEADS
-    heads = range(kv_head * group, (kv_head + 1) * group)
-    qg = q[seq, heads]  # [group, D]: the query heads sharing this KV head
-    scale = 1 / math.sqrt(HEAD_DIM)
-    m = torch.full((group,), -math.inf)
-    l = torch.zeros(group)
-    acc = torch.zeros(group, HEAD_DIM)
-    n = int(seq_lens[seq])
-    for start in range(0, n, block_n):
-        pos = torch.arange(start, start + block_n)
-        valid = pos < n
-        block_id = block_tables[seq, (pos // BLOCK_SIZE).clamp(max=block_tables.shape[1] - 1)]
-        block_id = torch.where(valid, block_id, 0)  # the kernel masks this load
-        k = k_cache[block_id, pos % BLOCK_SIZE, kv_head]  # [block_n, D]: rows gathered from the pool
-        v = v_cache[block_id, pos % BLOCK_SIZE, kv_head]
-        s = (qg @ k.T * scale).masked_fill(~valid, -math.inf)
-        m_new = torch.maximum(m, s.max(dim=1).values)
-        alpha = torch.exp(m - m_new)
-        p = torch.exp(s - m_new[:, None])
-        l = l * alpha + p.sum(dim=1)
-        acc = acc * alpha[:, None] + p @ v
-        m = m_new
-        if verbose:
-            print(f"positions {start}..{min(start + block_n, n) - 1}: physical blocks "
-                  f"{sorted(set(block_id[valid].tolist()), key=block_id[valid].tolist().index)}, "
-                  f"running max {m.numpy().round(2)}, denominator {l.numpy().round(2)}")
-    return acc / l[:, None]
-
-
-by_hand = one_program(seq=0, kv_head=1)
-reference = paged_decode_attention_ref(q.double(), k_cache.double(), v_cache.double(), block_tables, seq_lens)
-print("matches the reference:", torch.allclose(by_hand.double(), reference[0, 2:4], atol=1e-5))
-assert torch.allclose(by_hand.double(), reference[0, 2:4], atol=1e-5)
-
-# %% [markdown]
-# ### The Triton kernel
-#
-# `paged_decode_kernel` in `labkit/kernels/triton_paged.py` does the same with whole tiles (the GQA group and
-# head dimension padded to powers of two, with masks) and with `exp2`, the scale folded into
-# `log2(e)`. **The paging:** each position's physical block from the block table, its row in the
-# pool, and masked loads of K and V from wherever they lie, with no contiguous copy:
-
-# %%
-excerpt(paged_decode_kernel, "# The paging:", "v = tl.load")
-
-# %% [markdown]
-# **The mask and the online softmax:** positions past the end score `-inf`; what was summed under
-# an older, smaller maximum is rescaled by `alpha = 2^(m_old - m_new)` before the tile's terms are
-# added:
-
-# %%
-excerpt(paged_decode_kernel, "s = tl.where(valid", "m_i = m_new")
-
-# %% [markdown]
-# **The end:** the output is divided by the denominator and stored in the output's dtype:
-
-# %%
-excerpt(paged_decode_kernel, "o = acc / l_i[:, None]", "o.to(out_ptr")
-
-# %% [markdown]
-# On the example, against the float64 reference (on a CPU Triton interprets the kernel in NumPy; on
-# a GPU it compiles it, and appendix [A1 · under the compiler](A1_under_the_compiler.ipynb) shows
-# what a GPU makes of it, and how long contexts are split over more programs):
-
-# %%
-out = paged_decode_attention(q, k_cache, v_cache, block_tables, seq_lens)
-err = (out.double() - reference).abs().max().item()
-print(f"Triton decode vs float64 reference: max error {err:.1e}")
-assert err < 1e-5
-
-# %% [markdown]
-# ### Prefill, in chunks or all at once
-#
-# `paged_prefill_attention` takes many new queries per sequence, its last `q_len` positions, each
-# seeing the positions up to its own. So a prompt can be prefilled whole or in chunks (chapter 05),
-# and the part after a cached prefix (chapter 04) is a chunk that starts late. Its reference, where
-# sequence `i` owns the query rows `cu_seqlens_q[i]:cu_seqlens_q[i+1]`:
-
-# %%
-excerpt(paged_prefill_attention_ref, "lo, hi = cu[i]", "out[lo:hi]")
-
-# %% [markdown]
-# New tokens reach the pool through `write_kv`: one indexed store by slot (the pool seen as one row
-# per slot), skipping a slot of -1 (padding, or a position a prefix cache already holds):
-
-# %%
-excerpt(write_kv_ref, "keep = slot_mapping", "v_cache.view")
-
-# %% [markdown]
-# A 20-token prompt written in two chunks into three scattered blocks, against contiguous causal
-# attention:
-
-# %%
-n = 20
-k_new = torch.randn(n, NUM_KV_HEADS, HEAD_DIM, generator=gen)
-v_new = torch.randn(n, NUM_KV_HEADS, HEAD_DIM, generator=gen)
-q_new = torch.randn(n, NUM_HEADS, HEAD_DIM, generator=gen)
-table = torch.tensor([[3, 8, 1]], dtype=torch.int32)
-slots = torch.tensor([int(table[0, p // BLOCK_SIZE]) * BLOCK_SIZE + p % BLOCK_SIZE for p in range(n)])
-
-outs = []
-for lo, hi in [(0, 12), (12, 20)]:  # two chunks: 12 tokens, then 8
-    write_kv(k_new[lo:hi], v_new[lo:hi], k_cache, v_cache, slots[lo:hi])
-    outs.append(paged_prefill_attention(
-        q_new[lo:hi], k_cache, v_cache, table, torch.tensor([hi], dtype=torch.int32),
-        cu_seqlens_q=torch.tensor([0, hi - lo], dtype=torch.int32)))
-chunked = torch.cat(outs)
-dense = causal_attention(q_new[None], k_new[None], v_new[None])[0]
-print(f"chunked paged prefill vs contiguous causal attention: max difference {(chunked - dense).abs().max():.1e}")
-assert torch.allclose(chunked, dense, atol=1e-5)
-
-# %% [markdown]
-# ## 7. The decoder on the paged cache
+# ## 6. The decoder on the paged cache
 #
 # `labkit.caches.paged.PagedKVCache` implements chapter 01's cache protocol, `attend(layer_idx, q, k, v)`,
-# with these kernels: a K and a V pool per layer (`KVPool`, reused by chapters 04 and 05) and a
-# block table per sequence. `generate_paged` prefills three prompts of different lengths on one pool,
-# then decodes them as one batch; the tokens must be those of chapter 01's contiguous cache:
+# with `write_kv` and paged attention: a K and a V pool per layer (`KVPool`, reused by chapters 04
+# and 05) and a block table per sequence. `generate_paged` prefills three prompts of different
+# lengths on one pool, then decodes them as one batch; the tokens must be those of chapter 01's
+# contiguous cache:
 
 # %%
 model = Decoder.random(DecoderConfig(num_hidden_layers=2, hidden_size=128, num_attention_heads=4,
                                      num_key_value_heads=2), seed=0)
 prompts = [[1, 2, 3, 4, 5], list(range(10, 27)), [7]]
-paged_runs = generate_paged(model, prompts, max_new_tokens=4, block_size=8, use_triton=True)  # these kernels
+paged_runs = generate_paged(model, prompts, max_new_tokens=4, block_size=8, use_triton=True)  # labkit's Triton kernels
 for prompt, run in zip(prompts, paged_runs):
     contiguous = generate(model, prompt, 4)
     diff = (run.logits - contiguous.logits).abs().max().item()
@@ -645,19 +508,20 @@ for prompt, run in zip(prompts, paged_runs):
 # - On 10,000 ShareGPT-like requests, reserving the maximum leaves 21.5% of the reserved memory
 #   holding tokens, an exact-length oracle 61.3%, 16-token blocks 98.3%. The paper measured 20.4% to
 #   38.2% on its own reimplementation of Orca, lower than our counts: its allocator also loses the
-#   holes between reservations and rounds to powers of two. Contiguous reservations fragment the
-#   free memory; a paged allocator refuses only when too few blocks are free.
+#   holes between reservations and rounds to powers of two.
+# - Contiguous reservations fragment the free memory. With both allocators reserving final lengths,
+#   first fit refused 129 of 2,000 requests, each while enough slots were free in total; the paged
+#   allocator refused 117, each only when too few blocks were free.
 # - Bigger blocks waste more tail but need fewer block-table entries.
-# - Paging neither compresses K/V nor makes attention sparse.
-# - The Triton decode kernel walks the block table with an online softmax, one program per
-#   (sequence, KV head); the prefill kernel does the same for many causal queries. Both match their
-#   references, and the decoder produces the same tokens on the paged cache.
+# - Paging neither compresses K/V nor makes attention sparse: attention over scattered blocks equals
+#   its reference (gather, then attend) and attention over contiguous K and V, and the decoder
+#   produces the same tokens on the paged cache.
 #
 # ## Exercises
 
 # %%
 from labkit.teaching.exercises import Exercises
-from labkit.teaching.guards import hidden_rng, is_triton_kernel, torch_generator, triton_launches
+from labkit.teaching.guards import hidden_rng, torch_generator
 
 ex = Exercises("03_paging")
 
@@ -735,8 +599,8 @@ ex.check("Exercise 2", answer_2)
 # **Exercise 3.** Write the gather of the reference yourself: `gather(cache, block_table, seq_len)`
 # returns the sequence's K (or V) as a contiguous tensor `[seq_len, num_kv_heads, head_dim]`, from
 # a pool `cache` `[num_blocks, block_size, num_kv_heads, head_dim]` and the sequence's block table
-# (a 1-D tensor of block ids, possibly longer than needed). `reference.gather_kv` is the answer the
-# checker compares with, so it refuses it, under any name.
+# (a 1-D tensor of block ids, possibly longer than needed), as section 4's `gather_kv` does. The
+# checker compares with `gather_kv`, so it refuses it, under any name.
 
 # %%
 def gather(cache: torch.Tensor, block_table: torch.Tensor, seq_len: int) -> torch.Tensor:
@@ -773,156 +637,7 @@ ex.check_function("Exercise 3", gather, _gather_cases(),
 # past the last needed block are never read.
 
 # %% [markdown]
-# **Exercise 4 (inside the kernel).** Models such as Mistral and Gemma give some layers a
-# *sliding window*: a new token attends only to the last `window` positions, itself included,
-# positions `max(0, seq_len - window)` to `seq_len - 1`. Below is a complete paged decode kernel
-# in Triton, labkit's `_paged_decode_kernel` cut to its bones (no splits, no padding of the group
-# or the head dimension, float32 only, products as broadcasts instead of `tl.dot`). It takes a
-# `window` argument and ignores it. Change the kernel so that it attends to the window only.
-#
-# There are two ways. One masks the scores of positions before the window, as `valid` masks
-# those past the end; beware a tile in which *every* position is masked: the online softmax then
-# computes `exp2(-inf - (-inf))`, which is NaN. The other never visits those positions at all.
-# The checker launches your kernel (interpreted on a CPU, compiled on a GPU) on random pools with
-# ragged lengths drawn afresh on every run, a shuffled block table and GQA, into an output filled
-# with NaN, and compares it with a float64 PyTorch softmax over the windowed positions, for
-# windows shorter and longer than the sequences. It also records what Triton launched: the output
-# must come from your kernel, not from PyTorch.
-
-# %%
-import triton  # after `import labkit`, which switched on the interpreter if there is no GPU
-import triton.language as tl
-
-
-@triton.jit
-def window_decode_kernel(
-    q_ptr, k_cache_ptr, v_cache_ptr, block_tables_ptr, seq_lens_ptr, out_ptr,
-    window, scale_log2, max_blocks,
-    NUM_KV_HEADS: tl.constexpr, GROUP: tl.constexpr, BLOCK_SIZE: tl.constexpr,
-    HEAD_DIM: tl.constexpr, BLOCK_N: tl.constexpr,
-):
-    """One program per (sequence, KV head). Contiguous float32 tensors: q and out
-    [num_seqs, NUM_KV_HEADS * GROUP, HEAD_DIM], pools [num_blocks, BLOCK_SIZE, NUM_KV_HEADS,
-    HEAD_DIM], block_tables int32 [num_seqs, max_blocks], seq_lens int32 [num_seqs]."""
-    seq = tl.program_id(0)
-    kv_head = tl.program_id(1)
-    seq_len = tl.load(seq_lens_ptr + seq)
-    heads = kv_head * GROUP + tl.arange(0, GROUP)  # the query heads that share this KV head
-    d = tl.arange(0, HEAD_DIM)
-    q = tl.load(q_ptr + (seq * NUM_KV_HEADS * GROUP + heads[:, None]) * HEAD_DIM + d[None, :])  # [GROUP, HEAD_DIM]
-
-    m_i = tl.full([GROUP], float("-inf"), dtype=tl.float32)  # running maximum of the scores
-    l_i = tl.zeros([GROUP], dtype=tl.float32)  # running denominator
-    acc = tl.zeros([GROUP, HEAD_DIM], dtype=tl.float32)  # running, unnormalised output
-    # BEGIN SOLUTION
-    first = tl.maximum(seq_len - window, 0)  # the window's first position: earlier ones are never read
-    # END SOLUTION
-    # BEGIN STUB
-    first = 0  # Exercise 4: the walk starts at position 0, whatever `window` says
-    # END STUB
-    for start in range(first, seq_len, BLOCK_N):
-        pos = start + tl.arange(0, BLOCK_N)
-        valid = pos < seq_len
-        # The paging: position -> logical block -> physical block -> row of the pool.
-        block_id = tl.load(block_tables_ptr + seq * max_blocks + pos // BLOCK_SIZE, mask=valid, other=0)
-        row = ((block_id * BLOCK_SIZE + pos % BLOCK_SIZE) * NUM_KV_HEADS + kv_head) * HEAD_DIM
-        k = tl.load(k_cache_ptr + row[:, None] + d[None, :], mask=valid[:, None], other=0.0)  # [BLOCK_N, HEAD_DIM]
-        v = tl.load(v_cache_ptr + row[:, None] + d[None, :], mask=valid[:, None], other=0.0)
-        s = tl.sum(q[:, None, :] * k[None, :, :], axis=2) * scale_log2  # [GROUP, BLOCK_N], in log2 units
-        s = tl.where(valid[None, :], s, float("-inf"))
-        m_new = tl.maximum(m_i, tl.max(s, axis=1))
-        alpha = tl.exp2(m_i - m_new)
-        p = tl.exp2(s - m_new[:, None])
-        l_i = l_i * alpha + tl.sum(p, axis=1)
-        acc = acc * alpha[:, None] + tl.sum(p[:, :, None] * v[None, :, :], axis=1)
-        m_i = m_new
-    tl.store(out_ptr + (seq * NUM_KV_HEADS * GROUP + heads[:, None]) * HEAD_DIM + d[None, :], acc / l_i[:, None])
-
-# %%
-def run_window_kernel(kernel, q, k_cache, v_cache, block_tables, seq_lens, window, block_n=32):
-    """Launch ``kernel`` over a batch, one program per (sequence, KV head), into a NaN-filled output."""
-    num_seqs, num_heads, head_dim = q.shape
-    num_kv_heads, block_size = k_cache.shape[2], k_cache.shape[1]
-    out = torch.full_like(q, float("nan"))  # a program that stores nothing leaves NaN behind
-    kernel[(num_seqs, num_kv_heads)](
-        q, k_cache, v_cache, block_tables, seq_lens, out,
-        window, LOG2E / math.sqrt(head_dim), block_tables.shape[1],
-        NUM_KV_HEADS=num_kv_heads, GROUP=num_heads // num_kv_heads, BLOCK_SIZE=block_size,
-        HEAD_DIM=head_dim, BLOCK_N=block_n)
-    return out
-
-
-def window_reference(q, k_cache, v_cache, block_tables, seq_lens, window):
-    """Plain float64 attention of each sequence's query over its last ``window`` positions."""
-    num_heads, num_kv_heads = q.shape[1], k_cache.shape[2]
-    out = torch.empty(q.shape, dtype=torch.float64)
-    for i, n in enumerate(seq_lens.tolist()):
-        k = gather_kv(k_cache, block_tables[i], n).double().repeat_interleave(num_heads // num_kv_heads, 1)
-        v = gather_kv(v_cache, block_tables[i], n).double().repeat_interleave(num_heads // num_kv_heads, 1)
-        scores = torch.einsum("hd,phd->hp", q[i].double().cpu(), k.cpu()) / math.sqrt(q.shape[-1])
-        scores[:, : max(0, n - window)] = float("-inf")  # outside the window
-        out[i] = torch.einsum("hp,phd->hd", scores.softmax(-1), v.cpu())
-    return out
-
-
-def check_window_kernel(kernel) -> list[str]:
-    """Ragged lengths drawn afresh, a shuffled block table, GQA (8 query heads on 2 KV heads), three windows."""
-    if not is_triton_kernel(kernel):  # compiled (JITFunction) or interpreted, as @triton.jit made it
-        return ["expected the @triton.jit kernel itself (not a subclass, nothing of it replaced)"]
-    device = "cuda" if ON_GPU else "cpu"
-    rng = hidden_rng()
-    g = torch_generator(rng)
-    block_size, heads, kv_heads, d = 8, 8, 2, 16
-    lengths = [1, block_size * rng.randint(1, 4), rng.randint(40, 64), rng.randint(2, 64), rng.randint(2, 64)]
-    rng.shuffle(lengths)
-    seq_lens = torch.tensor(lengths, dtype=torch.int32)
-    max_blocks = -(-max(lengths) // block_size)
-    num_blocks = len(lengths) * max_blocks + 3
-    k_cache = torch.randn(num_blocks, block_size, kv_heads, d, generator=g)
-    v_cache = torch.randn(num_blocks, block_size, kv_heads, d, generator=g)
-    block_tables = torch.randperm(num_blocks, generator=g)[: len(lengths) * max_blocks].view(len(lengths), -1).int()
-    q = torch.randn(len(lengths), heads, d, generator=g)
-    args = [t.to(device) for t in (q, k_cache, v_cache, block_tables, seq_lens)]
-    problems, unchanged = [], True
-    # A window shorter than the longest sequence, a window of one token, a window longer than them all.
-    for window in (rng.randint(2, 30), 1, max(lengths) + rng.randint(0, 8)):
-        with triton_launches() as launched:  # the output must come from a launch of this very kernel
-            got = run_window_kernel(kernel, *args, window).double().cpu()
-        if [fn for fn, _ in launched] != [kernel.fn]:
-            return [f"window {window}: the output did not come from one launch of your kernel "
-                    f"(Triton launched {[getattr(fn, '__name__', fn) for fn, _ in launched]})"]
-        want = window_reference(q, k_cache, v_cache, block_tables, seq_lens, window)
-        everything = window_reference(q, k_cache, v_cache, block_tables, seq_lens, 10**6)
-        shorter = seq_lens > window  # sequences whose window leaves positions out
-        if shorter.any() and not torch.allclose(got[shorter], everything[shorter], atol=1e-5):
-            unchanged = False  # the window changed something
-        bad = [int(s) for s in range(len(lengths)) if not torch.allclose(got[s], want[s], atol=1e-5)]
-        if got.isnan().any():
-            problems.append(f"window {window}: NaN in the output of sequence(s) "
-                            f"{sorted({int(s) for s in got.isnan().nonzero()[:, 0]})} (a tile where every score "
-                            "was -inf, or a program that stored nothing?)")
-        elif bad:
-            problems.append(f"window {window}: sequence(s) of {[lengths[s] for s in bad]} tokens differ from "
-                            f"the reference by up to {(got[bad] - want[bad]).abs().max():.1e}")
-    if unchanged and problems:
-        raise NotImplementedError  # the kernel still attends to every position: not started yet
-    return problems
-
-
-ex.check_behaviour("Exercise 4", window_decode_kernel, check_window_kernel,
-                   hint="the window is positions max(0, seq_len - window) .. seq_len - 1: start the loop at the "
-                        "first of them (tl.maximum), or mask the scores before it and guard the all-masked tile.")
-
-# %% [markdown]
-# SOLUTIONS ONLY
-# **Why this works.** Starting the walk at `max(0, seq_len - window)` means the kernel never
-# loads a position outside the window, so no score needs masking and no tile is ever all `-inf`;
-# the existing `pos < seq_len` mask still handles the last, partly filled tile. It also reads only
-# `window` positions instead of `seq_len`: in a memory-bound decode, a sliding window saves
-# bandwidth, not just arithmetic.
-
-# %% [markdown]
-# **Exercise 5 (build it).** Write the bookkeeping of paging: `Pager(num_blocks, block_size)` with
+# **Exercise 4 (build it).** Write the bookkeeping of paging: `Pager(num_blocks, block_size)` with
 # `append(seq_id, n)`, which makes room for `n` more tokens of a sequence (new or not) and returns
 # their slots, or returns `None` and changes nothing when too few blocks are free; `free(seq_id)`,
 # which returns its blocks; and `num_free()`. The checker replays random operations, the pool filled
@@ -963,7 +678,7 @@ class Pager:
 
 from labkit.teaching import build_it
 
-ex.check_behaviour("Exercise 5", Pager, build_it.pager_check(), forbid=[BlockAllocator, BlockTable, blocks_needed],
+ex.check_behaviour("Exercise 4", Pager, build_it.pager_check(), forbid=[BlockAllocator, BlockTable, blocks_needed],
                    hint="new blocks = ceil((tokens + n) / block_size) - blocks held; slot = block * block_size + offset.")
 
 # %% [markdown]
@@ -998,9 +713,12 @@ ex.quiz(quiz)
 # - Measure how much reserved KV memory holds tokens under a reservation policy, and explain why
 #   paging's share is close to 100% while contiguous reservations also lose memory to holes.
 # - Choose a block size by weighing tail waste against block-table entries.
-# - Read a paged-attention kernel in Triton (block-table lookup, masked loads, online softmax) and
-#   check it against a plain PyTorch reference in the interpreter.
-# - Change what a decode kernel attends to, such as a sliding window, inside the kernel itself.
+# - Write K/V into a pool by slot, gather them back through a block table, and check that paged
+#   attention equals its reference and attention over contiguous K and V.
+# - Write the bookkeeping of paging yourself: allocation all or nothing, slots, freeing.
+#
+# On to [chapter 04](04_prefix_reuse.ipynb), or first into the kernels with
+# [appendix A1](A1_under_the_compiler.ipynb).
 
 # %% [markdown]
 # ## References
@@ -1014,11 +732,6 @@ ex.quiz(quiz)
 #   and block tables, the waste of reservation (its Figure 2) and its measurements of block sizes.
 # - vLLM, the serving engine the book compares itself with: documentation at
 #   [docs.vllm.ai](https://docs.vllm.ai/) (the design document "vLLM Paged Attention"), code at
-#   [github.com/vllm-project/vllm](https://github.com/vllm-project/vllm); this chapter read
-#   `vllm/v1/attention/backends/flashinfer.py` of vLLM 0.33.0 for the `NHD`/`HND` layouts.
-# - Tri Dao et al., *Flash-Decoding for long-context inference* (2023),
-#   [crfm.stanford.edu/2023/10/12/flashdecoding.html](https://crfm.stanford.edu/2023/10/12/flashdecoding.html):
-#   the split-K decode of appendix A1; Tri Dao, *FlashAttention-2*,
-#   [arXiv:2307.08691](https://arxiv.org/abs/2307.08691): the online softmax the kernels use.
+#   [github.com/vllm-project/vllm](https://github.com/vllm-project/vllm).
 # - Triton, [triton-lang.org](https://triton-lang.org/): the language of the kernels, and its
 #   interpreter, which runs them on a CPU.

@@ -13,6 +13,10 @@
 # %% [markdown]
 # # 04 · Which prefixes can be shared
 #
+# **The message.** Requests may share the cached K/V of a common prefix only when everything that
+# computed them is identical (every earlier token, the positions, the model, the cache's format),
+# and then sharing saves prefill work and memory without changing one output token.
+#
 # A research assistant reads one long report, then answers many questions about it. Every one of
 # those requests starts with the same thousands of tokens. Chapter 03 put each sequence's keys and
 # values in blocks of a shared pool; this chapter lets several sequences point at the *same*
@@ -169,8 +173,8 @@ excerpt(PrefixCache.allocate, "m = self.match(tokens, key) if lookup", "self._ap
 excerpt(PrefixCache.share, "for b in hit.block_ids:", "self.allocator.incref(b) if")
 
 # %% [markdown]
-# A scheduler (chapter 05) must count those blocks *before* it admits a request: `match` finds the
-# hit, and `hit_extra_blocks` counts what the rest takes from the free pool. A third request on the
+# Before it admits a request, an engine must know whether its blocks fit: `match` finds the hit,
+# and `hit_extra_blocks` counts what the rest takes from the free pool. A third request on the
 # same report:
 
 # %%
@@ -478,20 +482,18 @@ assert snaps[7].evicted == snaps[9].evicted and snaps[7].evicted_held != snaps[9
 #
 # Chat requests very often share a *system prompt*: every conversation begins with the same
 # instructions, wrapped by the chat template in the same special tokens. Here is SmolLM2-135M-Instruct
-# (chapter 01) with its own tokenizer and chat template, served by chapter 05's engine with this
-# chapter's prefix cache. Four questions share one system prompt. A fifth prompt has the same
-# system prompt with **one more space** in it: to a reader the same text, to the tokenizer other
-# tokens.
+# (chapter 01) with its own tokenizer and chat template, on this chapter's `PrefixCachedPool`. Four
+# questions share one system prompt. A fifth prompt has the same system prompt with **one more
+# space** in it: to a reader the same text, to the tokenizer other tokens.
 
 # %%
 # NBVAL_SKIP_IN_SOLUTIONS
 import time
 
 from labkit.model.pretrained import chat_token_ids, from_pretrained, load_tokenizer, real_model
-from labkit.serving.engine import Engine
 
 path = real_model()
-chat_model = from_pretrained(path, dtype=torch.float32)  # 4-bit weights, dequantized to float32
+chat_model = from_pretrained(path, dtype=torch.float32, device=labkit.DEVICE)  # 4-bit weights, dequantized
 tokenizer = load_tokenizer(path)
 SYSTEM = ("You are a helpful assistant for the engineers who run a language-model server. They are "
           "busy, so answer in one short, plain sentence, without lists, and say so when you do not know.")
@@ -523,66 +525,62 @@ assert prompts["question 2, one more space"] != prompts["question 2"]
 assert edit_at < common_prefix_len(first, prompts["question 2"])
 
 # %% [markdown]
-# Now the engine serves them one after the other in one pool of 16-token blocks, with the prefix
-# cache on and off; each reply stops at the end-of-turn token or after 8 tokens. On a CPU the
-# engine attends with PyTorch in one batched call per layer, the arithmetic of the references that
-# chapter 03 proved equal to the Triton kernels; on a GPU it runs the kernels themselves.
+# `generate_with_prefix_cache`, which served the toy model above, now serves the five prompts one
+# after the other on one pool of 16-token blocks, each reply cut at 8 tokens; chapter 01's
+# `generate`, on its contiguous cache, gives the tokens to compare with.
 #
-# The table gives each request's cached prompt tokens and its time to first token, its prefill.
-# Such a time misleads in two ways. The first forward pass of a process can pay one-off costs, so
-# an untimed round of prefills warms the model up first. And a busy machine adds noise, so each
-# mode then serves the prompts three times, the modes taking turns at going first, and the table
-# keeps each request's fastest.
+# The table also gives each request's time to first token, that is, its prefill. Such a time
+# misleads in two ways. The first forward pass of a process can pay one-off costs, so an untimed
+# round of prefills warms the model up first. And a busy machine adds noise, so each mode then
+# serves the prompts three times, the modes taking turns at going first, and the table keeps each
+# request's fastest.
 
 # %%
 # NBVAL_SKIP_IN_SOLUTIONS
 ran_on = {}
 
 
-def serve(enable_prefix_caching: bool, max_new_tokens: int) -> dict[str, tuple]:
-    """Each prompt served alone, in order, in one engine: (request, seconds to its first token)."""
-    engine = Engine(chat_model, num_blocks=64, block_size=16, max_num_batched_tokens=256,
-                    enable_prefix_caching=enable_prefix_caching)
-    ran_on["attention"] = engine.backend.kernel_backend()
+def serve(reuse: bool, max_new_tokens: int) -> dict[str, tuple]:
+    """The prompts in order on one fresh pool: (each one's generation, the seconds it took).
+    With ``max_new_tokens=1`` a call is the prefill alone, and its time the time to first token."""
+    kv = PrefixCachedPool(chat_model.config, num_blocks=64, block_size=16, reuse=reuse, device=labkit.DEVICE)
+    ran_on["attention"] = kv.kernel_backend()
     out = {}
     for name, ids in prompts.items():
-        start, first_token = time.perf_counter(), None
-        request = engine.add_request(ids, max_new_tokens)
-        while engine.has_unfinished():
-            engine.step()
-            if first_token is None and request.output_token_ids:
-                first_token = time.perf_counter() - start
-        out[name] = (request, first_token)
+        start = time.perf_counter()
+        out[name] = (generate_with_prefix_cache(chat_model, kv, ids, max_new_tokens), time.perf_counter() - start)
     return out
 
 
 warm_up = serve(False, 1)  # the process's first prefills, with their one-off costs: not in the table
-cached_run, plain_run = serve(True, 8), serve(False, 8)
-runs = {True: {n: [t] for n, (_, t) in cached_run.items()}, False: {n: [t] for n, (_, t) in plain_run.items()}}
-for order in ((False, True), (True, False)):  # prefill only, twice more, each mode first once
-    for caching in order:
-        for name, (_, t) in serve(caching, 1).items():
-            runs[caching][name].append(t)
-ttft = {caching: {name: min(times) for name, times in by_name.items()} for caching, by_name in runs.items()}
+runs = {True: {name: [] for name in prompts}, False: {name: [] for name in prompts}}
+for order in ((True, False), (False, True), (True, False)):  # prefill only, each mode first at least once
+    for reuse in order:
+        for name, (out, t) in serve(reuse, 1).items():
+            runs[reuse][name].append(t)
+            assert reuse or out.num_cached_tokens == 0  # reuse off: no block is ever named, none found
+ttft = {reuse: {name: min(times) for name, times in by_name.items()} for reuse, by_name in runs.items()}
+cached_run = serve(True, 8)
+eos = chat_model.config.eos_token_id
+plain = {name: generate(chat_model, ids, 64, eos_token_id=eos).tokens for name, ids in prompts.items()}
 where = torch.cuda.get_device_name() if labkit.DEVICE.type == "cuda" else "the CPU"
 print(f"times measured in this run on {where} ({torch.get_num_threads()} PyTorch threads); "
       f"attention ran {ran_on['attention']}")
-print(f"{'request':<27} {'cached':>9}  {'first token, cache on / off':>28}  same reply")
+print(f"{'request':<27} {'cached':>9}  {'first token, reuse on / off':>28}  same 8 tokens")
 for name in prompts:
-    request, plain = cached_run[name][0], plain_run[name][0]
-    assert request.output_token_ids == plain.output_token_ids  # reuse changes no output
-    print(f"{name:<27} {request.num_cached_tokens:>3} of {len(request.prompt_token_ids):>3}  "
-          f"{1000 * ttft[True][name]:>11.0f} ms / {1000 * ttft[False][name]:>6.0f} ms  {'yes':>10}")
+    reply = cached_run[name][0]
+    assert reply.tokens == plain[name][:8]  # reuse changes no output token
+    print(f"{name:<27} {reply.num_cached_tokens:>3} of {len(prompts[name]):>3}  "
+          f"{1000 * ttft[True][name]:>11.0f} ms / {1000 * ttft[False][name]:>6.0f} ms  {'yes':>13}")
 hits = {name: cached_run[name][0].num_cached_tokens for name in prompts}
 computed = sum(len(p) - hits[n] for n, p in prompts.items())
-print(f"prefill tokens computed: {computed} with the cache, {sum(map(len, prompts.values()))} without; "
-      f"time to first token, summed: {1000 * sum(ttft[True].values()):.0f} ms with the cache, "
+print(f"prefill tokens computed: {computed} with reuse, {sum(map(len, prompts.values()))} without; "
+      f"time to first token, summed: {1000 * sum(ttft[True].values()):.0f} ms with reuse, "
       f"{1000 * sum(ttft[False].values()):.0f} ms without")
-for name, (request, _) in cached_run.items():  # a hit is every full block before the first token that differs
+for name in prompts:  # a hit is every full block before the first token that differs from an earlier prompt
     earlier = list(prompts)[:list(prompts).index(name)]
     common = max((common_prefix_len(prompts[name], prompts[n]) for n in earlier), default=0)
     assert hits[name] == min(common, len(prompts[name]) - 1) // 16 * 16
-assert all(p[0].num_cached_tokens == 0 for p in plain_run.values())
 reused = [name for name in prompts if hits[name]]  # questions 2 to 4: their prefill is shorter, so faster
 assert reused == ["question 2", "question 3", "question 4"]
 assert sum(ttft[True][n] for n in reused) < sum(ttft[False][n] for n in reused)
@@ -593,30 +591,34 @@ assert hits["question 1"] == 0 and len(first) == len(prompts["question 2, one mo
 # %% [markdown]
 # Questions 2 to 4 reuse the blocks of the system prompt that question 1 computed, prefill only the
 # rest, and get their first token sooner (the times change from machine to machine; the token
-# counts do not). The fifth prompt reads the same to a person, yet it finds **nothing**, 0 of its
-# 62 tokens: the extra space comes right after the 4 tokens it shares with question 1 (printed
+# counts do not). Every reply begins with the same 8 tokens as chapter 01's generation without any
+# reuse. The fifth prompt reads the same to a person, yet it finds **nothing**, 0 of its 62
+# tokens: the extra space comes right after the 4 tokens it shares with question 1 (printed
 # above), inside the first 16-token block, so even that block's name differs, and the chain
 # carries the difference into every later name.
 #
-# Question 1 is a miss either way, and computes the same 62 tokens with the cache on or off. Any gap
+# Question 1 is a miss either way, and computes the same 62 tokens with reuse on or off. Any gap
 # between its two times is not caching: the only extra work, hashing and naming its three full
-# blocks, is timed below on the scheduler alone, without the model.
+# blocks, is timed below on the pool's `PrefixCache` alone, without the model.
 
 # %%
 # NBVAL_SKIP_IN_SOLUTIONS
 import statistics
 
-from labkit.serving.scheduler import Scheduler
+key = PrefixCachedPool(chat_model.config, num_blocks=1, block_size=16).key(model=chat_model)
 
 
-def bookkeeping_ms(caching: bool, repeats: int = 50) -> float:
-    """Median time to schedule question 1 on a fresh scheduler and take back its first token (no model)."""
+def bookkeeping_ms(reuse: bool, repeats: int = 50) -> float:
+    """Median time of the pool's bookkeeping for question 1 on a fresh cache, without the model:
+    allocate its block table, name its full blocks (reuse on only), release it."""
     times = []
     for _ in range(repeats):
-        scheduler = Scheduler(64, 16, 256, enable_prefix_caching=caching)
-        scheduler.add_request(first, 1)
+        cache = PrefixCache(BlockAllocator(64), block_size=16)
         start = time.perf_counter()
-        scheduler.postprocess(scheduler.schedule(), [0])
+        table, _ = cache.allocate(first, key)
+        if reuse:
+            cache.cache_full_blocks(table)
+        cache.release(table)
         times.append(time.perf_counter() - start)
     return 1000 * statistics.median(times)
 
@@ -624,11 +626,11 @@ def bookkeeping_ms(caching: bool, repeats: int = 50) -> float:
 book_on, book_off = bookkeeping_ms(True), bookkeeping_ms(False)
 miss_on, miss_off = 1000 * ttft[True]["question 1"], 1000 * ttft[False]["question 1"]
 cold = 1000 * warm_up["question 1"][1]
-print(f"question 1, bookkeeping alone: {book_on:.2f} ms with the cache, {book_off:.2f} ms without "
+print(f"question 1, bookkeeping alone: {book_on:.2f} ms with reuse, {book_off:.2f} ms without "
       f"(+{book_on - book_off:.2f} ms: {(book_on - book_off) / miss_on:.3%} of its prefill)")
-for caching in (True, False):
-    print(f"question 1, cache {'on ' if caching else 'off'}: first token after "
-          f"{', '.join(f'{1000 * t:.0f}' for t in runs[caching]['question 1'])} ms in its three runs")
+for reuse in (True, False):
+    print(f"question 1, reuse {'on ' if reuse else 'off'}: first token after "
+          f"{', '.join(f'{1000 * t:.0f}' for t in runs[reuse]['question 1'])} ms in its three runs")
 print(f"the process's first prefill (question 1, in the untimed round): {cold:.0f} ms, "
       f"{cold / min(miss_on, miss_off):.1f}x the fastest warm one")
 assert book_on - book_off < min(1.0, 0.01 * min(miss_on, miss_off))
@@ -641,22 +643,18 @@ assert book_on - book_off < min(1.0, 0.01 * min(miss_on, miss_off))
 # spreads over the range the middle lines show: a gap between question 1's two times, in either
 # direction, is that spread, not the cache.
 #
-# The replies so far were cut at 8 tokens. Here are three of them whole, served together in one
-# batch with the cache on, each until the model ends its turn:
+# The replies so far were cut at 8 tokens. Here are three of them whole, as `generate` continued
+# them until the model ended its turn:
 
 # %%
 # NBVAL_SKIP_IN_SOLUTIONS
-eos = chat_model.config.eos_token_id
-eos = {eos} if isinstance(eos, int) else set(eos)
-engine = Engine(chat_model, num_blocks=64, block_size=16, max_num_batched_tokens=512)
 whole = ["question 1", "question 2", "question 2, one more space"]
-replies = dict(zip(whole, engine.generate([prompts[name] for name in whole], max_new_tokens=64)))
-for name, ids in replies.items():
-    print(f"{name:<27}: {tokenizer.decode(ids, skip_special_tokens=True)!r} ({len(ids)} tokens)")
-    assert ids[:8] == cached_run[name][0].output_token_ids  # the 8-token replies above begin them
-assert all(ids[-1] in eos for ids in replies.values())  # every reply ended by itself, none was cut
-assert replies["question 2"] != replies["question 2, one more space"]
-assert all("Saturn" in tokenizer.decode(replies[n]) for n in whole[1:])  # wrong both times, as said below
+for name in whole:
+    print(f"{name:<27}: {tokenizer.decode(plain[name], skip_special_tokens=True)!r} ({len(plain[name])} tokens)")
+eos_ids = {eos} if isinstance(eos, int) else set(eos)
+assert all(plain[name][-1] in eos_ids for name in whole)  # every reply ended by itself, none was cut
+assert plain["question 2"] != plain["question 2, one more space"]
+assert all("Saturn" in tokenizer.decode(plain[n]) for n in whole[1:])  # wrong both times, as said below
 
 # %% [markdown]
 # The same question, after a system prompt that differs by one space, gets a **different reply**.
@@ -697,8 +695,8 @@ assert all("Saturn" in tokenizer.decode(replies[n]) for n in whole[1:])  # wrong
 #   used first.
 # - Reuse must not cross a different earlier prefix, adapter, cache dtype or layout, or position. A
 #   prefix shorter than one block cannot be reused at all.
-# - With a real model, four conversations with one system prompt share its blocks, with the same
-#   replies with the cache on or off. One extra space in the system prompt leaves nothing to reuse,
+# - With a real model, four conversations with one system prompt share its blocks, and their
+#   replies begin with the same tokens as without reuse. One extra space in the system prompt leaves nothing to reuse,
 #   and the model answers it differently.
 #
 # Next, chapter 05 puts these blocks into the scheduler's decisions.
@@ -719,9 +717,9 @@ ex.strict = True  # in solutions/, every checker must pass
 # **Exercise 1 (build it).** Write `cached_tokens(token_ids, block_size, key, cached)`: how many
 # leading prompt tokens a cache holding the block names `cached` (a set) serves. Name the full blocks
 # with `block_hash(parent_hash, block_tokens, key)` (the first block's parent is `None`), stop at the
-# first name not in `cached`, and leave at least one prompt token to compute. The checker compares
-# with `PrefixCache.match` on prompts drawn afresh: served whole, one token longer, changed midway,
-# under another key, shorter than a block.
+# first name not in `cached`, even if later ones are there (their parent was evicted), and leave at
+# least one prompt token to compute. `PrefixCache.match` judges it on prompts drawn afresh: served
+# whole, one token longer, changed midway, under another key, shorter than a block.
 
 # %%
 def cached_tokens(token_ids: list[int], block_size: int, key: CacheKey, cached: set[str]) -> int:
@@ -749,8 +747,11 @@ ex.check_function("Exercise 1", cached_tokens, build_it.cached_tokens_cases(),
 # SOLUTIONS ONLY
 # **Why this works.** It mirrors `labkit/memory/prefix.py`: `hash_chain` (each name from its parent) and
 # `PrefixCache.match`, whose loop runs over `(len(tokens) - 1) // block_size` blocks (vLLM's
-# `max_cache_hit_length = num_tokens - 1`) and breaks at the first miss. The key enters every name,
-# so another adapter or salt misses from the first block.
+# `max_cache_hit_length = num_tokens - 1`) and breaks at the first miss. A block after the miss may
+# still be cached, but a request's computed tokens are one count from its start (vLLM's
+# `num_computed_tokens`) and the missing block must be computed, so nothing after it is reused; vLLM's
+# `FullAttentionManager.find_longest_cache_hit` breaks there too. The key enters every name, so another
+# adapter or salt misses from the first block.
 
 # %% [markdown]
 # **Exercise 2 (decide who may share).** A service hosts several tenants; some requests use an
@@ -759,7 +760,7 @@ ex.check_function("Exercise 1", cached_tokens, build_it.cached_tokens_cases(),
 # adapter should share as much as the cache allows. Write `cache_key_for(request)`, returning the
 # `CacheKey` under which a request's blocks are named. A request is a dict with `"tenant"`,
 # `"adapter"` (a name or `None`) and `"prompt"`. The checker serves a stream of 40 requests from
-# three tenants (two of them with the same system prompt), drawn afresh on every run, through a
+# three tenants (two of them with the same system prompt), drawn afresh, through a
 # real `PrefixCache` under your keys, and checks every hit: no block may cross a tenant or an
 # adapter, and every hit the rules allow must happen. Your function gets a copy of each request.
 

@@ -13,9 +13,9 @@
 # %% [markdown]
 # # 05 · Capacity in the scheduler
 #
-# **The message.** Every step spends two budgets: tokens of compute and blocks of memory. The token
-# budget sets how much work one step does; the blocks set how many requests can run at once, and
-# when they run out, the scheduler preempts a running request and computes it again later.
+# **The message.** Every step spends two budgets, tokens of compute and blocks of memory: the tokens
+# set how much work a step does, the blocks how many requests run at once, and when blocks run out
+# the scheduler preempts a request and computes it again later.
 #
 # Chapters 03 and 04 built the memory; none of it says *which* request gets the next free block.
 # An engine decides that once per *step*: it picks requests and a number of tokens for each, and
@@ -355,7 +355,9 @@ excerpt(plan_iteration, "if blocks > free_blocks and make_room", "preempted = re
 
 # %% [markdown]
 # The `Scheduler` takes all the blocks of the *newest* running request and puts it at the *front*
-# of the waiting queue, until the request fits or was itself the newest. The victim's K/V are
+# of the waiting queue, until the request fits or was itself the newest. This is vLLM v1's rule
+# under first come, first served (`Scheduler.schedule` pops the last of its running list): the
+# requests that came first keep going. The victim's K/V are
 # dropped: its prompt and outputs are computed again later (**recompute**, as in vLLM v1). No
 # waiting request is admitted in that step. The rule is one loop:
 
@@ -363,8 +365,8 @@ excerpt(plan_iteration, "if blocks > free_blocks and make_room", "preempted = re
 excerpt(Scheduler._make_room, "while self._extra_blocks", "return self.allocator.num_free")
 
 # %% [markdown]
-# Three requests, 6 blocks of 4 tokens: A and B (6-token prompts, 6 new tokens each) need 3 blocks
-# apiece, so C (3 + 4 tokens) cannot stay. This scheduler keeps vLLM's defaults: it admits a waiting
+# Three requests, 6 blocks of 4 tokens: P and Q (6-token prompts, 6 new tokens each) need 3 blocks
+# apiece, so R (3 + 4 tokens) cannot stay. This scheduler keeps vLLM's defaults: it admits a waiting
 # request only when blocks for all the tokens it knows so far (its prompt plus the outputs it had
 # before a preemption, at most `max_model_len`) are free, and nobody passes it in the queue
 # ([appendix A5](A5_vllm_scheduler.ipynb) measures both rules).
@@ -372,25 +374,25 @@ excerpt(Scheduler._make_room, "while self._extra_blocks", "return self.allocator
 # %%
 # NBVAL_CHECK_OUTPUT
 pre = Scheduler(num_blocks=6, block_size=4, max_num_batched_tokens=12, enable_prefix_caching=False)
-pre_reqs = named_requests([("A", 6, 6), ("B", 6, 6), ("C", 3, 4)])
+pre_reqs = named_requests([("P", 6, 6), ("Q", 6, 6), ("R", 3, 4)])
 pre_steps = dry_run(pre, {0: pre_reqs})
 for step in pre_steps[2:7]:
     show_step(step)
 
 # %%
-A, B, C = pre_reqs
+P, Q, R = pre_reqs
 victim_step = next(s for s in pre_steps if s.preempted)
-assert victim_step.preempted == [C] and C.num_preemptions == 1
-computed_by_C = sum(c.num_tokens for s in pre_steps for c in s.chunks if c.request is C)
-print(f"C computed {computed_by_C} tokens for a sequence of {len(C.prompt_token_ids)} + "
-      f"{len(C.output_token_ids)} tokens: the recompute cost of its preemption")
+assert victim_step.preempted == [R] and R.num_preemptions == 1
+computed_by_R = sum(c.num_tokens for s in pre_steps for c in s.chunks if c.request is R)
+print(f"R computed {computed_by_R} tokens for a sequence of {len(R.prompt_token_ids)} + "
+      f"{len(R.output_token_ids)} tokens: the recompute cost of its preemption")
 # without the preemption: 3 prompt tokens + 3 outputs fed back; with it, 4 of those computed twice
-assert computed_by_C == (3 + 3) + 4
+assert computed_by_R == (3 + 3) + 4
 assert all(r.is_finished for r in pre_reqs) and pre.allocator.num_free == 6
 
 # %% [markdown]
-# In step 4, A and B each need a new block and one is free: C, the newest, is preempted. It waits
-# (its 5 known tokens need 2 blocks) until A and B finish, then computes its 3 prompt tokens *and
+# In step 4, P and Q each need a new block and one is free: R, the newest, is preempted. It waits
+# (its 5 known tokens need 2 blocks) until P and Q finish, then computes its 3 prompt tokens *and
 # both earlier outputs* in one chunk. With prefix caching on, its full blocks often survive in the
 # cache and the recompute shrinks to a hit. Swapping to CPU memory is the other way out (A5).
 #
@@ -632,13 +634,10 @@ print(f"{short_ask}\n  -> {tokenizer.decode(whole, skip_special_tokens=True)!r} 
 # Continuous batching (Orca, vLLM) pays off when requests outnumber the slots and their lengths
 # vary: a static batch holds its slots until its longest member ends; the engine hands a freed slot
 # to a waiting request at the next step. `benchmarks/real_model.py --workload 64` measures it on this
-# model: 64 chat requests, outputs of 8 to 128 tokens, at most 16 running on both sides, against
-# transformers' `generate` in static batches of 16 in arrival order. It runs for minutes; the
-# chapter reads its committed results.
-#
-# The benchmark runs each side with plain `nn.Linear` multiplies and with packed ones (the GEMM
-# column; `labkit.model.prepack`, vLLM's `dispatch_cpu_unquantized_gemm` in
-# `vllm/model_executor/layers/utils.py`), so scheduling's share stands apart.
+# model: 64 chat requests, outputs of 8 to 128 tokens, all submitted at once, at most 16 running on
+# both sides, against transformers' `generate` in static batches of 16 in arrival order (committed
+# results: it runs for minutes). Both sides run with the same multiplies (the GEMM column:
+# `nn.Linear`, or weights prepacked as `Engine` does by default; the next section), like for like:
 
 # %%
 # NBVAL_CHECK_OUTPUT
@@ -652,57 +651,47 @@ if BATCHING is None:  # a pip install (Colab) has labkit but not the repository'
 else:
     bench = json.loads(BATCHING.read_text())
     runs = {}
-    for r in bench["runs"]:  # the run of median wall time, per side, GEMM and arrival pattern
-        runs.setdefault((r["side"], r["gemm"], r["arrivals"]), []).append(r)
+    for r in bench["runs"]:  # the run of median wall time, per side and GEMM, all requests at once
+        if r["arrivals"] == "closed":
+            runs.setdefault((r["side"], r["gemm"]), []).append(r)
     runs = {k: sorted(v, key=lambda r: r["wall_s"])[(len(v) - 1) // 2] for k, v in runs.items()}
     print(f"{bench['command']} ({bench['date']}); {len(bench['lengths'])} requests, {sum(bench['lengths'])} "
-          f"output tokens, {bench['slots']} slots; Poisson rate {bench['poisson_rate']:.2f} requests/s")
-    print(f"{'side':<16}{'GEMM':<11}{'arrivals':<9}{'wall s':>7}{'tokens/s':>9}{'steps':>6}{'ms/step':>8}"
-          f"{'done mean':>10}{'TTFT p50':>9}{'TTFT p90':>9}")
-    for (side, gemm, arrivals), r in sorted(runs.items(), key=lambda kv: (kv[0][2], kv[1]["wall_s"])):
-        print(f"{side:<16}{gemm:<11}{arrivals:<9}{r['wall_s']:>7.1f}{r['tokens_per_s']:>9.1f}{r['steps']:>6}"
-              f"{r['ms_per_step']:>8.0f}{r['done_mean_s']:>10.1f}{r['ttft_p50_s']:>9.2f}{r['ttft_p90_s']:>9.2f}")
-
-    def speedup(engine_gemm: str, static_gemm: str) -> float:
-        return (runs["engine", engine_gemm, "closed"]["tokens_per_s"]
-                / runs["static batches", static_gemm, "closed"]["tokens_per_s"])
-
-    eng, sta = runs["engine", "packed", "closed"], runs["static batches", "nn.Linear", "closed"]
-    mm = bench["gemm_ms"]
-    print(f"one step's multiplies at 16 rows: {mm['nn.Linear']['16']:.0f} ms as nn.Linear, {mm['packed']['16']:.0f} ms "
-          f"packed (a static step: {sta['ms_per_step']:.0f} ms in all)")
-    print(f"steps: static {sta['steps']} = {' + '.join(map(str, bench['batch_longest']))} (each batch's longest "
-          f"member), engine {eng['steps']}: {sta['steps'] / eng['steps']:.2f}x fewer")
-    print(f"speed-up, engine packed over transformers as shipped: {speedup('packed', 'nn.Linear'):.2f}x; "
-          f"the same GEMM on both sides: {speedup('packed', 'packed'):.2f}x packed, "
-          f"{speedup('nn.Linear', 'nn.Linear'):.2f}x nn.Linear")
-    assert sta["steps"] == sum(bench["batch_longest"]) > eng["steps"] == bench["fcfs_steps"]
-    assert speedup("packed", "nn.Linear") >= 1.5
-    for same in ("packed", "nn.Linear"):  # the same GEMM: the speed-up is about the step ratio
-        assert abs(speedup(same, same) / (sta["steps"] / eng["steps"]) - 1) < 0.1
+          f"output tokens, {bench['slots']} slots")
+    print(f"{'side':<16}{'GEMM':<11}{'wall s':>7}{'tokens/s':>9}{'steps':>6}{'ms/step':>8}{'done mean':>10}")
+    for (side, gemm), r in sorted(runs.items(), key=lambda kv: (kv[0][1], kv[0][0])):
+        print(f"{side:<16}{gemm:<11}{r['wall_s']:>7.1f}{r['tokens_per_s']:>9.1f}{r['steps']:>6}"
+              f"{r['ms_per_step']:>8.0f}{r['done_mean_s']:>10.1f}")
+    static_steps, engine_steps = runs["static batches", "packed"]["steps"], runs["engine", "packed"]["steps"]
+    step_ratio = static_steps / engine_steps
+    print(f"steps: static {static_steps} = {' + '.join(map(str, bench['batch_longest']))} (each batch's longest "
+          f"member), engine {engine_steps}: {step_ratio:.2f}x fewer")
+    for gemm in ("packed", "nn.Linear"):
+        speedup = runs["engine", gemm]["tokens_per_s"] / runs["static batches", gemm]["tokens_per_s"]
+        cost = runs["engine", gemm]["ms_per_step"] / runs["static batches", gemm]["ms_per_step"]
+        print(f"{gemm}: the engine serves {speedup:.2f}x the tokens per second; its step costs {cost:.2f}x "
+              f"a static step's")
+        assert abs(speedup / step_ratio - 1) < 0.1  # like for like, the speed-up is the step ratio
+    assert static_steps == sum(bench["batch_longest"]) > engine_steps == bench["fcfs_steps"]
     assert bench["tokens_equal_static"] == len(bench["lengths"])
-    assert runs["engine", "packed", "poisson"]["ttft_p90_s"] < runs["static batches", "nn.Linear", "poisson"]["ttft_p90_s"]
 
 # %% [markdown]
-# A static batch takes as many steps as its longest member, and the engine takes the fewest a
-# first-come-first-served schedule can: the step ratio is what scheduling buys, and with the same
-# GEMM on both sides it is nearly the whole speed-up. The packed multiplies make each engine step
-# cheaper on top; the two ratios multiply. The figure shows the slots doing useful work.
+# With the same multiplies, the engine's speed-up is the step ratio: a static batch takes as many
+# steps as its longest member, the engine the fewest a first-come-first-served schedule can.
+# Scheduling buys fewer steps for the same tokens; no step got cheaper. Step by step:
 
 # %%
 if BATCHING is not None:
-    fig, axes = plt.subplots(1, 2, figsize=(10, 3.2), sharey=True)
-    for ax, arrivals in zip(axes, ("closed", "poisson")):
-        for side, color in (("engine", "C0"), ("static batches", "C1")):
-            t = bench["traces"][f"{side} {arrivals}"]
-            ax.step(t["step_end"], t["busy"], where="pre", color=color, label=f"{side} ({bench['goal_gemm'][side]})")
-        ax.set_title("all 64 at once" if arrivals == "closed" else "Poisson arrivals")
-        ax.set_xlabel("seconds")
-    axes[0].set_ylabel("slots computing a useful token")
-    axes[0].legend()
+    fig, ax = plt.subplots(figsize=(7, 3.2))
+    for side, color in (("engine", "C0"), ("static batches", "C1")):
+        busy = bench["traces"][f"{side} closed"]["busy"]  # the schedule, whatever the multiplies
+        ax.step(range(1, len(busy) + 1), busy, where="pre", color=color, label=f"{side}: {len(busy)} steps")
+    ax.set(xlabel="step", ylabel="slots computing a useful token",
+           title="64 requests, 16 slots: the slots doing useful work, step by step")
+    ax.legend()
     plt.show()
     static_busy = bench["traces"]["static batches closed"]["busy"]
     engine_busy = bench["traces"]["engine closed"]["busy"]
+    assert (len(static_busy), len(engine_busy)) == (static_steps, engine_steps)
     print(f"mean slots in use per step: engine {np.mean(engine_busy):.1f}, static batches "
           f"{np.mean(static_busy):.1f} of {bench['slots']}")
     assert np.mean(engine_busy) > np.mean(static_busy)
@@ -711,8 +700,8 @@ if BATCHING is not None:
 
 # %% [markdown]
 # In a static batch the useful slots fall like a staircase as short requests end, and a new batch
-# starts only at the bottom. The engine stays at 16 until the queue runs dry, then only falls. With
-# Poisson arrivals a static batch also waits to fill before its first token: its TTFT shows it.
+# starts only at the bottom. The engine stays at 16 until the queue runs dry, then only falls. (The
+# benchmark's record also holds runs with Poisson arrivals, where a static batch first waits to fill.)
 #
 # ### What makes a step fast
 #
@@ -772,8 +761,8 @@ else:
 # - The engine built from chapters 01 to 05 gives exactly the tokens of generating each prompt alone,
 #   and serves a real model with transformers' greedy tokens.
 # - With more requests than slots, the engine refills a slot in the step after it frees, where a
-#   static batch waits for its longest member: fewer steps for the same tokens, and the speed-up
-#   is that step ratio over the ratio of step costs.
+#   static batch waits for its longest member: fewer steps for the same tokens. With the same
+#   multiplies on both sides, that step ratio is the speed-up.
 # - A step's cost is mostly its multiplies. Prepared once as vLLM prepares a model (fused, packed),
 #   with attention planned once per step, the engine serves within a tenth of vLLM's speed.
 #

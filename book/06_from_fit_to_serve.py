@@ -13,8 +13,10 @@
 # %% [markdown]
 # # 06 · From fitting to serving
 #
-# **Fitting is not serving: once requests arrive, occupancy, reuse and latency decide what a pool
-# serves.** Chapter 02 turned a model's shape into bytes per token and a device's memory into a
+# **The message.** Fitting is not serving: once requests arrive, occupancy, reuse and latency
+# decide how well a pool serves them.
+#
+# Chapter 02 turned a model's shape into bytes per token and a device's memory into a
 # number of sequences: that answers "how much fits?". A user asks "how long until my first token,
 # and how fast do the others come?". This chapter carves the article's pool out of a device, prices
 # every engine step with a roofline, and serves synthetic traffic through the scheduler, allocator
@@ -401,6 +403,7 @@ assert chat_run.used_blocks.max() / chat_run.num_blocks < 0.5 and chat_run.preem
 assert tight_run.used_blocks.max() == tight_run.num_blocks and tight_run.preemptions.sum() > 100
 assert tight_run.ttft_percentiles()["p50"] > 10 and chat_run.ttft_percentiles()["p50"] < 0.1
 assert tight_run.mean_occupancy > 0.8
+assert abs(tight_run.itl_percentiles()["p50"] / chat_run.itl_percentiles()["p50"] - 1) < 0.1  # ITL p50 hardly moves
 
 
 # %% [markdown]
@@ -838,8 +841,8 @@ ex.check_behaviour("Exercise 4", find_rate, check_search,
 # 1. One request stalls once: which shows it? (a) TPOT p99; (b) ITL p99.
 # 2. In a decode step, the batch shares (a) the weight read; (b) each history read.
 # 3. About how many 4,096-token sequences make the teaching model's history read equal its weight read?
-# 4. Paging beats reserving the maximum mainly because (a) more sequences fit, so batches grow;
-#    (b) attention gets faster.
+# 4. The same 400 requests in a 1 GiB pool instead of 7 GiB: what grows most? (a) the TTFT median;
+#    (b) the ITL median; (c) the TPOT median.
 
 # %%
 # BEGIN SOLUTION

@@ -13,11 +13,17 @@
 # %% [markdown]
 # # A2 · vLLM's start-up log, line by line
 #
+# **The message.** What vLLM logs about its KV cache when it starts, and why it refuses to start, is
+# arithmetic you can do beforehand: the device's memory times `gpu_memory_utilization`, minus
+# everything that is not cache, divided into blocks and then into worst-case requests.
+#
 # An appendix to [chapter 06](06_from_fit_to_serve.ipynb), which carves a KV pool out of a device:
-# memory minus weights, workspace and reserve. vLLM does the same subtraction every time it starts,
+# memory minus weights, workspace and reserve, and to [chapter 02](02_cost_per_token.ipynb), whose
+# bytes per token it splits over several GPUs. vLLM does the same subtraction every time it starts,
 # and prints the result in two lines of its log. This appendix rebuilds those lines with
-# `labkit.vllm_bridge.predict`, which follows vLLM 0.33.0's own code (every function names the file it follows),
-# so you can predict them before you rent the GPU, and read them when a server refuses to start.
+# `labkit.vllm_bridge.predict`, which follows vLLM 0.33.0's own code (every function names the file
+# it follows), so you can predict them before you rent the GPU, and read them when a server refuses
+# to start.
 #
 # **What you will learn**
 #
@@ -25,7 +31,8 @@
 #   follow from the device, `gpu_memory_utilization` and the memory outside the cache;
 # - why a real GPU never starts at `gpu_memory_utilization=1.0`, and what the default 0.92 costs;
 # - why vLLM refuses a `max_model_len`, what its message proposes, and three ways out;
-# - what tensor parallelism does to the cache when GPUs outnumber KV heads, and what MLA changes;
+# - how tensor and pipeline parallelism split the cache over GPUs, why heads are replicated when GPUs
+#   outnumber KV heads, and what MLA changes;
 # - where vLLM reserves more than the model needs (sliding-window layers), and why the batch size
 #   you run with changes the concurrency it promises.
 
@@ -35,16 +42,19 @@ from labkit.teaching.diagrams import roadmap
 roadmap("A2");  # the article's pipeline, this appendix's part highlighted
 
 # %% [markdown]
-# **You need:** chapter 02: bytes per token; chapter 06, its first section: a device's memory minus
-# weights, workspace and reserve becomes the KV pool.
+# **You need:** chapter 02: bytes per token and the KV heads (GQA); chapter 06, its first section: a
+# device's memory minus weights, workspace and reserve becomes the KV pool;
+# [appendix A3](A3_fewer_bytes_per_element.ipynb): the 8-bit cache (its sections 1 and 2), sliding
+# windows and a latent cache (its section 7).
 #
-# **Time:** about 20 minutes to read and run.
+# **Time:** about 30 minutes to read and run.
 
 # %%
+from labkit.memory import capacity
 from labkit.memory.capacity import PRESETS, TEACHING_MODEL, kv_heads_per_device
 from labkit.memory.pool_plan import plan_pool
 from labkit.serving.sim.costmodel import DEVICES, MODEL_COSTS
-from labkit.units import GiB, format_bytes
+from labkit.units import GiB, KiB, format_bytes
 from labkit.vllm_bridge import predict
 
 pool = plan_pool(device_bytes=24 * GiB, set_aside_bytes=17 * GiB, model=TEACHING_MODEL, block_size=16,
@@ -181,14 +191,55 @@ except predict.KVCacheTooSmallError as refusal:
 # The override says only that positions past the trained limit are allowed; vLLM's own warning
 # adds that a RoPE model then produces NaN there. The memory arithmetic does not change.
 #
-# ### More GPUs: tensor parallelism, replicated heads, and MLA
+# ## More GPUs: tensor and pipeline parallelism
 #
-# Llama-3-70B's weights (with chapter 02's shape) do not fit one 80 GiB GPU. Spread over 8 or 16
+# A model too big for one device is split, and its cache follows the split:
+#
+# - **tensor parallelism** (TP) gives each device a share of the attention heads, and with them a
+#   share of the KV heads. A KV head cannot be cut: when the devices outnumber the KV heads, each
+#   keeps one whole head, and heads are *replicated*. So the numbers must divide one way or the
+#   other. vLLM builds its K and V projections that way (`vllm/model_executor/layers/linear.py:
+#   QKVParallelLinear`: `num_kv_heads / tp_size` heads per device, or one head and `tp_size /
+#   num_kv_heads` copies, both through `divide`, which asserts the division is exact), and so does
+#   `capacity.kv_heads_per_device`: 8 KV heads on 5 devices are refused here as there;
+# - **pipeline parallelism** (PP) gives each device (a stage) a range of layers, and the cache of
+#   only those layers. When the layers do not divide evenly, vLLM adds the extra layers to the
+#   stages before the last, from the one next to it backwards (`vllm/distributed/utils.py:
+#   get_pp_indices`), and so does `capacity.pipeline_stages`: 61 layers on 4 stages are 15, 15, 16, 15.
+#
+# `capacity.shard` returns the busiest device's share as a `ModelShape`, so chapter 02's formula
+# applies per device. Llama-3-70B has 8 KV heads and 80 layers:
+
+# %%
+# NBVAL_CHECK_OUTPUT
+big = PRESETS["Llama-3-70B"]
+print(f"{'TP':>3}{'PP':>4}{'devices':>9}{'KV heads/dev':>14}{'layers/dev':>12}{'per token/dev':>15}{'all devices':>13}")
+per_device = {}
+for tp, pp in [(1, 1), (2, 1), (4, 1), (8, 1), (16, 1), (1, 2), (1, 4), (8, 2)]:
+    dev = capacity.shard(big, tensor_parallel_size=tp, pipeline_parallel_size=pp)
+    per_device[tp, pp] = dev.bytes_per_token()
+    print(f"{tp:>3}{pp:>4}{tp * pp:>9}{dev.num_kv_heads:>14}{dev.num_layers:>12}"
+          f"{format_bytes(dev.bytes_per_token()):>15}{format_bytes(tp * pp * dev.bytes_per_token()):>13}")
+assert per_device[8, 1] == big.bytes_per_token() // 8
+assert per_device[16, 1] == per_device[8, 1]  # 16 devices, 8 KV heads: each head lives on 2 devices
+assert per_device[1, 4] == big.bytes_per_token() // 4
+for tp in [1, 2, 4, 8]:  # only divided: the total stays at the model's per-token cost
+    assert tp * per_device[tp, 1] == big.bytes_per_token() == 320 * KiB
+assert per_device[16, 1] == 40 * KiB and 16 * per_device[16, 1] == 2 * big.bytes_per_token() == 640 * KiB
+assert [len(stage) for stage in capacity.pipeline_stages(61, 4)] == [15, 15, 16, 15]
+try:
+    capacity.shard(big, tensor_parallel_size=5)  # 8 KV heads on 5 devices: neither divides the other
+except ValueError as refusal:
+    print(f"\nTP=5: ValueError: {refusal}")
+
+# %% [markdown]
+# Read the last column. Up to TP=8 the total over all devices stays at the model's per-token cost:
+# the cache is only divided. At TP=16 each device holds as much as at TP=8, and the total doubles:
+# the replication is real memory.
+#
+# Now vLLM's own lines for it. Llama-3-70B's weights do not fit one 80 GiB GPU. Spread over 8 or 16
 # H100s with tensor parallelism, each GPU holds a share of the weights. We assume 5 GiB per GPU for
-# activations and CUDA graphs (an assumption; vLLM measures it). vLLM splits the KV heads when the
-# GPUs divide them, and gives each GPU one whole head, replicated, when the KV heads divide the
-# GPUs; anything else it refuses (`vllm/model_executor/layers/linear.py: QKVParallelLinear`,
-# the rule `capacity.kv_heads_per_device` of chapter 02 follows).
+# activations and CUDA graphs (an assumption; vLLM measures it).
 #
 # One caveat on the device: we give each H100 its datasheet's 80 GiB, but vLLM multiplies the
 # total memory *CUDA reports*, which is below the datasheet figure (the driver and, where it is
@@ -218,20 +269,19 @@ assert predict.kv_cache_report("Llama-3-70B", smaller, max_model_len=8192, tenso
     < tp_reports[8].max_concurrency  # less reported memory, less concurrency: the column is an upper bound
 
 # %% [markdown]
-# At 8 GPUs each holds one of the 8 KV heads. At 16, a head cannot be cut, so every head is stored
-# on two GPUs and the page stays the same size. Twice the GPUs do not give twice the tokens: the
-# second engine holds more only because each GPU carries half as much weight, not because its
-# cache got denser.
+# At 16 GPUs the page stays the size it had at 8, each head being stored twice. Twice the GPUs do
+# not give twice the tokens: the second engine holds more only because each GPU carries half as
+# much weight, not because its cache got denser.
 #
 # DeepSeek-V3's latent cache (MLA) is one "head" of 512 + 64 elements per token and layer, with no
-# separate V (`MLAAttentionSpec`: head_size_v = 0). Tensor parallelism cannot split it at all:
-# every GPU keeps the whole latent cache of its layers. The block size depends on which attention
-# backend serves it. On Hopper vLLM 0.33.0 tries FLASH_ATTN_MLA first, which takes any multiple
-# of 16 tokens but only a 16-bit cache, so with the default dtype the block is 16; with an fp8
-# cache FLASH_ATTN_MLA declines and FlashMLA, which wants 64-token blocks, takes over
-# (`vllm/platforms/cuda.py: _get_backend_priorities`; the backends' `supported_kv_cache_dtypes`).
-# No MLA backend of 0.33.0 takes the per-token-head 8-bit dtypes. With 40 GiB of cache per GPU
-# (assumed), at its full context of 163,840 tokens:
+# separate V (`MLAAttentionSpec`: head_size_v = 0; appendix A3, section 7). Tensor parallelism
+# cannot split it at all: every GPU keeps the whole latent cache of its layers, as `capacity.shard`
+# does too. The block size depends on which attention backend serves it. On Hopper vLLM 0.33.0 tries
+# FLASH_ATTN_MLA first, which takes any multiple of 16 tokens but only a 16-bit cache, so with the
+# default dtype the block is 16; with an fp8 cache FLASH_ATTN_MLA declines and FlashMLA, which wants
+# 64-token blocks, takes over (`vllm/platforms/cuda.py: _get_backend_priorities`; the backends'
+# `supported_kv_cache_dtypes`). No MLA backend of 0.33.0 takes the per-token-head 8-bit dtypes. With
+# 40 GiB of cache per GPU (assumed), at its full context of 163,840 tokens:
 
 # %%
 # NBVAL_CHECK_OUTPUT
@@ -241,13 +291,15 @@ for dtype, block in (("auto", 16), ("fp8", 64)):  # FLASH_ATTN_MLA, then FlashML
     print(f"kv_cache_dtype={dtype!r}, block {block}: page {r.page_size_bytes:,} B x "
           f"{PRESETS['DeepSeek-V3'].num_layers} layers\n  {r.log_lines()[1]}")
 assert r.page_size_bytes == 64 * 576  # fp8: one byte per latent element, the same on all 8 GPUs
+mla = PRESETS["DeepSeek-V3"]
+assert capacity.shard(mla, tensor_parallel_size=8).bytes_per_token() == mla.bytes_per_token()  # never split
 try:
     predict.kv_cache_report("DeepSeek-V3", 40 * GiB, max_model_len=163_840, kv_cache_dtype="fp8_per_token_head")
 except ValueError as refusal:
     print(f"kv_cache_dtype='fp8_per_token_head': ValueError: {refusal}")
 
 # %% [markdown]
-# ### What the model needs, and what vLLM reserves
+# ## What the model needs, and what vLLM reserves
 #
 # `labkit.memory.capacity` keeps the physics: a sliding-window layer needs only its window. vLLM
 # budgets a window layer for more (`SlidingWindowSpec.max_admission_blocks_per_request`): the last
@@ -309,8 +361,10 @@ assert by_budget[8192].blocks_per_request == -(-(4095 + 2 * 8192) // 16) + 1 == 
 # - vLLM refuses a `max_model_len` past the model's own limit (unless overridden) and one whose
 #   single request does not fit the pool less its null block; the message gives the longest that
 #   fits. A shorter context, an 8-bit cache, or less memory outside the cache are the ways out.
-# - With more GPUs than KV heads, heads are replicated, so doubling the GPUs does not double the
-#   tokens; MLA's latent cache is never split.
+# - Tensor parallelism divides the KV heads until each GPU holds one, then replicates them, so
+#   doubling the GPUs past the KV-head count does not double the tokens; pipeline parallelism
+#   divides the layers, the extra ones going to the stages before the last; MLA's latent cache is
+#   never split.
 # - vLLM budgets a sliding-window layer for its window plus the tokens in flight (two batches on a
 #   GPU), so its "Maximum concurrency" for Mistral-7B falls from 19.96x to 7.99x when the batch grows
 #   from 2,048 to 8,192 tokens: pass the batch size you will really run.
@@ -318,7 +372,7 @@ assert by_budget[8192].blocks_per_request == -(-(4095 + 2 * 8192) // 16) + 1 == 
 # Back to [chapter 06](06_from_fit_to_serve.ipynb#fitting-is-not-serving), where the pool starts serving.
 
 # %% [markdown]
-# ## Exercise
+# ## Exercises
 
 # %%
 from labkit.teaching.exercises import Exercises
@@ -357,6 +411,28 @@ ex.check("Exercise 1", answer_1,
 # of those blocks, the null block included, by the blocks one request of `max_model_len` tokens needs.
 
 # %% [markdown]
+# **Exercise 2.** Gemma-2-9B (42 layers, 8 KV heads of dimension 256, bf16) runs with tensor
+# parallelism over 16 GPUs. How many bytes per token does each GPU's cache hold, by chapter 02's
+# formula (no windows)? (Think about what happens to a KV head when there are more GPUs than heads.)
+
+# %%
+# BEGIN SOLUTION
+answer_2 = 2 * 42 * 1 * 256 * 2
+# END SOLUTION
+# BEGIN STUB
+answer_2 = None  # replace None with your expression
+# END STUB
+gemma = PRESETS["Gemma-2-9B"]  # the numbers quoted in the exercise
+assert (gemma.num_layers, gemma.num_kv_heads, gemma.head_dim, gemma.dtype_bytes) == (42, 8, 256, 2)
+ex.check("Exercise 2", answer_2, hint="each GPU keeps one whole KV head of every layer")
+
+# %% [markdown]
+# SOLUTIONS ONLY
+# **Why this works.** A KV head cannot be cut in two: with 16 GPUs and 8 KV heads, each head is
+# copied onto 2 GPUs, so every GPU holds exactly 1 KV head of each of Gemma-2-9B's 42 layers, with
+# `head_dim` 256 in bf16. Past the KV-head count, more GPUs stop shrinking the per-GPU cache.
+
+# %% [markdown]
 # ## References
 #
 # - vLLM 0.33.0, the version every function named here follows: documentation at
@@ -365,6 +441,6 @@ ex.check("Exercise 1", answer_1,
 #   `vllm/engine/arg_utils.py`, `vllm/v1/worker/utils.py`, `vllm/v1/worker/gpu_worker.py`,
 #   `vllm/v1/kv_cache_interface.py`, `vllm/v1/core/kv_cache_utils.py`,
 #   `vllm/v1/core/kv_cache_planning.py`, `vllm/v1/core/block_pool.py`, `vllm/config/model.py`,
-#   `vllm/model_executor/layers/linear.py` and `vllm/platforms/cuda.py`.
+#   `vllm/model_executor/layers/linear.py`, `vllm/distributed/utils.py` and `vllm/platforms/cuda.py`.
 # - The source article's §06 (24 GiB − 17 GiB = 7 GiB, seven 8,192-token sequences), whose
 #   device this appendix starts from; see chapter 06's references.

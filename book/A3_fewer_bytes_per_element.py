@@ -11,24 +11,26 @@
 # ---
 
 # %% [markdown]
-# # A3 · Fewer bytes per element: an fp8, int8 or int4 KV cache
+# # A3 · Fewer bytes per token: quantized, windowed and latent caches
 #
-# An appendix to [chapter 02](02_cost_per_token.ipynb), whose formula for one token's cache is
-# 2 × L × Hkv × D × b. Chapter 02 noted that an 8-bit cache halves b, and appendix A2 showed vLLM
-# doubling its concurrency with `kv_cache_dtype="fp8"`. Every other cache in this book stores at
-# least 2 bytes per element. Here we build caches that store 1 byte, or half of one, run the real
-# model on them, and measure what the saved bytes cost.
+# **The message.** A token's cache shrinks with fewer bits per element, fewer tokens kept or a smaller
+# vector per token, and each way costs something: on the real model an int8 cache almost nothing,
+# fp8 a little and int4 a measurable loss that finer scales reduce.
+#
+# An appendix to [chapter 02](02_cost_per_token.ipynb), whose formula for one token's cache is 2 × L
+# × Hkv × D × b. Here we build caches that store 1 byte per element, or half of one, run the real
+# model on them, and measure what the saved bytes cost. Section 7 adds the two other ways real
+# models store less per token, which chapter 02 left out: sliding windows and a latent cache.
 #
 # **What you will learn**
 #
 # - what a *code* and a *scale* are, and how fp8 (e4m3), int8 and int4 differ in the error they make;
 # - where the scales can live (one per layer, as vLLM's `k_scale` and `v_scale`; one per block and
 #   head; one per 32 elements) and what each placement adds to the byte formula;
-# - how labkit's paged cache keeps scales beside its blocks, and how the Triton decode kernel turns
-#   codes back into numbers after loading them and before the dot products;
-# - what each scheme costs on SmolLM2-135M: next-token loss on held-out text, and how long greedy
-#   decoding stays identical to a bfloat16 cache;
-# - which GPUs cannot run an fp8 kernel, and what labkit runs there instead.
+# - how the paged cache keeps scales beside its blocks, and where the decode kernel turns codes back
+#   into numbers (and on which GPUs it cannot, for fp8);
+# - what each scheme costs on SmolLM2-135M, in next-token loss and in greedy agreement;
+# - what a sliding window and a latent (MLA) cache change in the formula.
 
 # %%
 from labkit.teaching.diagrams import roadmap
@@ -36,13 +38,14 @@ from labkit.teaching.diagrams import roadmap
 roadmap("A3");  # the article's pipeline, this appendix's part highlighted
 
 # %% [markdown]
-# **You need:** chapter 02: the byte formula; chapter 03: the paged pool and its decode kernel;
-# chapter 01: the real model.
+# **You need:** chapter 02: the byte formula, the model presets (section 5) and a device's pool
+# (section 6); chapter 03: the paged pool; appendix A1: its decode kernel; chapter 01: the real model.
 #
-# **Time:** about 30 minutes to read and run.
+# **Time:** about 40 minutes to read and run.
 
 # %%
 import json
+import math
 
 import matplotlib.pyplot as plt
 import torch
@@ -59,7 +62,8 @@ from labkit.memory.capacity import PRESETS, TEACHING_MODEL
 from labkit.model.decoder import DecoderConfig
 from labkit.teaching import build_it
 from labkit.teaching.results import committed_result
-from labkit.units import format_bytes
+from labkit.units import GiB, format_bytes
+from labkit.vllm_bridge import predict
 
 # %% [markdown]
 # ## 1. A code and a scale
@@ -67,12 +71,41 @@ from labkit.units import format_bytes
 # A quantized cache stores each element as a small *code* and keeps, elsewhere, a *scale* that turns
 # codes back into numbers: x ≈ code × scale. int8 keeps codes from −127 to 127, int4 from −7 to 7;
 # the scale is chosen so that the largest |x| maps to the largest code, and every other value is
-# divided by the scale and rounded to the nearest integer. fp8's codes are floating-point numbers
-# themselves, e4m3: 4 bits of exponent, 3 of mantissa, largest value 448. Between two powers of two
-# it has 8 steps, so its error is *relative*, about 3% on average and at most one part in 16, while
-# int8's is *absolute*, at most half a scale step whatever the value.
+# divided by the scale and rounded to the nearest integer. Their error is *absolute*: at most half a
+# scale step, whatever the value.
 #
-# Quantize values from 0.01 to 10 with the scale set by the largest, 10:
+# fp8's codes are floating-point numbers themselves, e4m3: 4 bits of exponent, 3 of mantissa,
+# largest value 448. Between two powers of two it has 8 evenly spaced numbers, so for its *normal*
+# numbers, from 2⁻⁶ to 448, the error is *relative*: at most half a step, 1/16 of the power of two
+# below the value. Under 2⁻⁶ there are only *subnormal* numbers, 2⁻⁹ apart; there the error is
+# absolute, and a code of 2⁻¹⁰ or less becomes 0. Rounded to nearest, values spread evenly on a log
+# scale over the normal range:
+
+# %%
+# NBVAL_CHECK_OUTPUT
+e4m3 = torch.finfo(torch.float8_e4m3fn)
+spread = torch.empty(100_000, dtype=torch.float64).uniform_(math.log(e4m3.smallest_normal), math.log(e4m3.max),
+                                                            generator=torch.Generator().manual_seed(0))
+normal = spread.exp().float()
+error = (formats.dequantize(formats.quantize(normal, 1.0, "fp8"), 1.0) - normal).abs() / normal
+print(f"e4m3 normal numbers, {e4m3.smallest_normal:g} (2^-6) to {e4m3.max:g}: mean relative error "
+      f"{error.mean():.2%} (1/(64 ln 2) = {1 / (64 * math.log(2)):.2%} in theory),\n"
+      f"  largest {error.max():.1%} (1/16 = {1 / 16:.2%})")
+tiny = torch.tensor([2**-6, 2**-8, 2**-9, 1.1 * 2**-10, 2**-10, 2**-11])
+kept = formats.dequantize(formats.quantize(tiny, 1.0, "fp8"), 1.0)
+print("code      " + "".join(f"{v:>11.3e}" for v in tiny.tolist()))
+print("stored as " + "".join(f"{v:>11.3e}" for v in kept.tolist()))
+print(f"scale set by the largest |x|: relative error down to |x|max / {448 * 2**6:,}, 0 at |x|max / {448 * 2**10:,} "
+      "and below")
+assert abs(error.mean() - 1 / (64 * math.log(2))) < 2e-4  # 1/(64 ln 2) = 2.25% for log-uniform values
+assert error.max() <= 1 / 16
+assert kept[2] == 2**-9 and kept[3] == 2**-9 and kept[4] == 0 and kept[5] == 0  # 2^-10 and below: 0
+assert kept[1] == 2**-8 and e4m3.smallest_normal == 2**-6
+
+# %% [markdown]
+# About 2.25% on average for normal codes. With the scale set by the largest |x|, they cover every
+# value down to |x|max / 28,672; from |x|max / 458,752 down, values are 0. Quantize values from
+# 0.01 to 10 with the scale set by the largest, 10:
 
 # %%
 # NBVAL_CHECK_OUTPUT
@@ -87,25 +120,29 @@ for i, value in enumerate(x.tolist()):
                                     for e in formats.ELEMENTS))
 assert rows["int4"][-1] == 0 and rows["int8"][-1] == 0 < rows["fp8"][-1]  # small values vanish on an integer grid
 assert all(abs(rows["fp8"][i] / x[i] - 1) <= 1 / 16 for i in range(len(x)))
+assert (x / (10 / 448)).min() >= e4m3.smallest_normal  # every code here is a normal e4m3 number
 
 # %% [markdown]
 # With one scale for everything, int8 and int4 lose the small values: 0.01 is below half a step and
-# becomes 0. fp8 keeps every value within 1/16 of itself. Real keys and values are not spread that
-# widely inside one head, but a few channels can be much larger than the rest (KIVI, in the
-# references, finds this in keys), and those set the scale for everything else. That is why it
-# matters where the scales live.
+# becomes 0. fp8 keeps each within 1/16 of itself: even 0.01 is a code of 0.448, a normal number.
+# Real keys and values are not spread that widely inside one head, but a few channels can be much
+# larger than the rest, and those set the scale for everything else. That is why it matters where
+# the scales live.
 #
 # ## 2. Where the scales live, and what they cost
 #
 # `labkit.memory.formats` offers three placements for each element format, named `"<element>_per_<scales>"`:
 #
-# - **per tensor**: one scale for all of a layer's K, one for its V. This is vLLM's
-#   `kv_cache_dtype="fp8"`: `BaseKVCacheMethod.process_weights_after_loading`
-#   (`vllm/model_executor/layers/quantization/kv_cache.py`, vLLM 0.33.0) reads `k_scale` and
-#   `v_scale` from the checkpoint, duplicates a single `kv_scale` to both, and uses 1.0 when the
-#   checkpoint has none (it logs a warning). labkit starts at 1.0 too; `quant_quality.calibrate_kv_scales` measures
-#   each layer's max |K| and max |V| on sample text, as the tools that write such checkpoints do.
-#   The scales are fixed before serving: a later value past them is clamped.
+# - **per tensor**: one scale for all of a layer's K, one for its V: vLLM's `kv_cache_dtype="fp8"`.
+#   In vLLM 0.33.0 a plain checkpoint (unquantized weights) has no scales, and both are 1.0
+#   (`set_default_quant_scales`, called from `Attention.process_weights_after_loading`, in
+#   `vllm/model_executor/layers/attention/attention.py`); the only log line is the info
+#   `CacheConfig` prints for any fp8 cache, that it "may cause accuracy drop without a proper
+#   scaling factor" (`vllm/config/cache.py`). A quantized checkpoint brings `k_scale` and `v_scale`
+#   (`vllm/model_executor/layers/quantization/kv_cache.py: BaseKVCacheMethod`); only one that lacks
+#   them gets 1.0 and a warning. labkit starts at 1.0 too; `quant_quality.calibrate_kv_scales`
+#   measures each layer's max |K| and |V| on sample text, as the tools that write such checkpoints
+#   do. The scales are fixed before serving: later values past them are clamped.
 # - **per block**: one scale per block and KV head, the largest |x| written into the block so far,
 #   over qmax. A write that raises it re-encodes the block's earlier codes for the new scale.
 # - **per group**: one scale for every 32 consecutive elements of a token's head, set when the
@@ -133,17 +170,44 @@ assert capacity.kv_bytes_per_token(PRESETS["Llama-3-8B"], "int8_per_block") == 6
 # %% [markdown]
 # Per-block scales cost 1/512 of an 8-bit cache with 16-token blocks; per-group scales cost 1/8 of it
 # and a quarter of an int4 cache, which is why int4 with groups of 32 saves 69% of bf16, not 75%.
-# vLLM's own 8-bit and 4-bit alternatives to per-tensor scales, `int8_per_token_head` and
-# `int4_per_token_head`, keep two float32 scales per token and head in the page
-# (`TritonAttentionBackend.customize_spec`, `vllm/v1/attention/backends/triton_attn.py`):
-# 8 bytes per head and token, 1/32 of an int8 head of 128 elements (`labkit.vllm_bridge.predict.page_size_bytes`).
+#
+# vLLM's alternatives to per-tensor scales are `fp8_per_token_head`, `int8_per_token_head` and
+# `int4_per_token_head`, all three in the Triton backend's `supported_kv_cache_dtypes`
+# (`vllm/v1/attention/backends/triton_attn.py`). They compute one float32 scale for the K and one
+# for the V of every token and head as they write it, and keep both in the page beside the codes
+# (`TritonAttentionBackend.customize_spec`). `int4_per_token_head` also rotates each head (a
+# Hadamard transform) and hides a 4-bit zero point in its scale
+# (`vllm/v1/attention/ops/int4_per_token_head.py`). For the teaching model, page bytes of one token
+# and layer from `labkit.vllm_bridge.predict.page_size_bytes`, per KV head:
+
+# %%
+# NBVAL_CHECK_OUTPUT
+print(f"{'kv_cache_dtype':20s}{'bytes per head and token':>26s}{'of which scales':>17s}")
+head_bytes = {}
+for name in ("auto", "fp8", "fp8_per_token_head", "int8_per_token_head", "int4_per_token_head"):
+    head_bytes[name] = predict.page_size_bytes(TEACHING_MODEL, 1, name) // TEACHING_MODEL.num_kv_heads
+    data = 2 * 128 * (2 if name == "auto" else 0.5 if name.startswith("int4") else 1)  # K and V of 128 elements
+    print(f"{name:20s}{head_bytes[name]:>26,}{head_bytes[name] - data:>17,.0f}")
+fp8 = TEACHING_MODEL.with_dtype("fp8")
+print(f"teaching model, fp8: {format_bytes(fp8.bytes_per_token())} per token, "
+      f"request A {format_bytes(fp8.cache_bytes(8192))}")
+assert 2 * fp8.cache_bytes(8192) == TEACHING_MODEL.cache_bytes(8192)  # an 8-bit cache halves b
+assert predict.page_size_bytes(TEACHING_MODEL, 1, "fp8_per_token_head") == 8 * 264  # 8 KV heads, 1 token
+assert predict.page_size_bytes(TEACHING_MODEL, 1, "fp8") == 8 * 256
+scales = head_bytes["int8_per_token_head"] - head_bytes["fp8"]
+assert scales == 8 and 32 * scales == 2 * 128 and 16 * scales == 128  # 1/32 of K and V, 1/16 of one head
+assert head_bytes["fp8_per_token_head"] == head_bytes["int8_per_token_head"] == 264
+assert head_bytes["int4_per_token_head"] == 2 * 64 + 8  # two codes per byte, the same 8 bytes of scales
+
+# %% [markdown]
+# Plain `fp8` halves bf16's 512 bytes. A per-token-head dtype adds 8 bytes of scales: at 8 bits,
+# 1/32 of the 256 bytes of K and V together, or 1/16 of one head's K; at 4 bits, 8 bytes on 128.
 #
 # ## 3. What each placement keeps of the real keys and values
 #
-# Which placement fits depends on the numbers. Run SmolLM2-135M-Instruct, the book's real model, over
-# 256 tokens of text with a cache that records each layer's K and V, then push them through every
-# scheme and measure the relative error ‖x̂ − x‖ / ‖x‖, averaged over every third layer (per-tensor
-# scales from each layer's own max |x| here):
+# Run SmolLM2-135M-Instruct, the book's real model, over 256 tokens of text with a cache that
+# records each layer's K and V, then push them through every scheme and measure the relative error
+# ‖x̂ − x‖ / ‖x‖, averaged over every third layer (per-tensor scales from each layer's own max |x|):
 
 # %%
 # NBVAL_SKIP_IN_SOLUTIONS
@@ -177,21 +241,27 @@ for name, (k_err, v_err) in errors.items():
     print(f"  {name:16s} K {k_err:6.1%}   V {v_err:6.1%}")
 assert errors["int4_per_group"][0] < errors["int4_per_block"][0] < errors["int4_per_tensor"][0]
 assert max(errors["int8_per_tensor"]) < max(errors["fp8_per_tensor"]) < 0.05 < min(errors["int4_per_group"])
+print(f"largest |K| {max(recorder.k_amax):.1f}, largest |V| {max(recorder.v_amax):.1f}")
+assert max(recorder.k_amax + recorder.v_amax) < 448 / 10  # far inside fp8's ±448 (section 6)
 
 # %% [markdown]
-# 8-bit codes keep K and V within 1% to 3%, and int8 does better than fp8 here: with a scale that
-# fits, int8's 255 evenly spaced steps are finer than fp8's 3-bit mantissa for all but the smallest
-# values. At 4 bits there are only 15 steps and the placement decides: one scale per layer leaves
-# most values a few steps each, and the error falls by half from one scale per layer to one per
-# 32 elements. Section 6 turns these errors into what a reader of the model's output notices.
+# 8-bit codes keep K and V within 3% (int8 within 2%), and int8 does better than fp8 here: with a
+# scale that fits, int8's 255 evenly spaced steps are finer than fp8's 3-bit mantissa for all but
+# the smallest values. At 4 bits there are only 15 steps and the placement decides: one scale per
+# layer leaves most values a few steps each, and the error falls by half or more from one scale per
+# layer to one per 32 elements.
+#
+# KIVI (in the references) found outlier channels like these in keys, and answers with a placement
+# that is none of the three: keys quantized per channel across a group of tokens, values per
+# token, both at 2 bits with a zero point beside each scale, and the most recent tokens kept in full
+# precision until they fill a group. labkit does not build it.
 #
 # ## 4. Codes and scales beside the blocks
 #
-# `KVPool(..., kv_cache_dtype=...)` (chapter 03's pool) stores a quantized cache: for every layer,
-# `k_caches` and `v_caches` hold the codes in the paged layout (int4: head_dim / 2 bytes per head),
-# and `k_scales` and `v_scales` the scales. `write_kv` (chapter 03's scatter) quantizes as it writes.
-# A per-block scale grows with the block: write a token, then one four times as large into the next
-# slot of the same block:
+# `KVPool(..., kv_cache_dtype=...)` (chapter 03's pool) keeps, for every layer, the codes in
+# `k_caches` and `v_caches` (int4: head_dim / 2 bytes per head) and the scales in `k_scales` and
+# `v_scales`; `write_kv` quantizes as it writes. A per-block scale grows with the block: write a
+# token, then one four times as large into the next slot of the same block:
 
 # %%
 # NBVAL_CHECK_OUTPUT
@@ -212,17 +282,16 @@ assert ks[0, 0] == 4 / 127 and kc[0, 0, 0, -1] == 32  # slot 0's codes were re-e
 
 # %% [markdown]
 # Slot 0's largest code drops from 127 to 32 when slot 1 raises the scale: its values keep their
-# size, but now on a coarser grid, rounded a second time. That is the price of a scale shared by
-# tokens that arrive at different times. Per-tensor scales never change, and per-group scales
-# belong to one token, so neither touches earlier tokens; vLLM's per-token-head scales avoid it
-# the same way. A pool keeps its scales beside its blocks in every other sense too:
-# `copy_blocks` (chapter 04's copy-on-write) copies a block's scales with its codes.
+# size, but now on a coarser grid, rounded a second time: the price of a scale shared by tokens that
+# arrive at different times. Per-tensor scales never change, and per-group and vLLM's
+# per-token-head scales belong to one token, so none of them touches earlier tokens. `copy_blocks`
+# (chapter 04's copy-on-write) copies a block's scales with its codes.
 #
 # ## 5. The kernel: dequantize after the load, before the dot
 #
 # Decode is memory-bound (chapter 06): each step reads every cached K and V once. The saving is
 # real only if the kernel reads the small codes and widens them in registers. labkit's decode
-# kernel (chapter 03) does exactly that: where it loaded a K or V tile, a quantized pool calls this
+# kernel (appendix A1) does exactly that: where it loaded a K or V tile, a quantized pool calls this
 # function, and everything after it, the online softmax included, is unchanged:
 
 # %%
@@ -253,11 +322,10 @@ print(f"runs: {fallback_reason(q.dtype, q.device, 'int4_per_group') or 'the Trit
 assert torch.allclose(out.double(), reference, atol=1e-5)
 
 # %% [markdown]
-# `tests/test_quant.py` checks every scheme this way, with poisoned pools and scales, and checks the
+# `tests/test_quant.py` checks every scheme this way, with poisoned pools and scales, and the
 # kernel's writes byte for byte against `formats.write_quantized`. `benchmarks/kernels_static.py`
-# compiles the new launches ahead of time for five GPU generations, as it does the others
-# ([appendix A1](A1_under_the_compiler.ipynb)). The decode launches over quantized pools, from the
-# committed table:
+# compiles the launches ahead of time for five GPU generations ([appendix A1](A1_under_the_compiler.ipynb));
+# the decode launches over quantized pools, from the committed table:
 
 # %%
 # NBVAL_CHECK_OUTPUT
@@ -281,34 +349,45 @@ else:
     assert not any(r["problems"] for r in quantized)
 
 # %% [markdown]
-# No launch spills or overflows shared memory. fp8 is missing below sm89: Triton converts e4m3 only
-# from compute capability 8.9 (Ada, Hopper), and refuses `fp8e4nv` for a T4, an A100 or an A10. On
-# those GPUs `fallback_reason` says so and labkit runs the PyTorch reference, which
-# dequantizes and then attends; int8 and int4 are plain integers and compile everywhere. On the
-# FMA path (float32, or any dtype on a T4) the quantized decode runs on 8 warps with its loads not
-# pipelined: with two stages in flight, ptxas spilled up to 7 KiB of registers at head_dim 256
-# (`labkit.kernels.launch.launch_settings(..., quantized=True)`).
+# No launch spills or overflows shared memory. fp8 is missing below sm89 because labkit's fp8 is
+# e4m3 (`fp8e4nv` in Triton), which Triton converts only from compute capability 8.9 (Ada, Hopper).
+# On a T4, an A100 or an A10 `fallback_reason` says so and labkit runs the PyTorch reference, which
+# dequantizes and then attends; int8 and int4 are plain integers and compile everywhere. The other
+# fp8, e5m2 (5 exponent bits, 2 of mantissa, twice e4m3's step), Triton accepts on every GPU, as
+# its NVIDIA backend's options say below, and vLLM calls `fp8_e5m2` "the only fp8 KV dtype usable
+# on Ampere" (`vllm/model_executor/layers/attention/attention.py: _init_kv_cache_quant`). labkit
+# offers only e4m3.
 #
 # Prefill, bound by its matrix products rather than by reading K and V, takes a simpler path:
 # PyTorch dequantizes the blocks it reads into a scratch pool, and the 16-bit kernel reads that.
-#
+
+# %%
+# NBVAL_CHECK_OUTPUT
+from triton.backends.compiler import GPUTarget
+from triton.backends.nvidia.compiler import CUDABackend
+
+fp8_types = {cc: CUDABackend(GPUTarget("cuda", cc, 32)).parse_options({"enable_fp_fusion": True}).supported_fp8_dtypes
+             for cc in (75, 80, 86, 89, 90)}
+for cc, types in fp8_types.items():
+    print(f"sm{cc}: Triton's fp8 types {', '.join(types)}")
+assert all("fp8e5" in types for types in fp8_types.values())  # e5m2 on every GPU
+assert [cc for cc, types in fp8_types.items() if "fp8e4nv" in types] == [89, 90]  # e4m3 from sm89
+
+# %% [markdown]
 # ## 6. What it costs on the real model
 #
 # Two measurements, both through the paged cache with attention in bfloat16, so that only the
-# storage differs from the bfloat16 cache:
+# storage differs:
 #
-# - **next-token loss** (mean cross-entropy, in nats) on a held-out text of 3,312 tokens: chapter I
-#   of B. M. Gardiner's *The French Revolution 1789–1795* (1921, public domain, shipped in
-#   `labkit/data/`). The text goes in 512-token chunks; every prediction reads the stored K and V of
-#   all earlier tokens and of its own, as a decode step would. Per-tensor scales are calibrated on
-#   the book's preface, never on the held-out text;
-# - **greedy agreement** with the bfloat16 cache: 24 chat prompts, 64 new tokens each. Once two
-#   greedy outputs differ they condition on different text, so only the tokens before the first
-#   divergence count; the table gives their share and the mean position of the first divergence.
+# - **next-token loss** (mean cross-entropy, in nats) on 3,312 held-out tokens (see References), in
+#   512-token chunks, every prediction reading the stored K and V as a decode step would;
+#   per-tensor scales are calibrated on other text;
+# - **greedy agreement** with the bfloat16 cache over 24 prompts of 64 new tokens: the share of
+#   tokens before the first divergence, and its mean position.
 #
 # The full run (`benchmarks/kv_quant_quality.py`) takes tens of minutes on a CPU, so this notebook
-# reads its committed results file. First, a smaller version that runs here: the loss on the first
-# 256 held-out tokens for three schemes.
+# reads its committed results. First, a small version that runs here: the loss on 256 held-out
+# tokens for three schemes.
 
 # %%
 # NBVAL_SKIP_IN_SOLUTIONS
@@ -321,9 +400,8 @@ assert abs(live["int8_per_block"] - live["auto"]) < 0.02 < live["int4_per_group"
 
 # %% [markdown]
 # The full table, from `benchmarks/results/kv_quant_quality.json`. Its run (dated in its first line)
-# came before the CPU path learned to dequantize as the kernels do, codes times scale in float32
-# rounded once to bfloat16 (it used to round the scale to bfloat16 first); the small run above uses
-# the new arithmetic, so its last digits need not match a rerun of the table.
+# rounded the scale to bfloat16 before multiplying; the small run above rounds once, as the kernels
+# do, so a rerun of the table may differ in its last digits.
 
 # %%
 # NBVAL_CHECK_OUTPUT
@@ -382,32 +460,99 @@ if RESULTS is not None:
     plt.show()
 
 # %% [markdown]
-# Read the table from the top. The float32 and bfloat16 caches differ by under a thousandth of a
-# nat: rounding K and V to bfloat16 costs nothing visible, so it is a fair baseline. The int8 rows
-# sit just as close to it, whatever the placement of their scales. fp8 costs more, about two
-# hundredths of a nat with one scale per layer or per block and half that with one per 32
+# The float32 and bfloat16 caches differ by under a thousandth of a nat, so bfloat16 is a fair
+# baseline; the int8 rows sit just as close to it, whatever the placement of their scales. fp8 costs
+# about two hundredths of a nat with one scale per layer or per block and half that with one per 32
 # elements: section 3's larger error, from a 3-bit mantissa that no scale can refine. fp8 with
-# vLLM's default scale of 1.0 does as well as a calibrated one here, because e4m3's error is
-# relative and SmolLM2's K and V stay far inside ±448; keys that grew past 448 would be clamped,
-# which is what a checkpoint's scales are for.
+# vLLM's default scale of 1.0 does as well as a calibrated one here: SmolLM2's K and V stay far
+# inside ±448. That need not hold elsewhere: under a scale of 1.0, values below 2⁻⁶ are subnormal
+# codes (section 1), and values past 448 are clamped, which is what a checkpoint's scales are for.
 #
-# Greedy agreement tells the same story less kindly. A small change flips a near-tie sooner or
-# later, and after the first flip two greedy texts part ways: even the float32 cache parts from the
-# bfloat16 one in a few outputs (mean first divergence 59 of 64 tokens). The 8-bit caches part after
-# about 19 to 37 tokens on average, int8 with groups of 32 lasting longest; int4 within 5. Read
-# that column against the float32 row, not against 100%: a divergence gives a different text, not
+# Greedy agreement tells the same story less kindly. After the first flipped near-tie two greedy
+# texts part ways: even the float32 cache parts from the bfloat16 one in a few outputs (mean first
+# divergence 59 of 64 tokens). The 8-bit caches part after about 19 to 37 tokens on average, int8
+# with groups of 32 lasting longest; int4 within 5. A divergence gives a different text, not
 # necessarily a worse one; the loss measures worse.
 #
-# At 4 bits the placement decides. One scale per layer costs close to a nat and most outputs part
-# from the bfloat16 ones within a few tokens; per block is better; per group of 32 is the best
-# int4 cache, at a quarter more bytes than its codes, and still costs more than any 8-bit one. On
-# this small model int4 is a real trade, not a free one.
+# At 4 bits the placement decides: one scale per layer costs close to a nat, per block half as
+# much, and per group of 32, the best int4 cache at a quarter more bytes than its codes, still
+# costs more than any 8-bit one. On this small model int4 is a real trade, not a free one.
 #
-# ## 7. Back to capacity
+# ## 7. Fewer tokens, or one vector: sliding windows and a latent cache
 #
-# On the article's 7 GiB pool (chapter 02, section 8), the teaching model fits 7 sequences of 8,192
-# tokens in bfloat16. The capacity explorer of chapter 02 now has a "KV cache dtype" menu with the
-# three schemes this appendix recommends; here is what it computes:
+# Chapter 02's formula also assumes that every layer keeps K and V for every token. Two kinds of
+# real models do not.
+#
+# **Sliding-window layers** attend only to the last W tokens, so they keep only W. Mistral-7B-v0.1
+# has a window in every layer; Gemma-2-9B alternates windowed layers with global ones. Past the
+# window their caches stop growing, or grow at half the rate; each at its window and at its limit:
+
+# %%
+# NBVAL_CHECK_OUTPUT
+for name in ["Mistral-7B-v0.1", "Gemma-2-9B"]:
+    p = PRESETS[name]
+    print(f"{name}: window {p.sliding_window:,} tokens in {len(p.sliding_layers)} of {p.num_layers} layers, "
+          f"max_position_embeddings {p.max_position_embeddings:,}")
+    for length in [p.sliding_window, p.max_position_embeddings]:
+        print(f"  {length:>7,} tokens: {format_bytes(p.cache_bytes(length, apply_window=False)):>10} "
+              f"plain formula, {format_bytes(p.cache_bytes(length)):>10} with the window")
+mistral, gemma = PRESETS["Mistral-7B-v0.1"], PRESETS["Gemma-2-9B"]
+assert mistral.cache_bytes(mistral.max_position_embeddings) == mistral.cache_bytes(mistral.sliding_window)
+assert 2 * len(gemma.sliding_layers) == gemma.num_layers  # half the layers are local
+growth = gemma.cache_bytes(gemma.max_position_embeddings) - gemma.cache_bytes(gemma.sliding_window)
+assert 2 * growth == gemma.cache_bytes(gemma.max_position_embeddings, apply_window=False) - gemma.cache_bytes(
+    gemma.sliding_window, apply_window=False)  # past the window: half the rate
+
+# %% [markdown]
+# In chapter 02's 60 GiB pool (an 80 GiB device, 20 GiB set aside), the window changes what fits
+# only for the models that have one:
+
+# %%
+# NBVAL_CHECK_OUTPUT
+device, set_aside, context = 80 * GiB, 20 * GiB, 8192
+fit_formula, fit_window = {}, {}
+for name in ("Qwen2.5-7B", "Mistral-7B-v0.1", "Llama-3-8B", "Gemma-2-9B"):
+    shape = PRESETS[name]
+    fit_formula[name] = capacity.sequences_that_fit(shape.cache_bytes(context, apply_window=False), device, set_aside)
+    fit_window[name] = capacity.sequences_that_fit(shape.cache_bytes(context), device, set_aside)
+    print(f"{name:17s} {fit_formula[name]:4d} sequences of {context:,} tokens by the formula, "
+          f"{fit_window[name]:4d} with the window")
+assert fit_formula == {"Qwen2.5-7B": 137, "Mistral-7B-v0.1": 60, "Llama-3-8B": 60, "Gemma-2-9B": 22}
+assert fit_window == {"Qwen2.5-7B": 137, "Mistral-7B-v0.1": 120, "Llama-3-8B": 60, "Gemma-2-9B": 30}
+assert fit_window["Mistral-7B-v0.1"] == 2 * fit_formula["Mistral-7B-v0.1"]  # the window halves its 8K cache
+
+# %% [markdown]
+# Mistral-7B's window of 4,096 tokens halves each 8,192-token cache and doubles what fits (60 to
+# 120); Gemma-2-9B's windowed half of the layers takes it from 22 to 30. (vLLM budgets a window layer
+# for more than its window; appendix A2 counts what it reserves.)
+#
+# **A latent cache.** DeepSeek-V3's multi-head latent attention (MLA) stores, per token and layer,
+# one compressed vector (`kv_lora_rank` elements) plus a small key for the rotary position part
+# (`qk_rope_head_dim` elements), shared by all its query heads: no separate K and V, so no factor 2.
+# A full K and V for every head, as multi-head attention caches them, would cost far more:
+
+# %%
+# NBVAL_CHECK_OUTPUT
+mla, ds = PRESETS["DeepSeek-V3"], capacity.PRESET_CONFIGS["DeepSeek-V3"]
+layers, heads, b = ds["num_hidden_layers"], ds["num_attention_heads"], mla.dtype_bytes
+latent_dim = ds["kv_lora_rank"] + ds["qk_rope_head_dim"]
+k_dim, v_dim = ds["qk_nope_head_dim"] + ds["qk_rope_head_dim"], ds["v_head_dim"]
+full_mha = layers * heads * (k_dim + v_dim) * b  # layers x heads x (K dims + V dims) x bytes
+print(f"latent: {ds['kv_lora_rank']} + {ds['qk_rope_head_dim']} = {latent_dim} elements per token and layer, "
+      f"{layers} layers")
+print(f"DeepSeek-V3 latent cache: {mla.bytes_per_token():,} bytes = {format_bytes(mla.bytes_per_token())} per token")
+print(f"full K ({k_dim} dims) and V ({v_dim} dims) for {heads} heads: {format_bytes(full_mha)} per token, "
+      f"{full_mha / mla.bytes_per_token():.0f}x more")
+assert mla.bytes_per_token() == layers * latent_dim * b  # no factor 2
+
+# %% [markdown]
+# Exercise 2 asks you to write both changes into the formula.
+#
+# ## 8. Back to capacity
+#
+# On the article's 7 GiB pool (chapter 02, section 6), the teaching model fits 7 sequences of 8,192
+# tokens in bfloat16. Chapter 02's capacity explorer has a "KV cache dtype" menu with the three
+# schemes this appendix recommends; here is what it computes:
 
 # %%
 # NBVAL_CHECK_OUTPUT
@@ -422,41 +567,41 @@ assert Setting(TEACHING_MODEL, 8192, 7, 24, 17, kv_cache_dtype="int4_per_group")
 
 # %% [markdown]
 # int8 with per-block scales fits 13 rather than 14: its scales, 1/512 of the pool, push the
-# fourteenth sequence out by a few KiB. vLLM's `int8_per_token_head` pays 1/32 in scales and fits 13
-# too. At 4 bits the placements part ways: labkit's groups of 32 spend 4 bytes per 32 elements and fit
-# 22, vLLM's `int4_per_token_head` spends 4 bytes per head of 128 and fits 26, with coarser scales. The numbers of sequences are what the pool holds; whether they are served fast enough is
-# chapter 06's question, and a quantized decode reads half the bytes per step, which helps there too.
+# fourteenth out. vLLM's `int8_per_token_head` pays 1/32 in scales and fits 13 too. At 4 bits the
+# placements part ways: labkit's groups of 32 spend 4 bytes per 32 elements and fit 22; vLLM's
+# `int4_per_token_head` spends 4 bytes per 128 and fits 26, with coarser scales. Whether they are
+# served fast enough is chapter 06's question; a quantized decode reads half the bytes per step,
+# which helps there too.
 
 # %% [markdown]
 # ## Summary
 #
-# - A quantized cache stores codes and scales: x ≈ code × scale. fp8 (e4m3) errs relatively, about
-#   3%; int8 and int4 err absolutely, by up to half a scale step, which small values do not survive.
+# - A quantized cache stores codes and scales: x ≈ code × scale. fp8 (e4m3) errs relatively for
+#   normal codes, about 2.25% on average and at most 1/16, and codes of 2⁻¹⁰ or less become 0; int8
+#   and int4 err absolutely, by up to half a scale step, which small values do not survive.
 # - The byte formula keeps its shape: b = 1 for fp8 and int8, 0.5 for int4, plus the scales: nothing
 #   per token per tensor, 1/512 per 16-token block at 8 bits, 1/8 per group of 32 at 8 bits and 1/4
-#   at 4 bits.
-# - vLLM's `fp8` keeps one `k_scale` and one `v_scale` per layer, read from the checkpoint or 1.0.
-# - labkit's paged pool keeps codes in the block layout and scales beside them; `write_kv`
-#   quantizes, a per-block scale grows and re-encodes the block, and the decode kernel dequantizes
-#   each tile after loading it and before the dot products. fp8 needs compute capability 8.9; below
-#   it labkit names the reference it runs.
+#   at 4 bits; vLLM's `*_per_token_head` dtypes add 8 bytes per head and token.
+# - vLLM's `fp8` keeps one `k_scale` and one `v_scale` per layer: a quantized checkpoint's, or 1.0.
+# - labkit's decode kernel dequantizes each tile between the load and the dot products; e4m3 needs
+#   compute capability 8.9 in Triton (e5m2 does not), and below it labkit runs its reference.
 # - On SmolLM2-135M, int8 changes the next-token loss by about a thousandth of a nat and fp8 by one
-#   or two hundredths; int4 costs a tenth of a nat or more even with groups of 32, and close to a
-#   nat with one scale per layer.
+#   or two hundredths; int4 costs a tenth of a nat or more even with groups of 32.
+# - A sliding-window layer keeps at most its window; a latent (MLA) cache keeps one vector per token
+#   and layer, with no factor 2.
 #
 # ## What you can now do
 #
-# - Size a quantized cache with scales included (`capacity.kv_bytes_per_token`), and compare it with
-#   vLLM's own kv_cache_dtype in chapter 02's explorer.
+# - Size a quantized, windowed or latent cache (`capacity.kv_bytes_per_token`, Exercise 2), and
+#   compare it with vLLM's kv_cache_dtype in chapter 02's explorer.
 # - Predict which placement of scales a model's keys need, from the spread of their values.
-# - Run the real model on any of nine quantized caches (`KVPool(..., kv_cache_dtype=...)`) and
-#   measure its loss and greedy agreement (`quant_quality.next_token_loss`, `quant_quality.greedy_agreement`).
-# - Read a Triton kernel that widens codes in registers, and say where it cannot compile.
+# - Run the real model on a quantized cache (`KVPool(..., kv_cache_dtype=...)`) and measure its
+#   loss and greedy agreement (`quant_quality`).
 #
-# Back to [chapter 02](02_cost_per_token.ipynb), section 7, where an 8-bit cache first halved b.
+# Back to [chapter 02](02_cost_per_token.ipynb), whose explorer offers these caches in its menu.
 
 # %% [markdown]
-# ## Exercise
+# ## Exercises
 
 # %%
 from labkit.teaching.exercises import Exercises
@@ -512,26 +657,57 @@ ex.check_behaviour("Exercise 1", (block_scales, quantize, dequantize), lambda an
 # %% [markdown]
 # SOLUTIONS ONLY
 # **Why this works.** Each block and head gets the scale that maps its largest |x| to 127, so every
-# code fits int8; rounding to the nearest integer keeps the error within half a step, where
-# truncation would double it and bias it towards zero. The clamp matters only when the scale was
-# fixed earlier, as a per-tensor scale is: without it, 200 becomes −56 when cast to int8. Broadcasting
-# the scales as `[num_blocks, 1, num_kv_heads, 1]` gives every slot and element its own block's scale.
+# code fits int8; rounding to nearest keeps the error within half a step. The clamp matters only for
+# a scale fixed earlier: without it, 200 becomes −56 when cast to int8. Broadcasting the scales as
+# `[num_blocks, 1, num_kv_heads, 1]` gives every slot and element its own block's scale.
+
+# %% [markdown]
+# **Exercise 2 (build it).** Write `sequence_bytes(shape, length)`: the cache of one sequence of
+# `length` tokens for a `ModelShape` whose `sliding_layers` keep at most `sliding_window` tokens and
+# whose `latent` cache stores one vector per token and layer (no factor 2), from its fields alone.
+# The checker draws plain, windowed and latent models at lengths 0, 1, the window and one over it.
+
+# %%
+def sequence_bytes(shape: capacity.ModelShape, length: int) -> int:
+    # BEGIN SOLUTION
+    factor = 1 if shape.latent else 2  # K and V, or one latent vector
+    per_layer = factor * shape.num_kv_heads * shape.head_dim * shape.dtype_bytes  # one token, one layer
+    windowed = len(shape.sliding_layers)
+    kept = min(length, shape.sliding_window) if windowed else length  # a window layer keeps the last W
+    return ((shape.num_layers - windowed) * length + windowed * kept) * per_layer
+    # END SOLUTION
+
+
+ex.check_function("Exercise 2", sequence_bytes, build_it.sequence_bytes_cases(),
+                  forbid=[capacity.ModelShape.cache_bytes, capacity.ModelShape.bytes_per_token,
+                          capacity.ModelShape.bytes_per_token_per_layer, capacity.ModelShape.kv_factor,
+                          capacity.ModelShape.block_bytes, capacity.bytes_per_token, capacity.cache_bytes],
+                  hint="window layers keep min(length, window) tokens; the others keep all; latent: factor 1.")
+
+# %% [markdown]
+# SOLUTIONS ONLY
+# **Why this works.** It is `labkit/memory/capacity.py: ModelShape.cache_bytes` with `kv_factor` and
+# `bytes_per_token_per_layer` written out: each layer's bytes per token times the tokens it keeps.
 
 # %% [markdown]
 # ## References
 #
-# - vLLM 0.33.0 ([github.com/vllm-project/vllm](https://github.com/vllm-project/vllm)): per-tensor
-#   scales in `vllm/model_executor/layers/quantization/kv_cache.py` (`BaseKVCacheMethod`), defaults
-#   in `vllm/model_executor/layers/attention/attention.py` (`set_default_quant_scales`), the
-#   accepted dtypes in `vllm/config/cache.py` (`CacheDType`), the per-token-head page in
-#   `vllm/v1/attention/backends/triton_attn.py` (`TritonAttentionBackend.customize_spec`). vLLM's
-#   first fp8 cache (e5m2, without scales) came in pull request
+# - vLLM 0.33.0 ([github.com/vllm-project/vllm](https://github.com/vllm-project/vllm)), the files
+#   sections 2 and 5 name: `vllm/model_executor/layers/quantization/kv_cache.py`,
+#   `vllm/model_executor/layers/attention/attention.py`, `vllm/config/cache.py` (`CacheDType`, the
+#   accepted dtypes), `vllm/v1/attention/backends/triton_attn.py` and
+#   `vllm/v1/attention/ops/int4_per_token_head.py`; its documentation's
+#   [Quantized KV Cache](https://docs.vllm.ai/en/latest/features/quantization/quantized_kvcache/).
+#   vLLM's first fp8 cache (e5m2, without scales) came in pull request
 #   [#2279](https://github.com/vllm-project/vllm/pull/2279).
 # - P. Micikevicius et al., "FP8 Formats for Deep Learning", arXiv 2209.05433 (2022): the e4m3 and
 #   e5m2 formats, e4m3's largest value 448.
 # - Z. Liu et al., "KIVI: A Tuning-Free Asymmetric 2bit Quantization for KV Cache", ICML 2024
-#   (arXiv 2402.02750): keys quantized per channel and values per token, for the outlier channels of
-#   section 3.
-# - Triton: `tl.float8e4nv` needs compute capability 8.9 (the compiler's message, seen in section 5).
+#   (arXiv 2402.02750): outlier channels in keys; keys quantized per channel and values per token,
+#   at 2 bits with zero points, the most recent tokens kept in full precision (section 3).
+# - DeepSeek-AI, *DeepSeek-V3 Technical Report*, 2024, [arXiv:2412.19437](https://arxiv.org/abs/2412.19437):
+#   multi-head latent attention (section 7).
+# - Triton 3.9: `tl.float8e4nv` (e4m3) from compute capability 8.9, `tl.float8e5` (e5m2) on every
+#   NVIDIA target (`triton/backends/nvidia/compiler.py: CUDABackend.parse_options`, section 5).
 # - The held-out text: B. M. Gardiner, *The French Revolution 1789–1795* (Longmans, Green & Co., 1921),
 #   as transcribed by Project Gutenberg (eBook #71688); see `labkit/data/README.md`.

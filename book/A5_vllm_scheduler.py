@@ -13,6 +13,10 @@
 # %% [markdown]
 # # A5 · vLLM's scheduler, step by step
 #
+# **The message.** The order in which waiting requests are admitted decides who waits, and vLLM's two
+# admission rules keep a large request from starving and a half-admitted prompt from being preempted,
+# at the cost of some idle blocks.
+#
 # An appendix to [chapter 05](05_scheduler.ipynb), whose budget pass spends two budgets per step,
 # tokens and blocks. vLLM runs that same pass, but it decides which *waiting* requests the pass may
 # see: it admits them in queue order and stops at the first one that does not fit, and it admits a

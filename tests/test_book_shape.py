@@ -61,3 +61,40 @@ def test_every_chapter_opens_with_the_roadmap_its_prerequisites_and_a_time(sourc
     assert opener.cell_type == "markdown", source.name
     assert re.search(r"^\*\*You need:\*\* \S", opener.source, re.M), f"{source.name}: no '**You need:**'"
     assert re.search(r"^\*\*Time:\*\* about \d+ minutes", opener.source, re.M), f"{source.name}: no '**Time:** about N minutes'"
+
+
+def _message(source: Path) -> str:
+    """The paragraph after '**The message.**' in a notebook's title cell ('' when there is none)."""
+    title = jupytext.read(source).cells[0].source
+    match = re.search(r"^\*\*The message\.\*\* (.+?)(?:\n\s*\n|\Z)", title, re.M | re.S)
+    return " ".join(match.group(1).split()) if match else ""
+
+
+@pytest.mark.parametrize("source", sorted((ROOT / "book").glob("*.py")), ids=lambda p: p.stem)
+def test_every_notebook_opens_with_its_message_in_one_sentence(source):
+    message = _message(source)
+    assert message, f"{source.name}: its title cell has no '**The message.** ...' paragraph"
+    ends = re.findall(r"[.!?](?=\s|$)", message)
+    assert len(ends) == 1 and message.endswith("."), f"{source.name}: the message is {len(ends)} sentences: {message!r}"
+
+
+def test_one_sentence_means_one_sentence(tmp_path):
+    two = tmp_path / "two.py"
+    two.write_text("# %% [markdown]\n# # 09 · X\n#\n# **The message.** One thing. And another.\n")
+    one = tmp_path / "one.py"
+    one.write_text("# %% [markdown]\n# # 09 · X\n#\n# **The message.** One thing, 3.5 times\n# over.\n#\n# More.\n")
+    assert len(re.findall(r"[.!?](?=\s|$)", _message(two))) == 2
+    assert _message(one) == "One thing, 3.5 times over."
+
+
+def test_start_here_states_every_notebooks_time_and_their_sum():
+    """00's map gives each chapter's and appendix's time as its own opener states it, and the total."""
+    start = (ROOT / "book" / "00_start_here.py").read_text()
+    rows = dict(re.findall(r"^# \| ([0-9A-Z]\d) · .*\| about (\d+) min \|$", start, re.M))
+    stated = {p.stem[:2]: int(m.group(1)) for p in SOURCES
+              if (m := re.search(r"^# \*\*Time:\*\* about (\d+) minutes", p.read_text(), re.M))}
+    assert {k: int(v) for k, v in rows.items()} == stated
+    chapters = sum(v for k, v in stated.items() if k[0] == "0")
+    appendices = sum(v for k, v in stated.items() if k[0] == "A")
+    assert f"chapters take about {chapters} minutes" in " ".join(start.replace("# ", "").split())
+    assert f"appendices about {appendices} more" in " ".join(start.replace("# ", "").split())

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import ast
 import math
+import random
 import re
 from pathlib import Path
 
@@ -16,7 +17,8 @@ import pytest
 import torch
 
 from labkit.memory.prefix import CacheKey, block_hash
-from labkit.teaching import answers, quizzes
+from labkit.model.decoder import apply_rope, rope_cos_sin
+from labkit.teaching import answers, build_it, guards, quizzes
 from labkit.teaching.exercises import Exercises
 from test_exercise_checkers import chapter, verdict
 
@@ -33,26 +35,137 @@ def _attend(q, keys, values, scale=True, interleave=True):
     return torch.einsum("ht,thd->hd", scores.softmax(-1), spread(values))
 
 
-def attends_before_appending_01(k_cache, v_cache, q, k, v):
+def _rope(x, position, inv_freq):
+    """x [heads, D] rotated to ``position`` with labkit's own RoPE, as the chapter's solution does."""
+    cos, sin = rope_cos_sin(torch.tensor([[position]]), inv_freq)
+    return apply_rope(x[None, None], cos, sin)[0, 0]
+
+
+def _step(k_cache, v_cache, q, k, v, inv_freq, position=None, rope_q=True, rope_k=True, **attend):
+    """The chapter's decode step, each rule switchable; ``position`` defaults to the right one, the cache length."""
+    position = k_cache.shape[0] if position is None else position
+    q = _rope(q, position, inv_freq) if rope_q else q
+    k = _rope(k, position, inv_freq) if rope_k else k
+    k_cache, v_cache = torch.cat([k_cache, k[None]]), torch.cat([v_cache, v[None]])
+    return k_cache, v_cache, _attend(q, k_cache, v_cache, **attend)
+
+
+def attends_before_appending_01(k_cache, v_cache, q, k, v, inv_freq):
+    position = k_cache.shape[0]
+    q, k = _rope(q, position, inv_freq), _rope(k, position, inv_freq)
     out = _attend(q, k_cache, v_cache)  # the new token does not see itself (and the first step sees nothing)
     return torch.cat([k_cache, k[None]]), torch.cat([v_cache, v[None]]), out
 
 
-def unscaled_01(k_cache, v_cache, q, k, v):
-    k_cache, v_cache = torch.cat([k_cache, k[None]]), torch.cat([v_cache, v[None]])
-    return k_cache, v_cache, _attend(q, k_cache, v_cache, scale=False)
+def unscaled_01(k_cache, v_cache, q, k, v, inv_freq):
+    return _step(k_cache, v_cache, q, k, v, inv_freq, scale=False)
 
 
-def heads_tiled_01(k_cache, v_cache, q, k, v):
-    k_cache, v_cache = torch.cat([k_cache, k[None]]), torch.cat([v_cache, v[None]])
-    return k_cache, v_cache, _attend(q, k_cache, v_cache, interleave=False)
+def heads_tiled_01(k_cache, v_cache, q, k, v, inv_freq):
+    return _step(k_cache, v_cache, q, k, v, inv_freq, interleave=False)
 
 
-def newest_only_01(k_cache, v_cache, q, k, v):
-    return k[None], v[None], _attend(q, k[None], v[None])  # the cache is replaced, not appended to
+def newest_only_01(k_cache, v_cache, q, k, v, inv_freq):
+    # the cache is replaced, not appended to (the position is still the right one)
+    return _step(k_cache[:0], v_cache[:0], q, k, v, inv_freq, position=k_cache.shape[0])
 
 
-# --------------------------------------------------------------------------- 02: windowed and latent caches
+def position_0_always_01(k_cache, v_cache, q, k, v, inv_freq):
+    return _step(k_cache, v_cache, q, k, v, inv_freq, position=0)  # as if every token came first
+
+
+def position_off_by_one_01(k_cache, v_cache, q, k, v, inv_freq):
+    return _step(k_cache, v_cache, q, k, v, inv_freq, position=k_cache.shape[0] + 1)  # counted after the append
+
+
+def rope_on_q_only_01(k_cache, v_cache, q, k, v, inv_freq):
+    return _step(k_cache, v_cache, q, k, v, inv_freq, rope_k=False)
+
+
+def test_an_off_by_one_position_is_invisible_to_attention_alone():
+    """Why the checker compares the stored keys and starts a sequence after a prefill: every position
+    shifted by one leaves each output of a sequence fed from an empty cache as it was (RoPE's scores
+    depend on distances only), while every stored key is rotated to the wrong angle."""
+    from labkit.model.decoder import DecoderConfig, rope_inv_freq
+
+    g = torch.Generator().manual_seed(0)
+    inv_freq = rope_inv_freq(DecoderConfig(head_dim=16))
+    q, k, v = (torch.randn(12, heads, 16, generator=g) for heads in (4, 2, 2))
+    right = shifted = (torch.empty(0, 2, 16), torch.empty(0, 2, 16))
+    for t in range(12):
+        *right, out = _step(*right, q[t], k[t], v[t], inv_freq)
+        *shifted, shifted_out = position_off_by_one_01(*shifted, q[t], k[t], v[t], inv_freq)
+        torch.testing.assert_close(shifted_out, out, atol=1e-5, rtol=1e-5)
+    assert (shifted[0] - right[0]).abs().max() > 0.1 and torch.equal(shifted[1], right[1])
+
+
+# --------------------------------------------------------------------------- 02: sequences that fit a device
+
+
+def _fits(device_gib, reserved_gib, context_len, gib=1024**3, per_token=2 * 32 * 8 * 128 * 2, reserve=True,
+          whole_gib=False, count=lambda x: int(x // 1)):
+    pool = (device_gib - (reserved_gib if reserve else 0)) * gib
+    pool = int(device_gib - reserved_gib) * gib if whole_gib else pool
+    return count(pool / (context_len * per_token))
+
+
+def reserve_ignored_02(d, r, t):
+    return _fits(d, r, t, reserve=False)
+
+
+def decimal_gigabytes_02(d, r, t):
+    return _fits(d, r, t, gib=10**9)
+
+
+def query_heads_in_fits_02(d, r, t):
+    return _fits(d, r, t, per_token=2 * 32 * 32 * 128 * 2)  # 32 query heads for 8 KV heads
+
+
+def rounded_02(d, r, t):
+    return _fits(d, r, t, count=round)  # a sequence that almost fits counts
+
+
+def not_whole_sequences_02(d, r, t):
+    return _fits(d, r, t, count=lambda x: x)  # 6.5 sequences
+
+
+def whole_gib_only_02(d, r, t):
+    return _fits(d, r, t, whole_gib=True)  # a pool of 7.75 GiB taken as 7
+
+
+# --------------------------------------------------------------------------- 02: the formula from a config.json
+
+
+def _config_bytes(config, kv_key="num_key_value_heads", derive_head_dim=False, kv_default=None, sizes=None, factor=2):
+    query_heads = config["num_attention_heads"]
+    kv_heads = config.get(kv_key, query_heads if kv_default is None else kv_default)
+    derived = config["hidden_size"] // query_heads
+    head_dim = derived if derive_head_dim else config.get("head_dim", derived)
+    element = (sizes or {"float32": 4, "bfloat16": 2, "float16": 2})[config["torch_dtype"]]
+    return factor * config["num_hidden_layers"] * kv_heads * head_dim * element
+
+
+def query_heads_02(config):
+    return _config_bytes(config, kv_key="num_attention_heads")  # the GQA mistake
+
+
+def head_dim_always_derived_02(config):
+    return _config_bytes(config, derive_head_dim=True)
+
+
+def one_kv_head_by_default_02(config):
+    return _config_bytes(config, kv_default=1)  # a missing num_key_value_heads read as multi-query
+
+
+def two_bytes_always_02(config):
+    return _config_bytes(config, sizes={"float32": 2, "bfloat16": 2, "float16": 2})
+
+
+def no_factor_2_02(config):
+    return _config_bytes(config, factor=1)  # K only
+
+
+# --------------------------------------------------------------------------- A3: windowed and latent caches
 
 
 def _bytes(shape, length, factor=None, every_layer=False, op=min, window=True):
@@ -62,19 +175,19 @@ def _bytes(shape, length, factor=None, every_layer=False, op=min, window=True):
     return ((shape.num_layers - windowed) * length + windowed * kept) * per_layer
 
 
-def latent_with_factor_2_02(shape, length):
+def latent_with_factor_2_a3(shape, length):
     return _bytes(shape, length, factor=2)
 
 
-def window_in_every_layer_02(shape, length):
+def window_in_every_layer_a3(shape, length):
     return _bytes(shape, length, every_layer=True)
 
 
-def max_for_min_02(shape, length):
+def max_for_min_a3(shape, length):
     return _bytes(shape, length, op=max)
 
 
-def window_ignored_02(shape, length):
+def window_ignored_a3(shape, length):
     return _bytes(shape, length, window=False)
 
 
@@ -140,12 +253,14 @@ class TakesBeforeRefusing03(_Pager):
 # --------------------------------------------------------------------------- 04: hash chain and match
 
 
-def _hits(token_ids, block_size, key, cached, cap=True, parent_chain=True):
+def _hits(token_ids, block_size, key, cached, cap=True, parent_chain=True, stop_at_a_miss=True):
     parent, hit = None, 0
     for i in range(((len(token_ids) - 1) if cap else len(token_ids)) // block_size):
         parent = block_hash(parent if parent_chain else None, token_ids[i * block_size:(i + 1) * block_size], key)
         if parent not in cached:
-            break
+            if stop_at_a_miss:
+                break
+            continue
         hit += block_size
     return hit
 
@@ -160,6 +275,10 @@ def key_ignored_04(token_ids, block_size, key, cached):
 
 def no_parent_04(token_ids, block_size, key, cached):
     return _hits(token_ids, block_size, key, cached, parent_chain=False)
+
+
+def keeps_counting_after_a_miss_04(token_ids, block_size, key, cached):
+    return _hits(token_ids, block_size, key, cached, stop_at_a_miss=False)  # a cached child of an evicted parent
 
 
 # --------------------------------------------------------------------------- 05: the budget pass
@@ -251,17 +370,25 @@ def itl_as_request_means_06(arrivals, steps):
     return _latencies(arrivals, steps, itl_means=True)
 
 
+WRONG_FITS_02 = (reserve_ignored_02, decimal_gigabytes_02, query_heads_in_fits_02, rounded_02, not_whole_sequences_02,
+                 whole_gib_only_02)
+WRONG_CACHED_TOKENS_04 = (no_len_minus_1_cap_04, key_ignored_04, no_parent_04, keeps_counting_after_a_miss_04)
+
 WRONG = [
     ("01_why_the_cache_grows", "Exercise 3", f) for f in
-    (attends_before_appending_01, unscaled_01, heads_tiled_01, newest_only_01)] + [
-    ("02_cost_per_token", "Exercise 5", f) for f in
-    (latent_with_factor_2_02, window_in_every_layer_02, max_for_min_02, window_ignored_02)] + [
-    ("03_paging", "Exercise 5", f) for f in (NeverFrees03, OffByOneSlot03, FloorBlocks03, TakesBeforeRefusing03)] + [
-    ("04_prefix_reuse", "Exercise 1", f) for f in (no_len_minus_1_cap_04, key_ignored_04, no_parent_04)] + [
+    (attends_before_appending_01, unscaled_01, heads_tiled_01, newest_only_01, position_0_always_01,
+     position_off_by_one_01, rope_on_q_only_01)] + [
+    ("02_cost_per_token", "Exercise 3", f) for f in WRONG_FITS_02] + [
+    ("02_cost_per_token", "Exercise 4", f) for f in
+    (query_heads_02, head_dim_always_derived_02, one_kv_head_by_default_02, two_bytes_always_02, no_factor_2_02)] + [
+    ("03_paging", "Exercise 4", f) for f in (NeverFrees03, OffByOneSlot03, FloorBlocks03, TakesBeforeRefusing03)] + [
+    ("04_prefix_reuse", "Exercise 1", f) for f in WRONG_CACHED_TOKENS_04] + [
     ("05_scheduler", "Exercise 2", f) for f in
     (ignores_blocks_05, stops_at_a_misfit_05, preempts_the_oldest_05, admits_after_a_preemption_05)] + [
     ("06_from_fit_to_serve", "Exercise 3", f) for f in
-    (ttft_to_the_step_start_06, tpot_over_all_tokens_06, itl_with_the_first_wait_06, itl_as_request_means_06)]
+    (ttft_to_the_step_start_06, tpot_over_all_tokens_06, itl_with_the_first_wait_06, itl_as_request_means_06)] + [
+    ("A3_fewer_bytes_per_element", "Exercise 2", f) for f in
+    (latent_with_factor_2_a3, window_in_every_layer_a3, max_for_min_a3, window_ignored_a3)]
 
 
 @pytest.mark.parametrize("stem, exercise, wrong", WRONG, ids=[w.__name__ for _, _, w in WRONG])
@@ -278,14 +405,65 @@ def test_every_wrong_answer_is_right_elsewhere():
     from labkit.teaching import build_it
 
     ex = Exercises("x", strict=True)
-    ex.check_behaviour("01", lambda kc, vc, q, k, v: (torch.cat([kc, k[None]]), torch.cat([vc, v[None]]),
-                                                       _attend(q, torch.cat([kc, k[None]]), torch.cat([vc, v[None]]))),
-                       build_it.decode_step_check())
-    ex.check_function("02", _bytes, build_it.sequence_bytes_cases())
+    ex.check_behaviour("01", _step, build_it.decode_step_check())
+    ex.check_function("02", _fits, build_it.fits_cases())
+    ex.check_function("02", _config_bytes, build_it.config_bytes_cases())
     ex.check_behaviour("03", _Pager, build_it.pager_check())
     ex.check_function("04", _hits, build_it.cached_tokens_cases())
     ex.check_behaviour("05", _plan, build_it.plan_step_check())
     ex.check_behaviour("06", _latencies, build_it.latencies_check())
+    ex.check_function("A3", _bytes, build_it.sequence_bytes_cases())
+
+
+# --------------------------------------------------------------------------- cases no cell can replay (issue 39)
+
+
+# every function of build_it that draws cases (all but the A3 comparison and the two names that are not checkers)
+DRAWING = [name for name in build_it.__all__ if name not in ("kv_quant_problems", "Cases", "SHAPES")]
+
+
+def _drawn(name: str) -> str:
+    """What one run of the checker ``name`` drew, as text: its cases, or what its verifier keeps in its closure."""
+    drawn = getattr(build_it, name)()
+    if callable(drawn):
+        drawn = [cell.cell_contents for cell in drawn.__closure__ or () if not callable(cell.cell_contents)]
+    return repr(drawn)
+
+
+def _seed_every_global_generator() -> None:
+    import numpy
+
+    random.seed(0)
+    numpy.random.seed(0)
+    torch.manual_seed(0)
+
+
+@pytest.mark.parametrize("name", DRAWING)
+def test_no_cell_can_replay_a_checkers_cases(name, monkeypatch):
+    """Issue 39: a cell that seeds every global generator before each run, or swaps the module attribute
+    the checkers once drew from for a generator seeded alike every time, still gets new cases each run."""
+    runs = []
+    for _ in range(2):
+        _seed_every_global_generator()
+        runs.append(_drawn(name))
+    assert runs[0] != runs[1]
+
+    def seeded_alike(*args):
+        return random.Random(0)
+
+    monkeypatch.setattr(guards, "hidden_rng", seeded_alike)
+    monkeypatch.setattr(build_it, "hidden_rng", seeded_alike, raising=False)
+    monkeypatch.setattr(random, "SystemRandom", seeded_alike)
+    assert guards.hidden_rng().random() == guards.hidden_rng().random()  # the swap took: it replays
+    assert _drawn(name) != _drawn(name)
+
+
+def test_the_hidden_generator_ignores_a_seed():
+    rng = guards.hidden_rng()
+    rng.seed(0)
+    first = [rng.random() for _ in range(3)]
+    rng.seed(0)
+    assert first != [rng.random() for _ in range(3)]
 
 
 # --------------------------------------------------------------------------- an answer of the wrong shape (issue 38)
@@ -303,14 +481,17 @@ class PagerWithAFreeOfNoArgument03(_Pager):
 
 
 # (chapter, exercise, what the ❌ must name): each build-it checker, taken from the book
-BUILD_IT = [("01_why_the_cache_grows", "Exercise 3", "a function decode_step(k_cache, v_cache, q, k, v)"),
-            ("02_cost_per_token", "Exercise 5", "a function sequence_bytes(shape, length)"),
-            ("03_paging", "Exercise 5", "a class Pager(num_blocks, block_size) with the methods append(seq_id, n), "
+BUILD_IT = [("01_why_the_cache_grows", "Exercise 3",
+             "a function decode_step(k_cache, v_cache, q, k, v, inv_freq)"),
+            ("02_cost_per_token", "Exercise 3", "a function fits(device_gib, reserved_gib, context_len)"),
+            ("02_cost_per_token", "Exercise 4", "a function bytes_per_token_from_config(config)"),
+            ("03_paging", "Exercise 4", "a class Pager(num_blocks, block_size) with the methods append(seq_id, n), "
                                         "free(seq_id), num_free()"),
             ("04_prefix_reuse", "Exercise 1", "a function cached_tokens(token_ids, block_size, key, cached)"),
             ("05_scheduler", "Exercise 2", "a function plan_step(running, waiting, free_blocks, token_budget, "
                                            "block_size)"),
-            ("06_from_fit_to_serve", "Exercise 3", "a function latencies(arrivals, steps)")]
+            ("06_from_fit_to_serve", "Exercise 3", "a function latencies(arrivals, steps)"),
+            ("A3_fewer_bytes_per_element", "Exercise 2", "a function sequence_bytes(shape, length)")]
 
 
 def _wrong_shapes(stem: str) -> list[tuple[object, str]]:
@@ -441,13 +622,17 @@ def test_each_quiz_waits_refuses_and_passes(stem, capsys):
             assert math.isclose(solution[number], want, rel_tol=question.rel_tol)
 
 
-def test_every_draw_of_chapter_04s_cases_refutes_each_wrong_answer():
+@pytest.mark.parametrize("checker, right, wrong_answers", [
+    ("cached_tokens_cases", _hits, WRONG_CACHED_TOKENS_04), ("fits_cases", _fits, WRONG_FITS_02)])
+def test_every_draw_refutes_each_wrong_answer(checker, right, wrong_answers):
     """A chapter draws its hidden cases once; each draw on its own must refute every wrong answer.
     Found by this loop: when both rounds' prompts used the default key and the prompt was two blocks
-    long, hashing without the key gave every right count (about 1 draw in 250)."""
-    from labkit.teaching.build_it import cached_tokens_cases
+    long, hashing without the key gave every right count (about 1 draw in 250). Chapter 04's draws
+    always hold a cached child of an evicted parent (issue 39), chapter 02's a pool of exactly k sequences."""
+    from labkit.teaching import build_it
 
     for _ in range(400):
-        cases = cached_tokens_cases()
-        for wrong in (no_len_minus_1_cap_04, key_ignored_04, no_parent_04):
+        cases = getattr(build_it, checker)()
+        assert all(right(*args) == want for args, want in cases)
+        for wrong in wrong_answers:
             assert any(wrong(*args) != want for args, want in cases), wrong.__name__

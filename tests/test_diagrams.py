@@ -29,7 +29,7 @@ def test_the_roadmap_lights_exactly_the_chapters_parts():
 
     from labkit.teaching.diagrams import HIGHLIGHT_COLOUR, ROADMAP_CHAPTERS, ROADMAP_PARTS, roadmap
 
-    assert {f"0{i}" for i in range(1, 7)} | {f"A{i}" for i in range(1, 7)} == set(ROADMAP_CHAPTERS)
+    assert {f"0{i}" for i in range(1, 7)} | {f"A{i}" for i in range(1, 8)} == set(ROADMAP_CHAPTERS)
     for chapter, (name, parts) in ROADMAP_CHAPTERS.items():
         fig = roadmap(chapter)
         boxes = {p.get_gid(): p for p in fig.axes[0].patches if p.get_gid()}
@@ -43,6 +43,13 @@ def test_the_roadmap_lights_exactly_the_chapters_parts():
         plt.close(fig)
     # every part of the pipeline is some chapter's subject
     assert set().union(*(p for _, p in ROADMAP_CHAPTERS.values())) == set(ROADMAP_PARTS)
-    for bad in ["07", "3", 3, None, "A7"]:
+    for bad in ["07", "3", 3, None, "A8"]:
         with pytest.raises(ValueError, match="chapter must be one of"):
             roadmap(bad)
+    # 00 draws the whole map: every part with its chapters, none highlighted
+    fig = roadmap("00")
+    boxes = {p.get_gid(): p for p in fig.axes[0].patches if p.get_gid()}
+    assert set(boxes) == set(ROADMAP_PARTS)
+    assert not any(box.get_facecolor()[:3] == to_rgba(HIGHLIGHT_COLOUR)[:3] for box in boxes.values())
+    assert "00" not in " ".join(t.get_text() for t in fig.axes[0].texts)
+    plt.close(fig)

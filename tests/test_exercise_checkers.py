@@ -134,8 +134,9 @@ def exercise_namespace(stem: str, numbers: list[int], side: str = "solutions") -
     return ns, ex
 
 
-_CHAPTERS = {"01_why_the_cache_grows": [2, 3], "02_cost_per_token": [5], "03_paging": [1, 3, 4, 5],
-             "04_prefix_reuse": [1, 2], "05_scheduler": [1, 2, 3], "06_from_fit_to_serve": [2, 3, 4]}
+_CHAPTERS = {"01_why_the_cache_grows": [2, 3], "02_cost_per_token": [3, 4], "03_paging": [1, 3, 4],
+             "04_prefix_reuse": [1, 2], "05_scheduler": [1, 2, 3], "06_from_fit_to_serve": [2, 3, 4],
+             "A1_under_the_compiler": [2], "A3_fewer_bytes_per_element": [2]}
 _LOADED: dict[str, tuple[dict[str, Any], Recorder]] = {}
 
 
@@ -306,6 +307,18 @@ def measured_01(ns, request):
     return lambda L, h, d, t, e: ns["measured_bytes"](L, h, d, t, torch.float32 if e == 4 else torch.float16)
 
 
+def causal_attention_01(ns, request):
+    """The step's RoPE and append done right, its attention handed to labkit's."""
+    torch, rope_cos_sin, apply_rope = ns["torch"], ns["rope_cos_sin"], ns["apply_rope"]
+
+    def decode_step(k_cache, v_cache, q, k, v, inv_freq):
+        cos, sin = rope_cos_sin(torch.tensor([[k_cache.shape[0]]]), inv_freq)
+        q, k = (apply_rope(x[None, None], cos, sin) for x in (q, k))
+        k_cache, v_cache = torch.cat([k_cache, k[0]]), torch.cat([v_cache, v[None]])
+        return k_cache, v_cache, ns["causal_attention"](q, k_cache[None], v_cache[None])[0, 0]
+    return decode_step
+
+
 def rewrites_request_04(ns, request):
     shared = ns["CacheKey"]()
 
@@ -363,7 +376,7 @@ def pasted_intervals_06(ns, request):
     return find_rate
 
 
-def pytorch_kernel_03(ns, request):
+def pytorch_kernel_a1(ns, request):
     import triton
 
     reference = ns["window_reference"]
@@ -374,17 +387,17 @@ def pytorch_kernel_03(ns, request):
     return PyTorchKernel()
 
 
-def replaced_run_03(ns, request):
-    kernel = pytorch_kernel_03(ns, request)
+def replaced_run_a1(ns, request):
+    kernel = pytorch_kernel_a1(ns, request)
     real = ns["triton"].jit(ns["window_decode_kernel"].fn)  # a genuine @triton.jit kernel...
     real.run = kernel.run  # ...whose launch computes in PyTorch
     return real
 
 
-def patched_triton_03(ns, request):
+def patched_triton_a1(ns, request):
     from triton.runtime.interpreter import InterpretedFunction
     from triton.runtime.jit import JITFunction
-    fake = pytorch_kernel_03(ns, request).run
+    fake = pytorch_kernel_a1(ns, request).run
     mp = request.getfixturevalue("monkeypatch")
     mp.setattr(InterpretedFunction, "run", lambda self, *a, **k: fake(*a, **k))
     mp.setattr(JITFunction, "run", lambda self, *a, **k: fake(*a, **k))
@@ -413,6 +426,8 @@ ROWS: list[tuple[str, str, str, Callable, str]] = [
     ("sibling helper calibration._predict", "06_from_fit_to_serve", "Exercise 2", predict_06, "_predict"),
     ("sibling helper ModelShape.cache_bytes", "01_why_the_cache_grows", "Exercise 2", model_shape_01, "ModelShape"),
     ("the checker's own measuring helper", "01_why_the_cache_grows", "Exercise 2", measured_01, "measured_bytes"),
+    ("labkit's causal_attention in the step", "01_why_the_cache_grows", "Exercise 3", causal_attention_01,
+     "causal_attention"),
     ("an answer equal to everything", "03_paging", "Exercise 1", always_equal_03, "plain value"),
     ("a rewritten request and one shared CacheKey", "04_prefix_reuse", "Exercise 2", rewrites_request_04,
      "reused"),
@@ -425,10 +440,11 @@ ROWS: list[tuple[str, str, str, Callable, str]] = [
     ("uncounted curve read through the closure", "06_from_fit_to_serve", "Exercise 4", uncounted_curve_06,
      "__closure__"),
     ("pasted intervals", "06_from_fit_to_serve", "Exercise 4", pasted_intervals_06, "bracket"),
-    ("a KernelInterface that computes in PyTorch", "03_paging", "Exercise 4", pytorch_kernel_03, "triton.jit"),
-    ("a @triton.jit kernel whose run computes in PyTorch", "03_paging", "Exercise 4", replaced_run_03,
+    ("a KernelInterface that computes in PyTorch", "A1_under_the_compiler", "Exercise 2", pytorch_kernel_a1,
      "triton.jit"),
-    ("Triton's launch replaced by PyTorch", "03_paging", "Exercise 4", patched_triton_03, "launch"),
+    ("a @triton.jit kernel whose run computes in PyTorch", "A1_under_the_compiler", "Exercise 2", replaced_run_a1,
+     "triton.jit"),
+    ("Triton's launch replaced by PyTorch", "A1_under_the_compiler", "Exercise 2", patched_triton_a1, "launch"),
 ]
 
 
@@ -515,10 +531,16 @@ def test_a_metered_function_keeps_its_count_and_its_function_out_of_reach():
 
 
 def test_hidden_cases_differ_from_run_to_run():
-    from labkit.teaching.guards import hidden_rng, torch_generator
+    import random
+
     import torch
 
-    draws = {tuple(hidden_rng().random() for _ in range(3)) for _ in range(5)}
+    from labkit.teaching.guards import hidden_rng, torch_generator
+
+    draws = set()
+    for _ in range(5):
+        random.seed(0), torch.manual_seed(0)  # what a cell might do: it does not reach the hidden generator
+        draws.add(tuple(hidden_rng().random() for _ in range(3)))
     assert len(draws) == 5
     assert not torch.equal(torch.rand(4, generator=torch_generator(hidden_rng())),
                            torch.rand(4, generator=torch_generator(hidden_rng())))

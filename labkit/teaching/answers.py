@@ -41,7 +41,8 @@ def _query_head_mistake_02() -> tuple[Any, float]:
     return 8192 * (llama.query_head_mistake() - llama.bytes_per_token()), 0.0
 
 
-def _sharded_gemma_02() -> tuple[Any, float]:
+def _sharded_gemma_a2() -> tuple[Any, float]:
+    """Appendix A2, Exercise 2: Gemma-2-9B's bytes per token on each of 16 tensor-parallel devices."""
     from ..memory.capacity import PRESETS, shard
 
     return shard(PRESETS["Gemma-2-9B"], tensor_parallel_size=16).bytes_per_token(), 0.0
@@ -154,22 +155,31 @@ def _recomputed_share_a6() -> tuple[Any, float]:
     return float(run.recomputed_tokens / run.step_tokens.sum()), 1e-9
 
 
+def _embedding_bytes_a7() -> tuple[int, float]:
+    """The bytes the book's GGUF file stores for its token embedding, read from the file itself."""
+    from ..model.gguf import read_gguf
+    from ..model.pretrained import real_model
+
+    return read_gguf(real_model()).tensors["token_embd.weight"].num_bytes, 0.0
+
+
 EXERCISES: dict[tuple[str, str], Callable[[], tuple[Any, float]]] = {
     ("00_start_here", "Warm-up"): _warm_up,
     ("01_why_the_cache_grows", "Exercise 1"): _cache_positions_01,
     ("02_cost_per_token", "Exercise 1"): _qwen_per_token_02,
     ("02_cost_per_token", "Exercise 2"): _query_head_mistake_02,
-    ("02_cost_per_token", "Exercise 4"): _sharded_gemma_02,
     ("03_paging", "Exercise 2"): _tail_bytes_03,
     ("04_prefix_reuse", "Exercise 3"): _three_requests_04,
     ("06_from_fit_to_serve", "Exercise 1"): _pool_32_06,
     ("A1_under_the_compiler", "Exercise 1"): _smallest_group_a1,
     ("A2_vllm_start_up", "Exercise 1"): _concurrency_a2,
+    ("A2_vllm_start_up", "Exercise 2"): _sharded_gemma_a2,
     ("A4_real_vllm_on_cpu", "Exercise 1 (blocks)"): lambda: (_cpu_report_a4().num_gpu_blocks, 0.0),
     ("A4_real_vllm_on_cpu", "Exercise 1 (concurrency)"): lambda: (_cpu_report_a4().max_concurrency, 1e-9),
     ("A5_vllm_scheduler", "Exercise 1"): _gate_blocks_a5,
     ("A6_measuring_a_server", "Exercise 1 (oracle)"): lambda: (0.0, 0.0),
     ("A6_measuring_a_server", "Exercise 1 (paged)"): _recomputed_share_a6,
+    ("A7_a_model_in_one_file", "Exercise 1"): _embedding_bytes_a7,
 }
 
 

@@ -110,12 +110,13 @@ ROADMAP_CHAPTERS: dict[str, tuple[str, tuple[str, ...]]] = {
     "04": ("which prefixes can be shared", ("prompt", "prefill", "cache")),
     "05": ("capacity in the scheduler", ("scheduler",)),
     "06": ("from fitting to serving", ("server",)),
-    "A1": ("under the compiler (appendix to 03)", ("decode",)),
-    "A2": ("vLLM's start-up log (appendix to 06)", ("cache", "server")),
-    "A3": ("fewer bytes per element (appendix to 02)", ("cache",)),
+    "A1": ("the paged kernels (appendix to 03)", ("prefill", "decode")),
+    "A2": ("vLLM's start-up log (appendix to 02, 06)", ("cache", "server")),
+    "A3": ("fewer bytes per token (appendix to 02)", ("cache",)),
     "A4": ("the real vLLM on your CPU (appendix to A2, 05, 06)", ("scheduler", "server")),
     "A5": ("vLLM's scheduler (appendix to 05)", ("scheduler",)),
     "A6": ("measuring a server (appendix to 06)", ("server",)),
+    "A7": ("a model in one file (appendix to 01)", ("prefill", "decode")),
 }
 
 
@@ -125,7 +126,7 @@ def _box(ax, part: str, x: float, y: float, w: float, h: float, chapter: str, *,
     A stage of the pipeline has its name inside and its chapters under it; a ``frame`` (the
     scheduler, the server) has both along its top edge, so the stages inside stay readable.
     """
-    lit = part in ROADMAP_CHAPTERS[chapter][1]
+    lit = chapter in ROADMAP_CHAPTERS and part in ROADMAP_CHAPTERS[chapter][1]  # "00": the map, nothing lit
     ax.add_patch(FancyBboxPatch((x, y), w, h, boxstyle="round,pad=0.02,rounding_size=0.08", gid=part,
                                 fc=HIGHLIGHT_COLOUR if lit else OTHER_COLOUR, ec="0.3", lw=1.6 if lit else 0.8,
                                 alpha=0.55 if frame else 1.0))
@@ -149,9 +150,10 @@ def roadmap(chapter: str):
     latencies (chapter 06). Under each part (at the top right of a frame) are the chapters and
     appendices that work on it.
 
-    ``chapter``: "01" to "06" or "A1" to "A6". Returns the figure.
+    ``chapter``: "01" to "06" or "A1" to "A7", or "00" for the whole map with nothing highlighted.
+    Returns the figure.
     """
-    check_choice("chapter", chapter, tuple(ROADMAP_CHAPTERS))
+    check_choice("chapter", chapter, ("00", *ROADMAP_CHAPTERS))
     fig, ax = plt.subplots(figsize=(9, 3.2))
     _box(ax, "server", 0.0, 0.0, 10.0, 3.3, chapter, frame=True)
     _box(ax, "scheduler", 0.25, 0.2, 9.5, 2.65, chapter, frame=True)
@@ -166,8 +168,11 @@ def roadmap(chapter: str):
     ax.set_xlim(-0.1, 10.1)
     ax.set_ylim(-0.1, 3.4)
     ax.axis("off")
-    name, _ = ROADMAP_CHAPTERS[chapter]
-    kind = "Appendix" if chapter.startswith("A") else "Chapter"
-    ax.set_title(f"{kind} {chapter} · {name}: its part of the article's pipeline, highlighted", fontsize=10)
+    if chapter == "00":
+        ax.set_title("The book on one figure: the article's pipeline, and the chapters on each part", fontsize=10)
+    else:
+        name, _ = ROADMAP_CHAPTERS[chapter]
+        kind = "Appendix" if chapter.startswith("A") else "Chapter"
+        ax.set_title(f"{kind} {chapter} · {name}: its part of the article's pipeline, highlighted", fontsize=10)
     fig.tight_layout()
     return fig

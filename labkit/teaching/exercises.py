@@ -22,9 +22,10 @@ The rules that keep a checker honest, each tried against answers written to game
   so an object that claims to equal everything is refused;
 * a function answer gets *copies* of its inputs: rewriting what it was handed changes nothing
   the checker compares against;
-* hidden cases are drawn afresh on every run (``guards.hidden_rng``), so an answer fitted to one
-  draw, or pasted from an earlier run, fails the next; a notebook still prints the same
-  verdict line every time;
+* hidden cases are drawn afresh on every run, from the operating system (``guards.hidden_rng``,
+  ``guards.draws_hidden_cases``), so an answer fitted to one draw, or pasted from an earlier run,
+  fails the next, and a cell that seeds Python's, NumPy's or PyTorch's generators replays nothing;
+  a notebook still prints the same verdict line every time;
 * ``forbid=`` names the labkit functions (or whole classes) that the exercise asks the reader to
   write. Handing one in under a new name, or calling it from inside the answer, is refused.
   The check watches the calls themselves (``guards.Watch``, a profiler): in the checker's thread, in

@@ -2,7 +2,9 @@
 
 ``labkit.teaching.exercises`` judges a reader's answer with these:
 
-* ``hidden_rng``: a checker's hidden cases are drawn afresh on every run, from the operating system;
+* ``hidden_rng``, ``draws_hidden_cases``: a checker's hidden cases are drawn afresh on every run, from
+  the operating system; a cell that seeds the global generators, or reassigns a module attribute once
+  the checker is defined, cannot replay them;
 * ``given_copies``: an answer gets deep copies of its inputs, so rewriting them changes nothing the
   checker compares against;
 * ``Metered``: a function that counts its calls, with the count and the function out of the answer's reach;
@@ -24,14 +26,13 @@ import importlib.util
 import inspect
 import os
 import random
-import secrets
 import sys
 import threading
 import types
 import weakref
 from contextlib import contextmanager
 from dataclasses import dataclass
-from typing import Any, Callable, Iterable, Iterator
+from typing import Any, Callable, Iterable, Iterator, TypeVar
 
 import torch
 
@@ -42,12 +43,44 @@ from ..checks import check_int
 
 
 def hidden_rng() -> random.Random:
-    """A random generator for a checker's hidden cases, seeded afresh from the operating system.
+    """A random generator for a checker's hidden cases: every number it gives comes from the operating system.
 
-    Every run draws new cases, so no answer can be fitted to them; build the cases so that
-    each run covers the same kinds (edges included), and the verdict line stays the same.
+    ``random.SystemRandom`` reads ``os.urandom`` at each draw. It has no seed and no state: its
+    ``seed`` does nothing, and seeding the global generators in a notebook cell (``random.seed``,
+    ``numpy.random.seed``, ``torch.manual_seed``) does not reach it. Every run draws new cases, so
+    no answer can be fitted to them; build the cases so that each run covers the same kinds (edges
+    included), and the verdict line stays the same.
     """
-    return random.Random(secrets.randbits(64))
+    return random.SystemRandom()
+
+
+Checker = TypeVar("Checker", bound=Callable[..., Any])
+
+
+def draws_hidden_cases(checker: Checker) -> Checker:
+    """A checker that draws its cases from a generator of its own: ``checker(rng, ...)`` is called as
+    ``checker(...)``, and each call gets a new ``random.SystemRandom`` (see ``hidden_rng``).
+
+    The generator's class is taken once, here, when the checker is defined, and kept in the
+    wrapper: a cell that later reassigns ``hidden_rng`` (in this module or in the checker's), or
+    ``random.SystemRandom``, cannot fix or replay what the checker draws. (A cell can still take
+    the checker apart, rewriting its code; the guards stop shortcuts, not sabotage.)
+    """
+    parameters = list(inspect.signature(checker).parameters.values()) \
+        if isinstance(checker, types.FunctionType) else []
+    if not parameters or parameters[0].kind not in (inspect.Parameter.POSITIONAL_ONLY,
+                                                    inspect.Parameter.POSITIONAL_OR_KEYWORD):
+        raise ValueError(f"checker must be a function whose first parameter takes the generator (rng), got "
+                         f"{described(checker)}")
+    system_random = random.SystemRandom  # bound now: reassigning a module attribute later does not reach it
+
+    @functools.wraps(checker)
+    def with_its_own_generator(*args: Any, **kwargs: Any) -> Any:
+        return checker(system_random(), *args, **kwargs)
+
+    signature = inspect.signature(checker)
+    with_its_own_generator.__signature__ = signature.replace(parameters=parameters[1:])  # what a caller passes
+    return with_its_own_generator  # type: ignore[return-value]
 
 
 def torch_generator(rng: random.Random) -> torch.Generator:

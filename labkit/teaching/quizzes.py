@@ -23,11 +23,12 @@ __all__ = ["Question", "QUIZZES", "verdicts"]
 @dataclass(frozen=True)
 class Question:
     """One question: ``answer`` is a letter, or a function computing the number; ``why`` explains it;
-    ``wrong`` says, for each other letter, what that choice misses."""
+    ``wrong`` says, for each other letter (or, for a number, each tempting wrong number), what that
+    choice misses."""
 
     answer: str | Callable[[], float]
     why: str
-    wrong: dict[str, str] = field(default_factory=dict)
+    wrong: dict[str | float, str] = field(default_factory=dict)
     rel_tol: float = 0.0
 
     def expected(self) -> Any:
@@ -64,7 +65,9 @@ QUIZZES: dict[str, list[Question]] = {
         Question("a", "causal attention: position i never sees later tokens, so its K/V are final once computed.",
                  {"b": "frozen weights are not enough: bidirectional attention would change old K/V.",
                   "c": "the cached and recomputed outputs agree because the inputs agree, not because of softmax."}),
-        Question(lambda: 1000 + 200, "plan a request at its prompt plus its generation limit: 1,000 + 200 positions."),
+        Question(lambda: 1000 + 200 - 1, "the prompt's 1,000 positions and every reply token but the last, which is "
+                                         "returned and never fed back: 1,199 (a plan reserves 1,200).",
+                 {1200: "1,200 is the plan, prompt plus limit; the last reply token is never fed back (Exercise 1)."}),
         Question("b", "the cache holds activations (K and V) in the cache dtype; the weights' format does not enter.",
                  {"a": "4-bit weights shrink the file, not the K/V the model computes.",
                   "c": "the cache's element type is set by the cache dtype, not the weights'."}),
@@ -73,10 +76,13 @@ QUIZZES: dict[str, list[Question]] = {
         Question("b", "bytes per token = 2 × L × Hkv × D × b: twice the KV heads doubles it.",
                  {"a": "query heads do not enter the formula (the GQA mistake).",
                   "c": "the hidden size enters only through head_dim, held fixed here."}),
-        Question("b", "past 8 devices each still holds one whole KV head per layer: heads are replicated, not split.",
-                 {"a": "a KV head cannot be cut in two.", "c": "each device still holds one head per layer."}),
-        Question("a", "b goes from 2 bytes to 1: half the bytes per token, about twice the sequences.",
-                 {"b": "the element size is a factor of the formula.", "c": "fewer bytes per token fit more tokens."}),
+        Question("c", "the query heads are 4 times the KV heads, so each sequence is planned 4 times too big and "
+                      "a quarter of what fits is admitted (section 4: 15 of 60).",
+                 {"a": "a larger estimate per sequence admits fewer sequences, not more.",
+                  "b": "the cache stores the KV heads only: counting the query heads overstates every sequence."}),
+        Question("b", "the pool is the device minus what is set aside: 14 GiB instead of 7, so twice the sequences.",
+                 {"a": "9 scales the seven with the whole device (31/24); the pool, what the 17 GiB leave, doubled.",
+                  "c": "the 7 extra GiB all go to the pool."}),
         Question(_teaching_kib, "2 × 32 layers × 8 KV heads × 128 × 2 bytes = 131,072 bytes = 128 KiB."),
     ],
     "03_paging": [
@@ -101,9 +107,13 @@ QUIZZES: dict[str, list[Question]] = {
     "05_scheduler": [
         Question("b", "the article's pass skips a candidate whose blocks do not fit; a smaller one behind may fit.",
                  {"a": "the pass stops only when the token budget is spent."}),
-        Question("b", "the newest running request loses least work and waits at the front of the queue.",
-                 {"a": "the oldest has the most computed tokens to lose.",
-                  "c": "length is not the rule; arrival order is."}),
+        Question("b", "vLLM v1 preempts the last request of its running list, the latest admitted "
+                      "(Scheduler.schedule: self.running.pop()), and puts it at the front of the waiting queue: "
+                      "first come, first served keeps the earlier requests going. It need not lose the least "
+                      "work: a new request with a long prompt can hold more computed tokens than an old one.",
+                 {"a": "preempting the oldest would stall the requests that came first, against first come, "
+                       "first served.",
+                  "c": "length is not the rule; the order of admission is."}),
         Question(_recompute, "recompute drops every block: the prompt's 3 tokens and the 3 outputs are computed again."),
         Question("a", "admitting a long prompt by its first chunk in a tight pool gets it preempted halfway, "
                       "and its prompt computed twice.", {"b": "it costs no compute; it avoids wasted compute."}),
@@ -114,8 +124,11 @@ QUIZZES: dict[str, list[Question]] = {
         Question("a", "a decode step reads the weights once for the whole batch, each history once per sequence.",
                  {"b": "each sequence reads only its own history."}),
         Question(_breakeven, "weight bytes / (4,096 × 131,072 bytes): about 30 sequences.", rel_tol=0.05),
-        Question("a", "paging fits more sequences in the pool, so batches are bigger and weight reads are shared.",
-                 {"b": "paging does not make attention faster; the paged kernel reads the same bytes."}),
+        Question("a", "in the small pool new requests wait for free blocks and preempted ones compute their history "
+                      "again: all of that waiting comes before a request's first token.",
+                 {"b": "a request that runs still gets a token every step: its intervals barely change.",
+                  "c": "TPOT averages the intervals of a running request, and those barely change; the waiting "
+                       "comes before the first token."}),
     ],
 }
 
@@ -163,7 +176,7 @@ def verdicts(chapter: str, answers: dict[int, Any]) -> tuple[list[str], int, int
             lines.append(f"✅ Question {number}: {question.why}")
         else:
             wrong += 1
-            key = given.strip().lower() if isinstance(given, str) else None
+            key = given.strip().lower() if isinstance(given, str) else float(given)
             lines.append(f"❌ Question {number}: not {given!r}. "
                          + question.wrong.get(key, "Look again at the chapter's summary."))
     return lines, wrong, open_

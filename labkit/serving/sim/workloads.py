@@ -282,10 +282,11 @@ CHAT_ASKS = ["What is the capital of France?", "Name three primary colours.", "W
 
 
 def chat_requests(tokenizer) -> tuple[list[RequestSpec], list[RequestSpec]]:
-    """Appendix A6's calibration workload on the real model: 14 short chat questions (token ids from
+    """Appendix A6's test workload on the real model: 14 short chat questions (token ids from
     ``tokenizer``'s chat template) with replies of 8 to 24 tokens (seeded). The first 6 arrive at once,
-    to measure and fit steps on; the other 8 arrive as a Poisson stream at 5 requests/s, to test the
-    fitted simulator's prediction on."""
+    to compare two token budgets on; the other 8 arrive as a Poisson stream at 5 requests/s, to test the
+    fitted simulator's prediction on. Neither set is what the simulator is fitted to (A6 fits it to the
+    chosen steps of ``labkit.serving.sim.measure.measure_step_grid``)."""
     if not callable(getattr(tokenizer, "apply_chat_template", None)):
         raise TypeError(f"tokenizer must be a transformers tokenizer with a chat template "
                         f"(labkit.model.pretrained.load_tokenizer), got {type(tokenizer).__name__}")
