@@ -562,7 +562,9 @@ for order in ((True, False), (False, True), (True, False)):  # prefill only, eac
 ttft = {reuse: {name: min(times) for name, times in by_name.items()} for reuse, by_name in runs.items()}
 cached_run = serve(True, 8)
 eos = chat_model.config.eos_token_id
-plain = {name: generate(chat_model, ids, 64, eos_token_id=eos).tokens for name, ids in prompts.items()}
+whole = ["question 1", "question 2", "question 2, one more space"]  # three replies shown whole below
+plain = {name: generate(chat_model, ids, 64 if name in whole else 8, eos_token_id=eos).tokens
+         for name, ids in prompts.items()}
 where = torch.cuda.get_device_name() if labkit.DEVICE.type == "cuda" else "the CPU"
 print(f"times measured in this run on {where} ({torch.get_num_threads()} PyTorch threads); "
       f"attention ran {ran_on['attention']}")
@@ -648,7 +650,6 @@ assert book_on - book_off < min(1.0, 0.01 * min(miss_on, miss_off))
 
 # %%
 # NBVAL_SKIP_IN_SOLUTIONS
-whole = ["question 1", "question 2", "question 2, one more space"]
 for name in whole:
     print(f"{name:<27}: {tokenizer.decode(plain[name], skip_special_tokens=True)!r} ({len(plain[name])} tokens)")
 eos_ids = {eos} if isinstance(eos, int) else set(eos)
