@@ -15,7 +15,7 @@
 # - learn how the notebooks, exercises and widgets work,
 # - check your environment: which device runs the code, and how Triton runs its kernels.
 #
-# **Time:** about 10 minutes to read and run.
+# **Time:** about 15 minutes to read and run; about 5 minutes for the warm-up exercise.
 
 # %% [markdown]
 # ## The map
@@ -29,23 +29,25 @@ from labkit.teaching.diagrams import roadmap
 roadmap("00");  # the whole map, nothing highlighted
 
 # %% [markdown]
-# | chapter | question | what you build with `labkit` | time |
-# |---|---|---|---|
-# | 01 · why the cache grows | what does a model keep per token, and why? | a tiny Llama-style decoder; prefill, decode, a growing cache; the real model in it | about 35 min |
-# | 02 · cost per token | how many bytes does one token cost? | the byte formula, GQA, real model presets, a capacity explorer | about 30 min |
-# | 03 · paging | how do we stop reserving memory we never use? | a block allocator, block tables, slots; paged attention checked against its reference | about 35 min |
-# | 04 · prefix reuse | when may two requests share cached state? | a prefix cache with block hashes, reference counts, copy-on-write | about 35 min |
-# | 05 · capacity in the scheduler | who gets memory this iteration? | `plan_iteration` with a token and block budget; a small engine | about 40 min |
-# | 06 · from fit to serve | does fitting in memory mean serving fast? | a serving simulator: occupancy, reuse, latency | about 40 min |
-# | A1 · the paged kernels (appendix to 03) | how do the paged kernels walk a block table, and what does a GPU make of them? | the Triton kernels step by step, compiler reports, occupancy, a roofline, split-K | about 45 min |
-# | A2 · vLLM's start-up log (appendix to 02, 06) | what will vLLM print, and why may it refuse to start? | vLLM 0.33.0's KV-cache arithmetic, tensor and pipeline parallelism | about 30 min |
-# | A3 · fewer bytes per token (appendix to 02) | what does an fp8, int8 or int4 cache cost in quality, and what do windows and latent caches save? | a quantized paged cache, its Triton decode, a measurement on the real model | about 40 min |
-# | A4 · the real vLLM on your CPU (appendix to A2, 05, 06) | does the real vLLM do what the book predicts? | vLLM run beside labkit (optional: `make vllm`) | about 25 min |
-# | A5 · vLLM's scheduler, step by step (appendix to 05) | which waiting requests does vLLM admit, and why? | admission rules (head of line, the whole-sequence gate), priority, recompute or swap, a step-by-step comparison with vLLM | about 25 min |
-# | A6 · measuring a server (appendix to 06) | is a simulated result a measurement? | rate sweeps over several draws, the paper's headline, the simulator calibrated on the real engine | about 30 min |
-# | A7 · a model in one file (appendix to 01) | what does a GGUF file hold, and what must a loader undo? | the file's metadata and tensors, a 4-bit block decoded by hand, RoPE's two row orders checked | about 15 min |
+# | chapter | question | what you build with `labkit` | reading | exercises |
+# |---|---|---|---|---|
+# | 01 · why the cache grows | what does a model keep per token, and why? | a tiny Llama-style decoder; prefill, decode, a growing cache; the real model in it | about 35 min | about 75 min |
+# | 02 · cost per token | how many bytes does one token cost? | the byte formula, GQA, real model presets, a capacity explorer | about 25 min | about 80 min |
+# | 03 · paging | how do we stop reserving memory we never use? | a block allocator, block tables, slots; paged attention checked against its reference | about 30 min | about 90 min |
+# | 04 · prefix reuse | when may two requests share cached state? | a prefix cache with block hashes, reference counts, copy-on-write | about 40 min | about 75 min |
+# | 05 · capacity in the scheduler | who gets memory this iteration? | `plan_iteration` with a token and block budget; a small engine | about 40 min | about 85 min |
+# | 06 · from fit to serve | does fitting in memory mean serving fast? | a serving simulator: occupancy, reuse, latency | about 35 min | about 90 min |
+# | A1 · the paged kernels (appendix to 03) | how do the paged kernels walk a block table, and what does a GPU make of them? | the Triton kernels step by step, compiler reports, occupancy, a roofline, split-K | about 35 min | about 20 min |
+# | A2 · vLLM's start-up log (appendix to 02, 06) | what will vLLM print, and why may it refuse to start? | vLLM 0.33.0's KV-cache arithmetic, tensor and pipeline parallelism | about 20 min | about 10 min |
+# | A3 · fewer bytes per token (appendix to 02) | what does an fp8, int8 or int4 cache cost in quality, and what do windows and latent caches save? | a quantized paged cache, its Triton decode, a measurement on the real model | about 35 min | about 60 min |
+# | A4 · the real vLLM on your CPU (appendix to A2, 05, 06) | does the real vLLM do what the book predicts? | vLLM run beside labkit (optional: `make vllm`) | about 35 min | about 5 min |
+# | A5 · vLLM's scheduler, step by step (appendix to 05) | which waiting requests does vLLM admit, and why? | admission rules (head of line, the whole-sequence gate), priority, recompute or swap, a step-by-step comparison with vLLM | about 25 min | about 5 min |
+# | A6 · measuring a server (appendix to 06) | is a simulated result a measurement? | rate sweeps over several draws, the paper's headline, the simulator calibrated on the real engine | about 35 min | about 5 min |
+# | A7 · a model in one file (appendix to 01) | what does a GGUF file hold, and what must a loader undo? | the file's metadata and tensors, a 4-bit block decoded by hand, RoPE's two row orders checked | about 15 min | about 5 min |
 #
-# Read in order, the chapters take about 215 minutes to read and run, and the appendices about 210 more.
+# Read in order, the chapters take about 205 minutes to read and run and about 495 minutes for their
+# exercises, about 12 hours in all; the appendices take about 200 and 110 minutes more. CONTRIBUTING.md
+# says how these times are estimated.
 # The six chapters follow one article's six sections and build on each other; read them in order.
 # Each appendix deepens the chapter it names and can be skipped on a first reading.
 

@@ -34,7 +34,7 @@ roadmap("01");  # the article's pipeline, this chapter's part highlighted
 # computes (queries, keys, values, a softmax), as any introduction to transformers explains it.
 # [00 · Start here](00_start_here.ipynb) checks your set-up.
 #
-# **Time:** about 35 minutes to read and run.
+# **Time:** about 35 minutes to read and run; about 75 minutes for the exercises.
 
 # %%
 import time
@@ -550,7 +550,7 @@ print(f"{len(reply.tokens)} tokens generated; the cache at the end held {reply.c
 
 # %%
 from labkit.teaching.exercises import Exercises
-from labkit.teaching.guards import hidden_rng
+from labkit.teaching.guards import draws_hidden_cases
 
 ex = Exercises("01_why_the_cache_grows")
 
@@ -609,9 +609,9 @@ def measured_bytes(layers: int, kv_heads: int, head_dim: int, tokens: int, dtype
     return c.nbytes
 
 
-def ex2_cases() -> list:
+@draws_hidden_cases
+def ex2_cases(rng) -> list:
     """Three model shapes drawn afresh (one per element type), each measured on real tensors."""
-    rng = hidden_rng()
     shapes = [(rng.randint(1, 4), rng.choice([1, 2, 4]), rng.choice([8, 16, 32]), rng.randint(1, 40), dtype)
               for dtype in (torch.float32, torch.float16, torch.bfloat16)]
     return [((L, h, d, t, torch.tensor([], dtype=dt).element_size()), measured_bytes(L, h, d, t, dt))

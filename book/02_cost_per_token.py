@@ -44,7 +44,7 @@ roadmap("02");  # the article's pipeline, this chapter's part highlighted
 # **You need:** chapter 01: the cache keeps one key and one value per layer, per KV head and per
 # token, and several query heads can share one KV head (GQA).
 #
-# **Time:** about 30 minutes to read and run.
+# **Time:** about 25 minutes to read and run; about 80 minutes for the exercises.
 
 # %%
 import torch

@@ -34,7 +34,7 @@ roadmap("03");  # the article's pipeline, this chapter's part highlighted
 # **You need:** chapter 02: bytes per token, and the teaching model's 128 KiB per token; chapter 01:
 # the decoder, its cache and greedy generation.
 #
-# **Time:** about 35 minutes to read and run.
+# **Time:** about 30 minutes to read and run; about 90 minutes for the exercises.
 
 # %%
 import matplotlib.pyplot as plt
@@ -521,7 +521,7 @@ for prompt, run in zip(prompts, paged_runs):
 
 # %%
 from labkit.teaching.exercises import Exercises
-from labkit.teaching.guards import hidden_rng, torch_generator
+from labkit.teaching.guards import draws_hidden_cases, torch_generator
 
 ex = Exercises("03_paging")
 
@@ -556,9 +556,9 @@ def _allocated(num_tokens: int, block_size: int) -> tuple[int, int]:
     return len(table.block_ids), table.empty_slots
 
 
-def ex1_cases() -> list:
+@draws_hidden_cases
+def ex1_cases(rng) -> list:
     """An empty request, one-token blocks, then exact fits and partly filled tails at random sizes."""
-    rng = hidden_rng()
     sizes = [(0, rng.randint(1, 64)), (rng.randint(1, 50), 1)]
     for _ in range(4):
         bs, k = rng.randint(2, 64), rng.randint(1, 20)
@@ -611,9 +611,9 @@ def gather(cache: torch.Tensor, block_table: torch.Tensor, seq_len: int) -> torc
     # END SOLUTION
 
 
-def _gather_cases():
+@draws_hidden_cases
+def _gather_cases(rng):
     """Random pools and shuffled tables: one token, an exact fit, one token past it, and a random length."""
-    rng = hidden_rng()
     g = torch_generator(rng)
     for kind in ("one", "exact", "one past", "random"):
         block_size = rng.choice([2, 4, 8, 16])

@@ -43,7 +43,7 @@ roadmap("04");  # the article's pipeline, this chapter's part highlighted
 # **You need:** chapter 03: blocks, block tables and the block allocator; chapter 01: causal
 # attention, and the real model (SmolLM2-135M-Instruct) with its chat template.
 #
-# **Time:** about 35 minutes to read and run.
+# **Time:** about 40 minutes to read and run; about 75 minutes for the exercises.
 
 # %%
 import zlib
@@ -706,7 +706,7 @@ assert all("Saturn" in tokenizer.decode(plain[n]) for n in whole[1:])  # wrong b
 
 # %%
 from labkit.teaching.exercises import Exercises
-from labkit.teaching.guards import function_shape, hidden_rng, torch_generator
+from labkit.teaching.guards import draws_hidden_cases, function_shape, torch_generator
 
 ex = Exercises("04_prefix_reuse")
 
@@ -775,8 +775,9 @@ def cache_key_for(request: dict) -> CacheKey:
     # END STUB
 
 
-def tenant_stream(n: int = 40) -> list[dict]:
-    g = torch_generator(hidden_rng())
+@draws_hidden_cases
+def tenant_stream(rng, n: int = 40) -> list[dict]:
+    g = torch_generator(rng)
     system = {"acme": list(range(1000, 1040)), "globex": list(range(1000, 1040)),  # the same system prompt
               "initech": list(range(2000, 2024))}
     stream = []

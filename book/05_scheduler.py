@@ -41,7 +41,7 @@ roadmap("05");  # the article's pipeline, this chapter's part highlighted
 # **You need:** chapters 03 and 04: free blocks, block tables, prefix hits and copy-on-write;
 # chapter 01: prefill and decode.
 #
-# **Time:** about 40 minutes to read and run.
+# **Time:** about 40 minutes to read and run; about 85 minutes for the exercises.
 
 # %%
 import matplotlib.pyplot as plt
@@ -774,7 +774,7 @@ else:
 
 # %%
 from labkit.teaching.exercises import Exercises
-from labkit.teaching.guards import function_shape, hidden_rng
+from labkit.teaching.guards import draws_hidden_cases, function_shape
 
 ex = Exercises("05_scheduler")
 
@@ -808,12 +808,12 @@ from labkit.memory.pool_plan import PoolPlan
 from labkit.vllm_bridge import predict
 
 
-def ex1_cases() -> list:
+@draws_hidden_cases
+def ex1_cases(rng) -> list:
     """Two block sizes drawn afresh; a request with nothing computed, a full tail and a partly filled one;
     no token, one, exactly the rest of the tail, and many; shared tail or not. It holds the blocks its
     computed tokens fill, sometimes one or two more (a reservation); and once, for each block size,
     one more with many tokens to come."""
-    rng = hidden_rng()
     cases = []
     for bs in (rng.randint(2, 8), rng.randint(9, 32)):
         k = rng.randint(1, 6)
@@ -913,10 +913,10 @@ def shortest_prompt_first(request: Request):
     # END STUB
 
 
-def ex4_arrivals() -> dict[str, list[list[int]]]:
+@draws_hidden_cases
+def ex4_arrivals(rng) -> dict[str, list[list[int]]]:
     """Nine prompts of consecutive lengths from a random start, of random token ids, in two arrival
     orders: longest first, and shuffled."""
-    rng = hidden_rng()
     start = rng.randint(8, 14)
     lengths = list(range(start, start + 9))
     shuffled = lengths.copy()

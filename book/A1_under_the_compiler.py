@@ -36,7 +36,7 @@ roadmap("A1");  # the article's pipeline, this appendix's part highlighted
 # (`gather_kv`, then attention); chapter 01: attention with GQA. Knowing what a GPU's registers and
 # shared memory are helps, but each is explained where it is used.
 #
-# **Time:** about 45 minutes to read and run.
+# **Time:** about 35 minutes to read and run; about 20 minutes for the exercises.
 
 # %%
 import json
@@ -560,7 +560,7 @@ assert torch.allclose(split_out, out, atol=1e-6)
 
 # %%
 from labkit.teaching.exercises import Exercises
-from labkit.teaching.guards import hidden_rng, is_triton_kernel, torch_generator, triton_launches
+from labkit.teaching.guards import draws_hidden_cases, is_triton_kernel, torch_generator, triton_launches
 
 ex = Exercises("A1_under_the_compiler")
 
@@ -685,12 +685,12 @@ def window_reference(q, k_cache, v_cache, block_tables, seq_lens, window):
     return out
 
 
-def check_window_kernel(kernel) -> list[str]:
+@draws_hidden_cases
+def check_window_kernel(rng, kernel) -> list[str]:
     """Ragged lengths drawn afresh, a shuffled block table, GQA (8 query heads on 2 KV heads), three windows."""
     if not is_triton_kernel(kernel):  # compiled (JITFunction) or interpreted, as @triton.jit made it
         return ["expected the @triton.jit kernel itself (not a subclass, nothing of it replaced)"]
     device = "cuda" if ON_GPU else "cpu"
-    rng = hidden_rng()
     g = torch_generator(rng)
     block_size, heads, kv_heads, d = 8, 8, 2, 16
     lengths = [1, block_size * rng.randint(1, 4), rng.randint(40, 64), rng.randint(2, 64), rng.randint(2, 64)]

@@ -47,7 +47,7 @@ roadmap("A2");  # the article's pipeline, this appendix's part highlighted
 # [appendix A3](A3_fewer_bytes_per_element.ipynb): the 8-bit cache (its sections 1 and 2), sliding
 # windows and a latent cache (its section 7).
 #
-# **Time:** about 30 minutes to read and run.
+# **Time:** about 20 minutes to read and run; about 10 minutes for the exercises.
 
 # %%
 from labkit.memory import capacity

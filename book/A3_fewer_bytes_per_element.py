@@ -41,7 +41,7 @@ roadmap("A3");  # the article's pipeline, this appendix's part highlighted
 # **You need:** chapter 02: the byte formula, the model presets (section 5) and a device's pool
 # (section 6); chapter 03: the paged pool; appendix A1: its decode kernel; chapter 01: the real model.
 #
-# **Time:** about 40 minutes to read and run.
+# **Time:** about 35 minutes to read and run; about 60 minutes for the exercises.
 
 # %%
 import json

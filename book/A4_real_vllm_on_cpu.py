@@ -46,8 +46,9 @@ roadmap("A4");  # the article's pipeline, this appendix's part highlighted
 # **You need:** chapters 04 to 06 and appendix A2; part 3 repeats
 # [appendix A6](A6_measuring_a_server.ipynb)'s calibration on vLLM's server.
 #
-# **Time:** about 25 minutes to read. With vLLM set up, making a new real run takes about 5 minutes;
-# otherwise the notebook runs in under a minute on the record of the last real run.
+# **Time:** about 35 minutes to read; about 5 minutes for the exercise. With vLLM set up, making a
+# new real run takes about 5 minutes; otherwise the notebook runs in under a minute on the record
+# of the last real run.
 
 # %%
 import json

@@ -43,7 +43,7 @@ roadmap("A5");  # the article's pipeline, this appendix's part highlighted
 # **You need:** chapter 05: the two budgets of a step, `extra_blocks`, the budget pass and
 # preemption; chapter 04: prefix hits.
 #
-# **Time:** about 25 minutes to read and run.
+# **Time:** about 25 minutes to read and run; about 5 minutes for the exercise.
 
 # %%
 import matplotlib.pyplot as plt

@@ -40,7 +40,8 @@ roadmap("A6");  # the article's pipeline, this appendix's part highlighted
 # **You need:** chapter 06: the simulator, its workloads, occupancy and TTFT/TPOT/ITL; chapter 03:
 # reservation against paging (the paper's Fig. 2); chapter 05: the engine.
 #
-# **Time:** about 30 minutes to read and run (the calibration times the real model for about 15 seconds).
+# **Time:** about 35 minutes to read and run (the calibration times the real model for about 15
+# seconds); about 5 minutes for the exercise.
 
 # %%
 import matplotlib.pyplot as plt
@@ -514,7 +515,7 @@ right.plot(list(by_batch), [100 * np.median(relative[m]) for m in by_batch.value
 right.axhline(0, color="grey", lw=0.8, ls="--")
 right.set(xscale="log", xlabel="requests in the step (batch size)", ylabel="residual (% of the measured step)")
 right.set_xticks(list(by_batch), [str(n) for n in by_batch])
-right.set_title("Residuals: larger batches sit higher", fontsize=9)
+right.set_title("Residuals against the batch size", fontsize=9)
 right.legend(fontsize=7)
 fig.tight_layout()
 plt.show()
@@ -538,14 +539,17 @@ print(f"the output head: {head:.0%} of the arithmetic the roofline charges per n
 flat = fit.predicted[decode & (requests <= ridge)]
 assert flat.size == 0 or np.ptp(flat) < 0.01 * flat.min()  # below its ridge the roofline charges every batch alike
 low, high, long_prompts = medians.values()
-assert low < high and long_prompts < high  # medians over 6 to 24 steps in two rounds: one slow spell does not turn them
+shown = low < high and long_prompts < high  # timings: a busy machine can blur the pattern, so the run reports it
+print(f"decodes of 8 and 16 above both other groups in this run: {'yes' if shown else 'no, noise hides it this time'}")
 
 # %% [markdown]
 # The roofline takes the larger of two times, the weight read and the arithmetic, so it charges a
 # decode the same for every batch up to its ridge (printed) and more only beyond it; one fitted
 # rate places that ridge for every kind of step. The residuals (their median printed) are not
-# scattered evenly around zero: the decodes of 8 and 16 requests sit higher than those of 1 to 4,
-# and higher than the prompt steps of 64 tokens or more (medians printed; the cell checks both).
+# scattered evenly around zero: in the run committed here, and in most runs on a quiet machine, the
+# decodes of 8 and 16 requests sit higher than those of 1 to 4, and higher than the prompt steps of
+# 64 tokens or more (medians printed). These are timings, so the last line says whether this run
+# shows it; on a busy machine a slow spell can hide it.
 #
 # Part of that pattern is work the roofline counts and the engine does not do. The roofline
 # charges every new token the output head, a multiply by the whole vocabulary (its share printed);

@@ -8,6 +8,7 @@ estimate, right after its title cell.
 
 from __future__ import annotations
 
+import importlib.util
 import json
 import re
 from pathlib import Path
@@ -87,14 +88,57 @@ def test_one_sentence_means_one_sentence(tmp_path):
     assert _message(one) == "One thing, 3.5 times over."
 
 
+TIME = re.compile(r"^# \*\*Time:\*\* about (\d+) minutes to read[^;]*; about (\d+) minutes for the (?:warm-up )?"
+                  r"exercises?\.", re.M)
+
+
+def _stated_time(source: Path) -> re.Match | None:
+    """The opener's time line, its markdown continuation lines joined (a line opening a new bold field stays apart)."""
+    return TIME.search(re.sub(r"\n# (?!\*\*)", " ", source.read_text()))
+
+
+def _time_estimate():
+    spec = importlib.util.spec_from_file_location("time_estimate", ROOT / "tools" / "time_estimate.py")
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
+@pytest.mark.parametrize("source", sorted((ROOT / "book").glob("*.py")), ids=lambda p: p.stem)
+def test_every_opener_states_reading_and_exercise_time_as_the_method_estimates_them(source):
+    """Issue 39: reading and exercises apart, each as CONTRIBUTING.md's method gives it (tools/time_estimate.py)."""
+    estimate = _time_estimate()
+    stated = _stated_time(source)
+    assert stated, f"{source.name}: no '**Time:** about N minutes to read ...; about M minutes for the exercises.'"
+    notebook = ROOT / "chapters" / f"{source.stem}.ipynb"
+    expected = (estimate.reading_minutes(notebook), estimate.exercise_minutes(source))
+    assert tuple(map(int, stated.groups())) == expected, \
+        f"{source.name}: the method gives {expected[0]} minutes to read and {expected[1]} for the exercises"
+
+
+def test_the_time_method_tells_the_kinds_of_exercise_apart():
+    estimate = _time_estimate()
+    kinds = {k: estimate.exercise_kinds(ROOT / "book" / f"{k}.py")
+             for k in ("01_why_the_cache_grows", "03_paging", "A4_real_vllm_on_cpu")}
+    assert kinds["01_why_the_cache_grows"] == {"Exercise 1": "value", "Exercise 2": "function", "Exercise 3": "build it"}
+    assert list(kinds["03_paging"].values()) == ["function", "value", "function", "build it"]
+    assert kinds["A4_real_vllm_on_cpu"] == {"Exercise 1": "value"}  # its two parts are one exercise
+    # 01: 5 + 15 + 45 and four quiz questions at 2 = 73, rounded up to 75
+    assert estimate.exercise_minutes(ROOT / "book" / "01_why_the_cache_grows.py") == 75
+
+
 def test_start_here_states_every_notebooks_time_and_their_sum():
-    """00's map gives each chapter's and appendix's time as its own opener states it, and the total."""
+    """00's map gives each chapter's and appendix's reading and exercise time as its opener states them,
+    and the sums."""
     start = (ROOT / "book" / "00_start_here.py").read_text()
-    rows = dict(re.findall(r"^# \| ([0-9A-Z]\d) · .*\| about (\d+) min \|$", start, re.M))
-    stated = {p.stem[:2]: int(m.group(1)) for p in SOURCES
-              if (m := re.search(r"^# \*\*Time:\*\* about (\d+) minutes", p.read_text(), re.M))}
-    assert {k: int(v) for k, v in rows.items()} == stated
-    chapters = sum(v for k, v in stated.items() if k[0] == "0")
-    appendices = sum(v for k, v in stated.items() if k[0] == "A")
-    assert f"chapters take about {chapters} minutes" in " ".join(start.replace("# ", "").split())
-    assert f"appendices about {appendices} more" in " ".join(start.replace("# ", "").split())
+    rows = {k: (int(r), int(e)) for k, r, e in
+            re.findall(r"^# \| ([0-9A-Z]\d) · .*\| about (\d+) min \| about (\d+) min \|$", start, re.M)}
+    stated = {p.stem[:2]: tuple(map(int, m.groups())) for p in SOURCES
+              if (m := _stated_time(p))}
+    assert rows == stated and len(rows) == len(SOURCES)
+    read = {part: sum(v[0] for k, v in stated.items() if k[0] == part) for part in "0A"}
+    work = {part: sum(v[1] for k, v in stated.items() if k[0] == part) for part in "0A"}
+    prose = " ".join(start.replace("# ", "").split())
+    assert (f"the chapters take about {read['0']} minutes to read and run and about {work['0']} minutes for their "
+            f"exercises, about {round((read['0'] + work['0']) / 60)} hours in all") in prose
+    assert f"the appendices take about {read['A']} and {work['A']} minutes more" in prose

@@ -458,6 +458,29 @@ def test_no_cell_can_replay_a_checkers_cases(name, monkeypatch):
     assert _drawn(name) != _drawn(name)
 
 
+def _decorator_names(fn: ast.FunctionDef) -> set[str]:
+    return {d.id if isinstance(d, ast.Name) else getattr(d, "attr", "") for d in fn.decorator_list}
+
+
+def test_the_books_own_checkers_take_their_generator_from_draws_hidden_cases():
+    """Issue 39: the checkers written in a chapter's source draw as labkit's do. A function there that
+    draws cases takes ``rng`` first and is wrapped by ``draws_hidden_cases`` (so no later cell can swap
+    the generator it gets); none calls ``hidden_rng`` by a name a cell could rebind."""
+    drawing = []
+    for source in sorted((ROOT / "book").glob("*.py")):
+        tree = ast.parse(source.read_text())
+        assert "hidden_rng" not in source.read_text(), f"{source.name} names hidden_rng"
+        for fn in (n for n in ast.walk(tree) if isinstance(n, ast.FunctionDef)):
+            params = [a.arg for a in fn.args.args]
+            names = [n for n in ast.walk(fn) if isinstance(n, ast.Name) and n.id == "rng"]
+            free = names and not any(isinstance(n.ctx, ast.Store) for n in names)  # rng from outside the function
+            wrapped = "draws_hidden_cases" in _decorator_names(fn)
+            if wrapped or (free and "rng" not in params and fn in tree.body):
+                assert params[:1] == ["rng"] and wrapped, f"{source.name}: {fn.name} draws cases without its own generator"
+                drawing.append(fn.name)
+    assert len(drawing) >= 9  # 01, 03 (two), 04, 05 (two), 06 (two), A1
+
+
 def test_the_hidden_generator_ignores_a_seed():
     rng = guards.hidden_rng()
     rng.seed(0)

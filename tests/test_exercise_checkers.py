@@ -85,7 +85,11 @@ def _statements(cells: list[str]) -> list[str]:
             tree = ast.parse(cell)
         except SyntaxError:  # IPython magics (the Colab cell): nothing an exercise needs
             continue
-        out += [ast.get_source_segment(cell, stmt) for stmt in tree.body]
+        lines = cell.splitlines(True)
+        for stmt in tree.body:  # a decorated definition starts at its first decorator, not at `def`
+            first = min([stmt.lineno] + [d.lineno for d in getattr(stmt, "decorator_list", [])])
+            out.append("".join(lines[first - 1:stmt.end_lineno]) if first < stmt.lineno
+                       else ast.get_source_segment(cell, stmt))
     return out
 
 
