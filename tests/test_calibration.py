@@ -262,13 +262,30 @@ def smol():
     return from_pretrained(path, dtype=torch.float32), load_tokenizer(path)
 
 
+@pytest.fixture(scope="module")
+def first_fit(smol):
+    """One calibration for both tests' first attempts (a retry calibrates afresh): the chosen steps of
+    ``measure_step_grid`` on the real model, one PyTorch thread, the copy bandwidth pinned."""
+    import torch
+
+    model, _ = smol
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    try:
+        grid_engine = Engine(model, num_blocks=128, block_size=16, max_num_batched_tokens=128, use_triton=False)
+        return fit_steps(measure_step_grid(grid_engine), model_cost(model.config, dtype_bytes=4),
+                         measure_stream_bandwidth())
+    finally:
+        torch.set_num_threads(threads)
+
+
 @pytest.mark.parametrize("budgets", [(16, 64)])
-def test_the_simulator_predicts_a_budget_comparison_on_the_real_model(budgets, smol):
+def test_the_simulator_predicts_a_budget_comparison_on_the_real_model(budgets, smol, first_fit):
     """Appendix A6's claim: the simulator, fitted to the chosen steps of ``measure_step_grid``, is right in its
     comparisons. Budget 16 against 64 tokens per step, six chat requests on the real model: the simulated ratio
     of the two run times lands within 25% of the measured one. Each budget is measured twice, in turn with the
     other, and the faster kept (a busy machine only slows). A busy machine can still bend one attempt, so there
-    are up to three, each calibrated afresh."""
+    are up to three: the first on the module's calibration, each retry calibrated afresh."""
     import torch
 
     from labkit.model.pretrained import chat_token_ids
@@ -291,8 +308,8 @@ def test_the_simulator_predicts_a_budget_comparison_on_the_real_model(budgets, s
 
         small, large = budgets
 
-        def attempt() -> tuple[float, dict, dict]:
-            fit = fit_steps(measure_step_grid(real_engine(128)), cost, measure_stream_bandwidth())
+        def attempt(fit=None) -> tuple[float, dict, dict]:
+            fit = fit or fit_steps(measure_step_grid(real_engine(128)), cost, measure_stream_bandwidth())
             runs = {small: [], large: []}
             for _ in range(2):  # the budgets in turn: a busy spell slows a run of each
                 for b in runs:
@@ -304,7 +321,7 @@ def test_the_simulator_predicts_a_budget_comparison_on_the_real_model(budgets, s
 
         # Another job on the machine can land in the calibration run or in one budget's runs and bend one
         # attempt; a wrong model bends every attempt. So up to three attempts, each calibrated afresh.
-        attempts = []
+        attempts = [attempt(first_fit)]
         while len(attempts) < 3 and not any(abs(ratio - 1) <= 0.25 for ratio, _, _ in attempts):
             attempts.append(attempt())
     finally:
@@ -313,13 +330,13 @@ def test_the_simulator_predicts_a_budget_comparison_on_the_real_model(budgets, s
     assert abs(attempts[-1][0] - 1) <= 0.25, attempts
 
 
-def test_the_fitted_simulator_predicts_held_out_requests_on_the_real_model(smol):
+def test_the_fitted_simulator_predicts_held_out_requests_on_the_real_model(smol, first_fit):
     """Appendix A6's prediction: calibrated on the chosen steps of ``measure_step_grid`` (decodes of 1 to 16
     requests, prompt chunks of 8 to 128 tokens; the copy bandwidth pinned), the simulator predicts eight chat
     requests, arriving as a Poisson stream at 5 per second and served by the engine on the wall clock: TTFT
     and ITL p50 within 25% of the measurement. The notebook's cell fails only when three runs land past a
-    factor of 2; here the 25% holds, with up to three attempts, each calibrated afresh (a busy machine bends
-    one attempt, a wrong model every attempt)."""
+    factor of 2; here the 25% holds, with up to three attempts, the first on the module's calibration and each
+    retry calibrated afresh (a busy machine bends one attempt, a wrong model every attempt)."""
     import torch
 
     from labkit.serving.sim.simulator import Simulator
@@ -334,16 +351,16 @@ def test_the_fitted_simulator_predicts_held_out_requests_on_the_real_model(smol)
         def engine() -> Engine:
             return Engine(smol, num_blocks=128, block_size=16, max_num_batched_tokens=64, use_triton=False)
 
-        def attempt() -> dict[str, float]:
+        def attempt(fit=None) -> dict[str, float]:
             grid_engine = Engine(smol, num_blocks=128, block_size=16, max_num_batched_tokens=128, use_triton=False)
-            fit = fit_steps(measure_step_grid(grid_engine), cost, measure_stream_bandwidth())
+            fit = fit or fit_steps(measure_step_grid(grid_engine), cost, measure_stream_bandwidth())
             predicted = Simulator(fit.cost_model(), num_blocks=128, block_size=16,
                                   max_num_batched_tokens=64).run(test_specs)
             measured = serve_in_real_time(engine(), test_specs)
             return {"TTFT": predicted.ttft_percentiles()["p50"] / measured.ttft_percentiles()["p50"],
                     "ITL": predicted.itl_percentiles()["p50"] / measured.itl_percentiles()["p50"]}
 
-        attempts: list[dict[str, float]] = []
+        attempts: list[dict[str, float]] = [attempt(first_fit)]
         while len(attempts) < 3 and not any(all(abs(r - 1) <= 0.25 for r in a.values()) for a in attempts):
             attempts.append(attempt())
     finally:
