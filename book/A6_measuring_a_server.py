@@ -540,7 +540,7 @@ flat = fit.predicted[decode & (requests <= ridge)]
 assert flat.size == 0 or np.ptp(flat) < 0.01 * flat.min()  # below its ridge the roofline charges every batch alike
 low, high, long_prompts = medians.values()
 shown = low < high and long_prompts < high  # timings: a busy machine can blur the pattern, so the run reports it
-print(f"decodes of 8 and 16 above both other groups in this run: {'yes' if shown else 'no, noise hides it this time'}")
+print(f"decodes of 8 and 16 above both other groups in this run: {'yes' if shown else 'no, not in this run'}")
 
 # %% [markdown]
 # The roofline takes the larger of two times, the weight read and the arithmetic, so it charges a
