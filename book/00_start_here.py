@@ -37,6 +37,7 @@ roadmap("00");  # the whole map, nothing highlighted
 # | 04 · prefix reuse | when may two requests share cached state? | a prefix cache with block hashes, reference counts, copy-on-write | about 40 min | about 75 min |
 # | 05 · capacity in the scheduler | who gets memory this iteration? | `plan_iteration` with a token and block budget; a small engine | about 40 min | about 85 min |
 # | 06 · from fit to serve | does fitting in memory mean serving fast? | a serving simulator: occupancy, reuse, latency | about 35 min | about 90 min |
+# | C1 · your own engine (the capstone) | do my pieces make an engine? | your `decode_step`, `Pager`, `cached_tokens` and `plan_step` serving the real model, checked against labkit's and transformers' | about 10 min | about 10 min |
 # | A1 · the paged kernels (appendix to 03) | how do the paged kernels walk a block table, and what does a GPU make of them? | the Triton kernels step by step, compiler reports, occupancy, a roofline, split-K | about 35 min | about 20 min |
 # | A2 · vLLM's start-up log (appendix to 02, 06) | what will vLLM print, and why may it refuse to start? | vLLM 0.33.0's KV-cache arithmetic, tensor and pipeline parallelism | about 20 min | about 10 min |
 # | A3 · fewer bytes per token (appendix to 02) | what does an fp8, int8 or int4 cache cost in quality, and what do windows and latent caches save? | a quantized paged cache, its Triton decode, a measurement on the real model | about 35 min | about 60 min |
@@ -45,8 +46,8 @@ roadmap("00");  # the whole map, nothing highlighted
 # | A6 · measuring a server (appendix to 06) | is a simulated result a measurement? | rate sweeps over several draws, the paper's headline, the simulator calibrated on the real engine | about 35 min | about 5 min |
 # | A7 · a model in one file (appendix to 01) | what does a GGUF file hold, and what must a loader undo? | the file's metadata and tensors, a 4-bit block decoded by hand, RoPE's two row orders checked | about 15 min | about 5 min |
 #
-# Read in order, the chapters take about 205 minutes to read and run and about 495 minutes for their
-# exercises, about 12 hours in all; the appendices take about 200 and 110 minutes more. CONTRIBUTING.md
+# Read in order, the chapters and the capstone take about 215 minutes to read and run and about 505
+# minutes for their exercises, about 12 hours in all; the appendices take about 200 and 110 minutes more. CONTRIBUTING.md
 # says how these times are estimated.
 # The six chapters follow one article's six sections and build on each other; read them in order.
 # Each appendix deepens the chapter it names and can be skipped on a first reading.

@@ -86,7 +86,7 @@ def notebooks():
 
 
 def test_every_source_has_both_notebooks():
-    stems = sorted(p.stem for pattern in ("[0-9][0-9]_*.py", "A[0-9]_*.py") for p in (ROOT / "book").glob(pattern))
+    stems = sorted(p.stem for pattern in ("[0-9][0-9]_*.py", "A[0-9]_*.py", "C[0-9]_*.py") for p in (ROOT / "book").glob(pattern))
     assert stems, "book/ holds no chapter sources"
     assert sorted(p.stem for p in (ROOT / "chapters").glob("*.ipynb")) == stems
     assert sorted(p.stem for p in (ROOT / "solutions").glob("*.ipynb")) == stems

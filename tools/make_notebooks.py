@@ -41,8 +41,8 @@ import nbformat
 
 ROOT = Path(__file__).resolve().parent.parent
 BOOK, SIDES = ROOT / "book", {"chapters": False, "solutions": True}
-# Chapters are NN_name.py; appendices (deeper dives a chapter links to) are AN_name.py and sort after them.
-SOURCE_PATTERNS = ("[0-9][0-9]_*.py", "A[0-9]_*.py")
+# Chapters are NN_name.py; appendices (deeper dives a chapter links to) are AN_name.py, the capstone CN_name.py.
+SOURCE_PATTERNS = ("[0-9][0-9]_*.py", "A[0-9]_*.py", "C[0-9]_*.py")
 
 
 def book_sources() -> list[Path]:

@@ -69,8 +69,8 @@ def estimates() -> dict[str, tuple[int, int]]:
 
 def main() -> None:
     found = estimates()
-    for part, first in (("chapters", "0"), ("appendices", "A")):
-        rows = {k: v for k, v in found.items() if k[0] == first}
+    for part, first in (("chapters and the capstone", "0C"), ("appendices", "A")):
+        rows = {k: v for k, v in found.items() if k[0] in first}
         for key, (read, work) in rows.items():
             print(f"{key}: about {read} minutes to read and run, about {work} minutes for the exercises")
         rows.pop("00", None)  # 00's map sums the chapters after it

@@ -5,5 +5,6 @@
   table per sequence) and ``generate_paged``;
 * ``prefix_cached``: ``PrefixCachedPool``, whose blocks a ``PrefixCache`` shares between requests,
   and ``generate_with_prefix_cache``;
+* ``stepwise``: ``StepwiseKV``, attention by chapter 01's ``decode_step``, token by token (the capstone);
 * ``quant_quality``: what a quantized cache costs the real model (scales, loss, greedy agreement).
 """

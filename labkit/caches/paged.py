@@ -150,6 +150,11 @@ class KVPool:
             self.k_scales[layer].fill_(float(k_scales[layer]))
             self.v_scales[layer].fill_(float(v_scales[layer]))
 
+    def rope_positions(self, positions: torch.Tensor) -> torch.Tensor:
+        """The positions the model turns q and k to (RoPE) before ``attend``: the tokens' own. A pool whose
+        attention turns them itself (``labkit.caches.stepwise.StepwiseKV``) returns zeros instead."""
+        return positions
+
     def _kv_args(self, layer_idx: int) -> dict:
         """The cache-format arguments of the kernels for one layer."""
         if self.kv_quant is None:

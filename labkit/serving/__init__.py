@@ -4,6 +4,7 @@
 * ``step``: what one step hands the model (``Step``, ``ScheduledChunk``, ``Decision``, ``StepStats``);
 * ``scheduler``: the core, ``plan_iteration`` (the article's budget pass) and ``Scheduler`` (vLLM's loop);
 * ``engine``: ``Engine``, the scheduler, a ``KVPool`` and a model, step by step;
+* ``pieces``: the engine's seams for the build-it pieces (``Pieces``, ``PiecesScheduler``), the capstone;
 * ``dry_run``: the scheduler run without a model, for reading its steps;
 * ``variants``: schedulers beside the core, each through one hook (forking, priority, reservation);
 * ``sim``: workloads, the cost model, the simulator, and its calibration on a measured engine.

@@ -34,7 +34,7 @@ chapter 06's simulator drives without a model.
 
 from __future__ import annotations
 
-from typing import Sequence
+from typing import Any, Sequence
 
 import torch
 
@@ -43,6 +43,8 @@ from ..checks import check_flag, parse_stop_token_ids
 from ..memory.prefix import CacheKey
 from ..model import fused
 from ..model.decoder import Decoder
+from ..caches.stepwise import StepwiseKV
+from .pieces import Pieces, PiecesScheduler
 from .request import Request
 from .scheduler import Scheduler
 from .step import Step, StepStats
@@ -68,6 +70,12 @@ class Engine:
     and every multiply is prepacked for oneDNN; anywhere else it is left as it is. Its outputs stay the
     plain model's up to the order of float32 sums; ``prepare=False`` runs the model as given.
 
+    ``pieces`` (the capstone, ``labkit.serving.pieces``): the four decisions of a step made by the book's
+    build-it pieces, the reader's or labkit's (``Pieces()``: labkit's in every seam). The scheduler is then a
+    ``PiecesScheduler`` (the article's rules, asked of ``plan_step``; ``max_num_seqs`` and
+    ``full_sequence_must_fit`` do not apply) and the pool a ``StepwiseKV`` (attention by ``decode_step``,
+    token by token); the model, sampling and this loop are the same.
+
     End of sequence: a request stops after ``max_new_tokens`` or after emitting one of its
     ``eos_token_id`` (default: the model's ``config.eos_token_id``, one id or a list; pass
     ``()`` to ignore it). The EOS token is part of the output, as in transformers' ``generate``.
@@ -76,7 +84,8 @@ class Engine:
     def __init__(self, model: Decoder, num_blocks: int, block_size: int = 16, max_num_batched_tokens: int = 256,
                  *, max_num_seqs: int = 256, enable_prefix_caching: bool = True,
                  full_sequence_must_fit: bool = True, scheduler_cls: type[Scheduler] = Scheduler,
-                 dtype: torch.dtype | None = None, use_triton: bool | None = None, prepare: bool = True):
+                 dtype: torch.dtype | None = None, use_triton: bool | None = None, prepare: bool = True,
+                 pieces: Pieces | None = None):
         if not isinstance(model, Decoder):
             raise ValueError(f"model must be a labkit.model.decoder.Decoder, got {type(model).__name__}")
         self.model = model
@@ -89,21 +98,33 @@ class Engine:
             raise ValueError(f"scheduler_cls must be labkit.serving.scheduler.Scheduler or a subclass, "
                              f"got {scheduler_cls!r}")
         check_flag("prepare", prepare)
-        self.scheduler = scheduler_cls(num_blocks, block_size, max_num_batched_tokens, max_num_seqs=max_num_seqs,
-                                       enable_prefix_caching=enable_prefix_caching, cache_key=key,
-                                       full_sequence_must_fit=full_sequence_must_fit)
-        self.backend = KVPool(cfg, num_blocks, block_size, self.dtype, weight.device, use_triton)
+        if pieces is None:
+            self.scheduler = scheduler_cls(num_blocks, block_size, max_num_batched_tokens, max_num_seqs=max_num_seqs,
+                                           enable_prefix_caching=enable_prefix_caching, cache_key=key,
+                                           full_sequence_must_fit=full_sequence_must_fit)
+            self.backend = KVPool(cfg, num_blocks, block_size, self.dtype, weight.device, use_triton)
+        else:  # the capstone: the four pieces decide, labkit's where a seam is None (labkit.serving.pieces)
+            if not isinstance(pieces, Pieces) or scheduler_cls is not Scheduler:
+                raise ValueError(f"pieces must be None or a labkit.serving.pieces.Pieces, with the default "
+                                 f"scheduler_cls, got {type(pieces).__name__} and {scheduler_cls.__name__}")
+            pieces = pieces.resolved()
+            self.scheduler = PiecesScheduler(pieces, num_blocks, block_size, max_num_batched_tokens,
+                                             enable_prefix_caching=enable_prefix_caching, cache_key=key)
+            self.backend = StepwiseKV(pieces.decode_step, cfg, num_blocks, block_size, self.dtype, weight.device,
+                                      where=pieces.where)
         self.stats: list[StepStats] = []
         if prepare:  # last: a refused argument leaves the model as it was
             fused.prepare(model)
 
     def add_request(self, prompt_token_ids: Sequence[int], max_new_tokens: int,
-                    eos_token_id: int | Sequence[int] | None = None) -> Request:
+                    eos_token_id: int | Sequence[int] | None = None, request_id: Any = None) -> Request:
         """Queue a prompt; it runs in the coming steps. Returns its ``Request``.
 
         ``eos_token_id``: the id(s) that end it early; None means the model's ``config.eos_token_id``.
+        ``request_id``: its name (hashable, unique among unfinished requests); None numbers it.
         """
-        return self.scheduler.add_request(self.make_request(prompt_token_ids, max_new_tokens, eos_token_id))
+        return self.scheduler.add_request(self.make_request(prompt_token_ids, max_new_tokens, eos_token_id,
+                                                            request_id))
 
     def _eos_ids(self, eos_token_id: int | Sequence[int] | None) -> tuple[int, ...]:
         """The stop ids, checked against the vocabulary (empty: never stop early)."""
@@ -112,11 +133,12 @@ class Engine:
         return parse_stop_token_ids(eos_token_id, vocab_size=self.model.config.vocab_size)
 
     def make_request(self, prompt_token_ids: Sequence[int], max_new_tokens: int,
-                      eos_token_id: int | Sequence[int] | None = None) -> Request:
+                     eos_token_id: int | Sequence[int] | None = None, request_id: Any = None) -> Request:
         """A checked ``Request``, not queued yet (``add_request`` queues one); it stops on any of its EOS ids."""
         ids = list(prompt_token_ids) if isinstance(prompt_token_ids, (list, tuple, range)) else prompt_token_ids
         eos = self._eos_ids(eos_token_id)
-        request = Request(ids, max_new_tokens, eos or None)
+        request = (Request(ids, max_new_tokens, eos or None) if request_id is None else
+                   Request(ids, max_new_tokens, eos or None, request_id=request_id))
         vocab = self.model.config.vocab_size
         if max(request.prompt_token_ids) >= vocab:
             raise ValueError(f"prompt_token_ids must lie in [0, {vocab - 1}] (vocab_size)")
@@ -135,7 +157,8 @@ class Engine:
             self.backend.copy_blocks(step.copies)
             device = self.backend.device
             input_ids = torch.tensor([[t for c in step.chunks for t in c.token_ids]], device=device)
-            positions = torch.tensor([[p for c in step.chunks for p in c.positions]], device=device)
+            positions = self.backend.rope_positions(
+                torch.tensor([[p for c in step.chunks for p in c.positions]], device=device))
             self.backend.meta = AttentionMetadata.build(
                 [c.block_table for c in step.chunks], [c.seq_len for c in step.chunks],
                 [c.num_tokens for c in step.chunks], [s for c in step.chunks for s in c.slot_mapping], device)

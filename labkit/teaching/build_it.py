@@ -32,7 +32,6 @@ reader's code raising an error while a case runs is still the reader's error.
 from __future__ import annotations
 
 import math
-from types import SimpleNamespace
 from typing import Any, Callable
 
 import torch
@@ -423,49 +422,6 @@ def cached_tokens_cases(rng) -> Cases:
 # --------------------------------------------------------------------------- 05: the budget pass
 
 
-def _reference_plan(running: list[tuple], waiting: list[tuple], free_blocks: int, token_budget: int,
-                    block_size: int) -> tuple[list[tuple[str, int]], list[str]]:
-    """labkit's ``plan_iteration`` on plain rows, with the ``Scheduler``'s preemption (the newest running
-    request first, until the candidate fits or was itself the newest) and its rule that nobody waiting
-    is visited in a step with a preemption. Prefix caching off; a waiting request needs blocks for its chunk."""
-    from ..memory.blocks import extra_blocks
-    from ..serving.request import RequestStatus
-    from ..serving.scheduler import plan_iteration
-
-    live = [SimpleNamespace(name=n, computed=c, held=h, num_new_tokens=t, status=RequestStatus.RUNNING)
-            for n, c, h, t in running]
-    queue = [SimpleNamespace(name=n, computed=0, held=0, num_new_tokens=p, status=RequestStatus.WAITING)
-             for n, p in waiting]
-    state, preempted = {"free": free_blocks}, []
-
-    def candidates():
-        i = 0
-        while i < len(live):  # the list shrinks from the end when one is preempted
-            yield live[i]
-            i += 1
-        if not preempted:
-            yield from queue
-
-    def needed(r, tokens: int) -> int:
-        return extra_blocks(r.computed, r.held, tokens, block_size)
-
-    def reserve(r, tokens: int) -> None:
-        state["free"] -= needed(r, tokens)
-
-    def make_room(r, tokens: int) -> int:
-        while needed(r, tokens) > state["free"]:
-            victim = live.pop()
-            state["free"] += victim.held
-            victim.status = RequestStatus.WAITING
-            preempted.append(victim.name)
-            if victim is r:
-                break
-        return state["free"]
-
-    plan = plan_iteration(candidates(), free_blocks, token_budget, block_size, reserve, needed, None, make_room)
-    return [(r.name, t) for r, t in plan], preempted
-
-
 def _plan_scenarios(rng) -> list[tuple]:
     """Steps drawn afresh, with the edges: nothing to plan; blocks exactly enough; one block short
     (a preemption); the newest request preempting itself; the token budget binding; random ones."""
@@ -500,7 +456,9 @@ def plan_step_check(rng) -> Verify:
     ``running``: ``[(name, computed, held, new_tokens)]`` oldest first; ``waiting``: ``[(name, prompt_len)]``
     in order. ``planned``: ``[(name, tokens)]`` in planning order; ``preempted``: names in the order preempted.
     """
-    scenarios = [(s, _reference_plan(*s)) for s in _plan_scenarios(rng)]
+    from ..serving.scheduler import plan_step
+
+    scenarios = [(s, plan_step(*s)) for s in _plan_scenarios(rng)]
 
     def verify(plan_step: Callable) -> list[str]:
         if problem := SHAPES["plan_step"].problem(plan_step):

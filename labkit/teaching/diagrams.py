@@ -117,6 +117,7 @@ ROADMAP_CHAPTERS: dict[str, tuple[str, tuple[str, ...]]] = {
     "A5": ("vLLM's scheduler (appendix to 05)", ("scheduler",)),
     "A6": ("measuring a server (appendix to 06)", ("server",)),
     "A7": ("a model in one file (appendix to 01)", ("prefill", "decode")),
+    "C1": ("your own engine (the capstone of 01 to 06)", ("prefill", "cache", "decode", "scheduler")),
 }
 
 
@@ -130,7 +131,8 @@ def _box(ax, part: str, x: float, y: float, w: float, h: float, chapter: str, *,
     ax.add_patch(FancyBboxPatch((x, y), w, h, boxstyle="round,pad=0.02,rounding_size=0.08", gid=part,
                                 fc=HIGHLIGHT_COLOUR if lit else OTHER_COLOUR, ec="0.3", lw=1.6 if lit else 0.8,
                                 alpha=0.55 if frame else 1.0))
-    covering = "  ".join(c for c, (_, parts) in ROADMAP_CHAPTERS.items() if part in parts)
+    # the capstone runs every part: the labels name the chapters and appendices that teach one
+    covering = "  ".join(c for c, (_, parts) in ROADMAP_CHAPTERS.items() if part in parts and c[0] != "C")
     weight = "bold" if lit else "normal"
     if frame:
         ax.text(x + 0.15, y + h - 0.12, ROADMAP_PARTS[part], ha="left", va="top", fontsize=9, weight=weight)
@@ -150,7 +152,7 @@ def roadmap(chapter: str):
     latencies (chapter 06). Under each part (at the top right of a frame) are the chapters and
     appendices that work on it.
 
-    ``chapter``: "01" to "06" or "A1" to "A7", or "00" for the whole map with nothing highlighted.
+    ``chapter``: "01" to "06", "A1" to "A7" or "C1" (the capstone), or "00" for the whole map with nothing highlighted.
     Returns the figure.
     """
     check_choice("chapter", chapter, ("00", *ROADMAP_CHAPTERS))
@@ -172,7 +174,7 @@ def roadmap(chapter: str):
         ax.set_title("The book on one figure: the article's pipeline, and the chapters on each part", fontsize=10)
     else:
         name, _ = ROADMAP_CHAPTERS[chapter]
-        kind = "Appendix" if chapter.startswith("A") else "Chapter"
+        kind = {"A": "Appendix", "C": "Capstone"}.get(chapter[0], "Chapter")
         ax.set_title(f"{kind} {chapter} · {name}: its part of the article's pipeline, highlighted", fontsize=10)
     fig.tight_layout()
     return fig

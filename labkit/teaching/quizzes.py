@@ -118,6 +118,21 @@ QUIZZES: dict[str, list[Question]] = {
         Question("a", "admitting a long prompt by its first chunk in a tight pool gets it preempted halfway, "
                       "and its prompt computed twice.", {"b": "it costs no compute; it avoids wasted compute."}),
     ],
+    "C1_your_own_engine": [
+        Question("b", "a block's name hashes its parent's: once the document's blocks left with the first request, "
+                      "a later block's name proves nothing about the blocks before it, so the hit stops at the gap.",
+                 {"a": "the named blocks after the gap are real, but their parents' K/V are gone: the request "
+                       "would attend over blocks it never computed.",
+                  "c": "the pool had room; the hit is decided by names, before any block is taken."}),
+        Question("a", "the step turns q and k itself, at the cache length; the model must not turn them first, "
+                      "and a turn by 0 leaves them as they are.",
+                 {"b": "the positions are not lost: the step takes them from the cache length.",
+                  "c": "RoPE is needed: without it attention could not tell the order of the tokens."}),
+        Question("a", "a block goes back to the Pager when the last request holding it finishes or is preempted, "
+                      "and the Pager hands it out again: the count is of hand-outs, not of blocks.",
+                 {"b": "the Pager never holds more than the pool: num_free() stays between 0 and 20.",
+                  "c": "a block id means the same block in every layer: one block holds a token's K/V in all 30."}),
+    ],
     "06_from_fit_to_serve": [
         Question("b", "ITL pools every interval, so one stall shows in its tail; TPOT averages it away per request.",
                  {"a": "TPOT is one mean per request: a single long gap is diluted."}),
