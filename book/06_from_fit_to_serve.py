@@ -864,6 +864,8 @@ ex.quiz(quiz)
 # - Judge a serving setting by TTFT, TPOT and ITL percentiles, occupancy and reuse, with the length
 #   distributions beside them, and show that one setting can help one workload and hurt another.
 # - Search a simulator for the highest load that keeps a latency promise, in a handful of runs.
+#
+# Next, the [capstone](C1_your_own_engine.ipynb): your pieces from chapters 01 to 05 serve the real model.
 
 # %% [markdown]
 # ## References

@@ -279,19 +279,15 @@ ex = Exercises("C1_your_own_engine")
 
 # %% [markdown]
 # **Quiz.** Answer with a letter.
-#
-# **Q1.** "notes-b again" found 16 tokens cached, although later blocks of its prompt were named.
-# Why does `cached_tokens` stop at 16?
-# (a) those named blocks are stale; (b) a block's name vouches for its whole prefix, and the blocks
-# before them had no name; (c) the pool had no room for a longer hit.
-#
-# **Q2.** Why does `StepwiseKV` give the model position 0 for every token?
-# (a) `decode_step` turns `q` and `k` to the cache length itself, and a turn by 0 changes nothing;
-# (b) positions do not matter once K/V are cached; (c) SmolLM2 does not use RoPE.
-#
-# **Q3.** The `Pager` handed out more blocks than the pool holds. How?
-# (a) blocks came back when requests finished or were preempted, and went out again; (b) it lent
-# more blocks than it had; (c) each of the 30 layers takes its own blocks.
+# 1. "notes-b again" found 16 tokens cached, although later blocks of its prompt were named. Why does
+#    `cached_tokens` stop at 16? (a) those named blocks are stale; (b) a block's name vouches for its
+#    whole prefix, and the blocks before them had no name; (c) the pool had no room for a longer hit.
+# 2. Why does `StepwiseKV` give the model position 0 for every token? (a) `decode_step` turns `q` and
+#    `k` to the cache length itself, and a turn by 0 changes nothing; (b) positions do not matter once
+#    K/V are cached; (c) SmolLM2 does not use RoPE.
+# 3. The `Pager` handed out more blocks than the pool holds. How? (a) blocks came back when requests
+#    finished or were preempted, and went out again; (b) it lent more blocks than it had; (c) each of
+#    the 30 layers takes its own blocks.
 
 # %%
 # BEGIN SOLUTION

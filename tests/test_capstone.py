@@ -17,8 +17,7 @@ from labkit.caches.stepwise import decode_step
 from labkit.memory.prefix import block_hash
 from labkit.model.decoder import Decoder, DecoderConfig
 from labkit.serving.engine import Engine
-from labkit.serving.pieces import Pieces
-from labkit.serving.scheduler import plan_step
+from labkit.serving.pieces import Pieces, plan_step
 from labkit.teaching.capstone import PieceMismatch, lockstep, pieces_from_notebooks, serve
 
 ROOT = Path(__file__).resolve().parent.parent

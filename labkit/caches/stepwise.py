@@ -22,7 +22,7 @@ from typing import Callable
 
 import torch
 
-from ..model.decoder import DecoderConfig, apply_rope, causal_attention, rope_cos_sin, rope_inv_freq
+from ..model.decoder import DecoderConfig, rope_inv_freq
 from .paged import KVPool
 
 __all__ = ["decode_step", "StepwiseKV"]
@@ -35,13 +35,21 @@ def decode_step(k_cache: torch.Tensor, v_cache: torch.Tensor, q: torch.Tensor, k
     """One decode step of one layer, labkit's answer to chapter 01's exercise.
 
     ``k_cache``, ``v_cache`` ``[T, Hkv, D]`` (keys rotated at positions 0 .. T - 1), ``q`` ``[Hq, D]``, ``k``,
-    ``v`` ``[Hkv, D]``, ``inv_freq`` ``[D / 2]``. The new token is token T: ``q`` and ``k`` turn there.
+    ``v`` ``[Hkv, D]``, ``inv_freq`` ``[D / 2]``. The new token is token T: ``q`` and ``k`` turn there, as
+    ``apply_rope`` turns them (Llama's half-split pairs). One query needs no mask: it sees every cached
+    position. Query head ``h`` reads KV head ``h // group``, as a view ``[Hkv, group, D]`` with no copy.
     Returns the caches with the new row appended and ``out`` ``[Hq, D]``.
     """
-    cos, sin = rope_cos_sin(torch.tensor([[k_cache.shape[0]]], device=q.device), inv_freq)
-    q, k = (apply_rope(x[None, None], cos, sin)[0, 0] for x in (q, k))  # apply_rope takes [batch, seq, ...]
+    angles = k_cache.shape[0] * inv_freq.float()
+    cos, sin = torch.cat([angles, angles]).cos(), torch.cat([angles, angles]).sin()
+    half = q.shape[-1] // 2
+    q, k = ((x.float() * cos + torch.cat([-x[..., half:], x[..., :half]], dim=-1).float() * sin).to(x.dtype)
+            for x in (q, k))
     k_cache, v_cache = torch.cat([k_cache, k[None].to(k_cache.dtype)]), torch.cat([v_cache, v[None].to(v_cache.dtype)])
-    return k_cache, v_cache, causal_attention(q[None, None], k_cache[None], v_cache[None])[0, 0]
+    heads = k_cache.shape[1]
+    scores = q.view(heads, -1, q.shape[-1]) @ k_cache.permute(1, 2, 0) / q.shape[-1] ** 0.5  # [Hkv, group, T + 1]
+    out = scores.softmax(dim=-1) @ v_cache.transpose(0, 1)  # [Hkv, group, D]
+    return k_cache, v_cache, out.reshape(q.shape)
 
 
 class StepwiseKV(KVPool):
@@ -73,7 +81,7 @@ class StepwiseKV(KVPool):
         heads, d, bs = self.config.num_key_value_heads, self.config.head_dim, self.block_size
         k_pool, v_pool = (c[layer_idx].view(-1, heads, d) for c in (self.k_caches, self.v_caches))  # slot rows
         flat = [t.reshape(-1, *t.shape[2:]) for t in (q, k, v)]
-        out = torch.empty_like(flat[0])
+        out, rows = torch.empty_like(flat[0]), list(zip(*(t.unbind(0) for t in flat)))  # each token's q, k, v
         cu, seq_lens = meta.cu_seqlens_q.tolist(), meta.seq_lens.tolist()
         for i, seq_len in enumerate(seq_lens):
             first, last = cu[i], cu[i + 1]
@@ -83,7 +91,7 @@ class StepwiseKV(KVPool):
             k_cache, v_cache = k_pool[past], v_pool[past]
             for t in range(first, last):
                 self.where.update(layer=layer_idx, sequence=i, position=start + t - first)
-                k_cache, v_cache, out[t] = self.step(k_cache, v_cache, *(x[t] for x in flat), self.inv_freq)
+                k_cache, v_cache, out[t] = self.step(k_cache, v_cache, *rows[t], self.inv_freq.clone())
             slots = meta.slot_mapping[first:last]
             k_pool[slots], v_pool[slots] = k_cache[start:].to(self.dtype), v_cache[start:].to(self.dtype)
         return out.view(q.shape)

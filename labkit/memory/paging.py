@@ -194,37 +194,6 @@ class BlockTable:
         self.block_ids, self.num_tokens = [], 0
 
 
-class Pager:
-    """Chapter 03's exercise interface, answered with labkit's own classes: one ``BlockTable`` per sequence
-    over one ``BlockAllocator``. The capstone's engine (``labkit.serving.pieces``) takes its blocks from
-    any class with these four methods, this one or the reader's.
-
-    ``append(seq_id, n)``: room for ``n`` more tokens of ``seq_id`` (new or not); their slots, or ``None``
-    when too few blocks are free, nothing changed. ``free(seq_id)``: its blocks go back. ``num_free()``.
-    """
-
-    def __init__(self, num_blocks: int, block_size: int):
-        self.allocator, self.block_size = BlockAllocator(num_blocks), check_int("block_size", block_size, 1)
-        self.tables: dict[object, BlockTable] = {}
-
-    def num_free(self) -> int:
-        return self.allocator.num_free
-
-    def append(self, seq_id: object, n: int) -> list[int] | None:
-        table = self.tables.get(seq_id) or BlockTable(self.block_size)
-        try:
-            slots = table.append(check_int("n", n, 0), self.allocator)
-        except OutOfBlocksError:
-            return None  # all or nothing: the table is unchanged
-        self.tables[seq_id] = table
-        return slots
-
-    def free(self, seq_id: object) -> None:
-        if seq_id not in self.tables:
-            raise ValueError(f"seq_id must be a sequence that holds blocks, got {seq_id!r}")
-        self.tables.pop(seq_id).release(self.allocator)
-
-
 def tail_is_shared(table: BlockTable, allocator: BlockAllocator) -> bool:
     """The copy-on-write test: the table's last block is partly filled and another table holds it too.
 

@@ -35,7 +35,7 @@ from ..checks import check_flag, check_int, check_token_ids
 from .blocks import _extra_blocks
 from .paging import BlockAllocator, BlockTable, OutOfBlocksError, tail_is_shared
 
-__all__ = ["CacheKey", "block_hash", "hash_chain", "cached_tokens", "PrefixMatch", "PrefixCacheStats", "CachedBlock",
+__all__ = ["CacheKey", "block_hash", "hash_chain", "PrefixMatch", "PrefixCacheStats", "CachedBlock",
            "CachedBlockTable", "BlockHashIndex", "PrefixCache"]
 
 
@@ -103,29 +103,6 @@ def hash_chain(token_ids: Sequence[int], block_size: int, key: CacheKey = CacheK
         parent = hash_fn(parent, tokens[start:start + block_size], key)
         hashes.append(parent)
     return hashes
-
-
-def cached_tokens(token_ids: Sequence[int], block_size: int, key: CacheKey, cached: object) -> int:
-    """Chapter 04's exercise interface: how many leading tokens of ``token_ids`` a cache holding the block
-    names ``cached`` (anything with ``in``) serves. Full blocks are named along the hash chain and the walk
-    stops at the first name missing, even when later ones are there (their parent was evicted: a later
-    name is a hit only together with every name before it). At most ``(len - 1) // block_size`` blocks:
-    the last token is always computed, its logits give the next token.
-
-    ``PrefixCache.match`` walks the same chain over its index, and also checks each hit's tokens, key
-    and parent; the capstone's engine (``labkit.serving.pieces``) counts its hits with this function or
-    the reader's.
-    """
-    tokens = check_token_ids("token_ids", token_ids, 1)
-    check_int("block_size", block_size, 1)
-    _check_key(key)
-    parent, hit = None, 0
-    for start in range(0, (len(tokens) - 1) // block_size * block_size, block_size):
-        parent = block_hash(parent, tokens[start:start + block_size], key)
-        if parent not in cached:
-            break
-        hit += block_size
-    return hit
 
 
 @dataclass(frozen=True)

@@ -7,9 +7,12 @@ with whatever it is given:
 | seam | chapter | the interface | labkit's own |
 |---|---|---|---|
 | attention | 01 | ``decode_step(k_cache, v_cache, q, k, v, inv_freq)`` | ``labkit.caches.stepwise.decode_step`` |
-| blocks and slots | 03 | ``Pager(num_blocks, block_size)``: ``append``, ``free``, ``num_free`` | ``labkit.memory.paging.Pager`` |
-| prefix hit | 04 | ``cached_tokens(token_ids, block_size, key, cached)`` | ``labkit.memory.prefix.cached_tokens`` |
-| who runs | 05 | ``plan_step(running, waiting, free_blocks, token_budget, block_size)`` | ``labkit.serving.scheduler.plan_step`` |
+| blocks and slots | 03 | ``Pager(num_blocks, block_size)``: ``append``, ``free``, ``num_free`` | ``Pager`` here |
+| prefix hit | 04 | ``cached_tokens(token_ids, block_size, key, cached)`` | ``cached_tokens`` here |
+| who runs | 05 | ``plan_step(running, waiting, free_blocks, token_budget, block_size)`` | ``plan_step`` here |
+
+labkit's answers are built on the classes the chapters teach (``BlockAllocator`` and ``BlockTable``, the hash
+chain, ``plan_iteration``), which stay free of the exercises' shapes.
 
 A field left ``None`` is labkit's piece, so ``Pieces()`` is labkit's engine of the article. The model,
 the K/V pools, sampling and the loop are ``Engine``'s, unchanged: ``PiecesScheduler`` (here) plans each
@@ -38,17 +41,127 @@ from __future__ import annotations
 
 import itertools
 from dataclasses import dataclass, field, fields
-from typing import Any, Callable, Sequence
+from types import SimpleNamespace
+from typing import Any, Callable, Iterator, Sequence
 
-from ..caches.stepwise import decode_step as labkit_decode_step
-from ..memory.blocks import blocks_needed
-from ..memory.paging import Pager as LabkitPager
-from ..memory.prefix import CacheKey, block_hash, cached_tokens as labkit_cached_tokens
+from ..caches.stepwise import decode_step
+from ..checks import check_int, check_token_ids
+from ..memory.blocks import extra_blocks
+from ..memory.paging import BlockAllocator, BlockTable, OutOfBlocksError
+from ..memory.prefix import CacheKey, block_hash
 from .request import Request, RequestStatus
-from .scheduler import Scheduler, plan_step as labkit_plan_step
+from .scheduler import Scheduler, plan_iteration
 from .step import ScheduledChunk, Step, StepStats
 
-__all__ = ["Pieces", "PagerPool", "PiecesScheduler"]
+__all__ = ["Pager", "cached_tokens", "plan_step", "Pieces", "PagerPool", "PiecesScheduler"]
+
+
+# --------------------------------------------------------------------------- labkit's answers to the exercises
+
+
+class Pager:
+    """Chapter 03's exercise interface, answered with labkit's own classes: one ``BlockTable`` per sequence
+    over one ``BlockAllocator``. The capstone's engine takes its blocks from any class with these four
+    methods, this one or the reader's.
+
+    ``append(seq_id, n)``: room for ``n`` more tokens of ``seq_id`` (new or not); their slots, or ``None``
+    when too few blocks are free, nothing changed. ``free(seq_id)``: its blocks go back. ``num_free()``.
+    """
+
+    def __init__(self, num_blocks: int, block_size: int):
+        self.allocator, self.block_size = BlockAllocator(num_blocks), check_int("block_size", block_size, 1)
+        self.tables: dict[object, BlockTable] = {}
+
+    def num_free(self) -> int:
+        return self.allocator.num_free
+
+    def append(self, seq_id: object, n: int) -> list[int] | None:
+        table = self.tables.get(seq_id) or BlockTable(self.block_size)
+        try:
+            slots = table.append(check_int("n", n, 0), self.allocator)
+        except OutOfBlocksError:
+            return None  # all or nothing: the table is unchanged
+        self.tables[seq_id] = table
+        return slots
+
+    def free(self, seq_id: object) -> None:
+        if seq_id not in self.tables:
+            raise ValueError(f"seq_id must be a sequence that holds blocks, got {seq_id!r}")
+        self.tables.pop(seq_id).release(self.allocator)
+
+
+
+def cached_tokens(token_ids: Sequence[int], block_size: int, key: CacheKey, cached: object) -> int:
+    """Chapter 04's exercise interface: how many leading tokens of ``token_ids`` a cache holding the block
+    names ``cached`` (anything with ``in``) serves. Full blocks are named along the hash chain and the walk
+    stops at the first name missing, even when later ones are there (their parent was evicted: a later
+    name is a hit only together with every name before it). At most ``(len - 1) // block_size`` blocks:
+    the last token is always computed, its logits give the next token.
+
+    ``PrefixCache.match`` walks the same chain over its index, and also checks each hit's tokens, key
+    and parent; the capstone's engine counts its hits with this function or the reader's.
+    """
+    tokens = check_token_ids("token_ids", token_ids, 1)
+    check_int("block_size", block_size, 1)
+    if not isinstance(key, CacheKey):
+        raise ValueError(f"key must be a labkit.memory.prefix.CacheKey, got {type(key).__name__}")
+    parent, hit = None, 0
+    for start in range(0, (len(tokens) - 1) // block_size * block_size, block_size):
+        parent = block_hash(parent, tokens[start:start + block_size], key)
+        if parent not in cached:
+            break
+        hit += block_size
+    return hit
+
+
+def plan_step(running: Sequence[tuple], waiting: Sequence[tuple], free_blocks: int, token_budget: int,
+              block_size: int) -> tuple[list[tuple[Any, int]], list[Any]]:
+    """Chapter 05's exercise interface, answered by ``plan_iteration``: one step's plan on plain rows.
+
+    ``running``: ``(name, computed, held, new_tokens)`` oldest first; ``waiting``: ``(name, prompt_len)`` in
+    order. Nothing is shared: a row needs ``extra_blocks(computed, held, tokens)`` blocks, and a preempted
+    row gives back all ``held``. A running row that does not fit preempts the newest running row until it
+    fits or was itself the newest (``Scheduler._make_room``'s rule); nobody waiting is visited in a step
+    with a preemption; a waiting row that does not fit is skipped, and a smaller one behind it may run (the
+    article's rule: no head-of-line blocking). Returns ``([(name, tokens)], [names preempted])``, both in
+    the order decided. The capstone's engine plans with this or the reader's.
+    """
+    live = [SimpleNamespace(name=n, computed=c, held=h, num_new_tokens=t, status=RequestStatus.RUNNING)
+            for n, c, h, t in running]
+    queue = [SimpleNamespace(name=n, computed=0, held=0, num_new_tokens=p, status=RequestStatus.WAITING)
+             for n, p in waiting]
+    state, preempted = {"free": free_blocks}, []
+
+    def candidates() -> Iterator[SimpleNamespace]:
+        i = 0
+        while i < len(live):  # the list shrinks from the end when one is preempted
+            yield live[i]
+            i += 1
+        if not preempted:
+            yield from queue
+
+    def needed(row: SimpleNamespace, tokens: int) -> int:
+        return extra_blocks(row.computed, row.held, tokens, block_size)
+
+    def reserve(row: SimpleNamespace, tokens: int) -> None:
+        state["free"] -= needed(row, tokens)
+
+    def make_room(row: SimpleNamespace, tokens: int) -> int:
+        while needed(row, tokens) > state["free"]:
+            victim = live.pop()
+            state["free"] += victim.held
+            victim.status = RequestStatus.WAITING
+            preempted.append(victim.name)
+            if victim is row:
+                break
+        return state["free"]
+
+    plan = plan_iteration(candidates(), free_blocks, token_budget, block_size, reserve, needed, None, make_room)
+    return [(row.name, tokens) for row, tokens in plan], preempted
+
+
+
+# --------------------------------------------------------------------------- the seams
 
 
 @dataclass
@@ -68,7 +181,7 @@ class Pieces:
     @staticmethod
     def labkit() -> "Pieces":
         """labkit's own answers to the four exercises."""
-        return Pieces(labkit_decode_step, LabkitPager, labkit_cached_tokens, labkit_plan_step)
+        return Pieces(decode_step, Pager, cached_tokens, plan_step)
 
     def resolved(self) -> "Pieces":
         """These pieces, labkit's in every seam left ``None``; ``where`` is shared, not copied."""

@@ -23,7 +23,6 @@ priority order for the queue), ``forking`` (parallel sampling: twins that share 
 from __future__ import annotations
 
 from collections import deque
-from types import SimpleNamespace
 from typing import Any, Callable, Iterable, Iterator, Sequence
 
 from ..checks import check_flag, check_int, check_token_ids
@@ -33,7 +32,7 @@ from ..memory.prefix import CacheKey, PrefixCache, PrefixMatch
 from .request import Request, RequestStatus, check_prompt_fits
 from .step import Decision, ScheduledChunk, Step, StepStats
 
-__all__ = ["plan_iteration", "plan_step", "Scheduler"]
+__all__ = ["plan_iteration", "Scheduler"]
 
 _NO_HIT = PrefixMatch((), 0, ())
 
@@ -96,52 +95,6 @@ def plan_iteration(candidates: Iterable[Request], free_blocks: int, token_budget
         free_blocks -= blocks
         token_budget -= tokens
     return plan
-
-
-def plan_step(running: Sequence[tuple], waiting: Sequence[tuple], free_blocks: int, token_budget: int,
-              block_size: int) -> tuple[list[tuple[Any, int]], list[Any]]:
-    """Chapter 05's exercise interface, answered by ``plan_iteration``: one step's plan on plain rows.
-
-    ``running``: ``(name, computed, held, new_tokens)`` oldest first; ``waiting``: ``(name, prompt_len)`` in
-    order. Nothing is shared: a row needs ``extra_blocks(computed, held, tokens)`` blocks, and a preempted
-    row gives back all ``held``. A running row that does not fit preempts the newest running row until it
-    fits or was itself the newest (``Scheduler._make_room``'s rule); nobody waiting is visited in a step
-    with a preemption; a waiting row that does not fit is skipped, and a smaller one behind it may run (the
-    article's rule: no head-of-line blocking). Returns ``([(name, tokens)], [names preempted])``, both in
-    the order decided. The capstone's engine (``labkit.serving.pieces``) plans with this or the reader's.
-    """
-    live = [SimpleNamespace(name=n, computed=c, held=h, num_new_tokens=t, status=RequestStatus.RUNNING)
-            for n, c, h, t in running]
-    queue = [SimpleNamespace(name=n, computed=0, held=0, num_new_tokens=p, status=RequestStatus.WAITING)
-             for n, p in waiting]
-    state, preempted = {"free": free_blocks}, []
-
-    def candidates() -> Iterator[SimpleNamespace]:
-        i = 0
-        while i < len(live):  # the list shrinks from the end when one is preempted
-            yield live[i]
-            i += 1
-        if not preempted:
-            yield from queue
-
-    def needed(row: SimpleNamespace, tokens: int) -> int:
-        return extra_blocks(row.computed, row.held, tokens, block_size)
-
-    def reserve(row: SimpleNamespace, tokens: int) -> None:
-        state["free"] -= needed(row, tokens)
-
-    def make_room(row: SimpleNamespace, tokens: int) -> int:
-        while needed(row, tokens) > state["free"]:
-            victim = live.pop()
-            state["free"] += victim.held
-            victim.status = RequestStatus.WAITING
-            preempted.append(victim.name)
-            if victim is row:
-                break
-        return state["free"]
-
-    plan = plan_iteration(candidates(), free_blocks, token_budget, block_size, reserve, needed, None, make_room)
-    return [(row.name, tokens) for row, tokens in plan], preempted
 
 
 class Scheduler:

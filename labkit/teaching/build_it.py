@@ -456,7 +456,7 @@ def plan_step_check(rng) -> Verify:
     ``running``: ``[(name, computed, held, new_tokens)]`` oldest first; ``waiting``: ``[(name, prompt_len)]``
     in order. ``planned``: ``[(name, tokens)]`` in planning order; ``preempted``: names in the order preempted.
     """
-    from ..serving.scheduler import plan_step
+    from ..serving.pieces import plan_step
 
     scenarios = [(s, plan_step(*s)) for s in _plan_scenarios(rng)]
 
