@@ -189,8 +189,8 @@ assert requests["notes-b again"].num_cached_tokens == system_tokens == 16
 
 # %% [markdown]
 # SOLUTIONS ONLY
-# Four deliberately wrong pieces, each the mistake a careless test lets through, each put in place of
-# the right one:
+# Four deliberately wrong pieces from `labkit.teaching.capstone`, each the mistake a careless test
+# lets through, each put in place of your right one:
 #
 # - a `Pager` that takes new blocks from the top of its free list without removing them: its free
 #   count is right, its blocks are not;
@@ -200,65 +200,16 @@ assert requests["notes-b again"].num_cached_tokens == system_tokens == 16
 
 # %%
 # SOLUTIONS ONLY
-from labkit.memory.prefix import block_hash
+from labkit.teaching.capstone import WRONG_PIECES, PeekingPager, counting_on, oldest_first, unscaled
+from labkit.teaching.excerpts import excerpt
 
-
-class PeekingPager(yours.Pager):
-    def append(self, seq_id, n):
-        blocks, tokens = self.tables.get(seq_id, ([], 0))
-        new = -(-(tokens + n) // self.block_size) - len(blocks)
-        if new > self.num_free():
-            return None
-        self.taken = getattr(self, "taken", 0) + new
-        blocks = blocks + self.free_ids[len(self.free_ids) - new:]  # the top of the list, left in it
-        self.tables[seq_id] = (blocks, tokens + n)
-        return [blocks[p // self.block_size] * self.block_size + p % self.block_size for p in range(tokens, tokens + n)]
-
-    def num_free(self):
-        return len(self.free_ids) - getattr(self, "taken", 0)
-
-    def free(self, seq_id):
-        self.taken -= len(self.tables.pop(seq_id)[0])
-
-
-def counting_on(token_ids, block_size, key, cached):
-    parent, hit = None, 0
-    for i in range((len(token_ids) - 1) // block_size):
-        parent = block_hash(parent, token_ids[i * block_size:(i + 1) * block_size], key)
-        hit += block_size if parent in cached else 0  # no break: a later block counts after a miss
-    return hit
-
-
-def oldest_first(running, waiting, free_blocks, token_budget, block_size):
-    planned, preempted, live = [], [], list(running)
-    blocks = lambda c, h, t: max(0, -(-(c + t) // block_size) - h)  # noqa: E731
-    for name, computed, held, new in list(live):
-        if name in preempted or not token_budget:
-            continue
-        tokens = min(new, token_budget)
-        while blocks(computed, held, tokens) > free_blocks:
-            victim = live.pop(0)  # the oldest gives its blocks back
-            free_blocks, _ = free_blocks + victim[2], preempted.append(victim[0])
-            if victim[0] == name:
-                break
-        if name not in preempted:
-            planned.append((name, tokens))
-            free_blocks, token_budget = free_blocks - blocks(computed, held, tokens), token_budget - tokens
-    for name, prompt_len in [] if preempted else waiting:
-        tokens = min(prompt_len, token_budget)
-        if tokens and blocks(0, 0, tokens) <= free_blocks:
-            planned.append((name, tokens))
-            free_blocks, token_budget = free_blocks - blocks(0, 0, tokens), token_budget - tokens
-    return planned, preempted
-
-
-def unscaled(k_cache, v_cache, q, k, v, inv_freq):
-    return yours.decode_step(k_cache, v_cache, q * q.shape[-1] ** 0.5, k, v, inv_freq)
-
+excerpt(PeekingPager.append, "blocks, self.taken")  # the Pager: new blocks left in the free list
+excerpt(counting_on, "hit +=")                      # cached_tokens: no stop at a miss
+excerpt(oldest_first, "victim = live.pop(0)")       # plan_step: the oldest gives its blocks back
+excerpt(unscaled, "return")                         # decode_step: q * sqrt(D) cancels the 1/sqrt(D)
 
 caught = {}
-for seam, wrong in [("Pager", PeekingPager), ("cached_tokens", counting_on), ("plan_step", oldest_first),
-                    ("decode_step", unscaled)]:
+for seam, wrong in WRONG_PIECES.items():
     try:
         serve(Engine(real, **SETTINGS, pieces=lockstep(dataclasses.replace(yours, **{seam: wrong}))), workload)
     except PieceMismatch as err:

@@ -13,12 +13,10 @@ from pathlib import Path
 import pytest
 import torch
 
-from labkit.caches.stepwise import decode_step
-from labkit.memory.prefix import block_hash
 from labkit.model.decoder import Decoder, DecoderConfig
 from labkit.serving.engine import Engine
-from labkit.serving.pieces import Pieces, plan_step
-from labkit.teaching.capstone import PieceMismatch, lockstep, pieces_from_notebooks, serve
+from labkit.serving.pieces import Pieces
+from labkit.teaching.capstone import WRONG_PIECES, PieceMismatch, lockstep, pieces_from_notebooks, serve
 
 ROOT = Path(__file__).resolve().parent.parent
 SETTINGS = dict(num_blocks=15, block_size=4, max_num_batched_tokens=48, prepare=False)
@@ -52,53 +50,11 @@ def test_labkit_pieces_give_the_core_engines_tokens_with_a_preemption_and_hits(m
     assert requests["b again"].num_cached_tokens < len(SYSTEM + NOTES) // 4 * 4
 
 
-class PeekingPager:
-    """Takes new blocks from the top of its free list without removing them: its free count is right."""
-
-    def __init__(self, num_blocks, block_size):
-        self.block_size, self.free_ids, self.taken, self.tables = block_size, list(range(num_blocks)), 0, {}
-
-    def num_free(self):
-        return len(self.free_ids) - self.taken
-
-    def append(self, seq_id, n):
-        blocks, tokens = self.tables.get(seq_id, ([], 0))
-        new = -(-(tokens + n) // self.block_size) - len(blocks)
-        if new > self.num_free():
-            return None
-        blocks, self.taken = blocks + self.free_ids[len(self.free_ids) - new:], self.taken + new
-        self.tables[seq_id] = (blocks, tokens + n)
-        return [blocks[p // self.block_size] * self.block_size + p % self.block_size for p in range(tokens, tokens + n)]
-
-    def free(self, seq_id):
-        self.taken -= len(self.tables.pop(seq_id)[0])
-
-
-def counting_on(token_ids, block_size, key, cached):
-    parent, hit = None, 0
-    for i in range((len(token_ids) - 1) // block_size):
-        parent = block_hash(parent, token_ids[i * block_size:(i + 1) * block_size], key)
-        hit += block_size * (parent in cached)
-    return hit
-
-
-def oldest_first(running, waiting, free_blocks, token_budget, block_size):
-    """labkit's plan on the running rows in reverse: the newest is visited first, the oldest preempted."""
-    planned, preempted = plan_step(list(running)[::-1], waiting, free_blocks, token_budget, block_size)
-    return sorted(planned, key=lambda p: [r[0] for r in running].index(p[0]) if p[0] in
-                  [r[0] for r in running] else len(running)), preempted
-
-
-def unscaled(k_cache, v_cache, q, k, v, inv_freq):
-    return decode_step(k_cache, v_cache, q * q.shape[-1] ** 0.5, k, v, inv_freq)
-
-
-@pytest.mark.parametrize("seam, wrong, what", [
-    ("Pager", PeekingPager, "chapter 03's Pager"), ("cached_tokens", counting_on, "chapter 04's cached_tokens"),
-    ("plan_step", oldest_first, "chapter 05's plan_step"), ("decode_step", unscaled, "decode_step")])
-def test_a_wrong_piece_is_caught_and_named(model, seam, wrong, what):
+@pytest.mark.parametrize("seam, what", [("Pager", "chapter 03's Pager"), ("cached_tokens", "chapter 04's cached_tokens"),
+                                        ("plan_step", "chapter 05's plan_step"), ("decode_step", "decode_step")])
+def test_a_wrong_piece_is_caught_and_named(model, seam, what):
     with pytest.raises(PieceMismatch) as caught:
-        run(model, lockstep(dataclasses.replace(Pieces.labkit(), **{seam: wrong})))
+        run(model, lockstep(dataclasses.replace(Pieces.labkit(), **{seam: WRONG_PIECES[seam]})))
     err = caught.value
     assert what in err.piece and err.where["step"] >= 1 and err.where["request"] in {w[1] for w in WORKLOAD}
     assert "yours:" in str(err) and "labkit's:" in str(err)

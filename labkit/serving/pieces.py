@@ -90,7 +90,6 @@ class Pager:
         self.tables.pop(seq_id).release(self.allocator)
 
 
-
 def cached_tokens(token_ids: Sequence[int], block_size: int, key: CacheKey, cached: object) -> int:
     """Chapter 04's exercise interface: how many leading tokens of ``token_ids`` a cache holding the block
     names ``cached`` (anything with ``in``) serves. Full blocks are named along the hash chain and the walk
@@ -158,7 +157,6 @@ def plan_step(running: Sequence[tuple], waiting: Sequence[tuple], free_blocks: i
 
     plan = plan_iteration(candidates(), free_blocks, token_budget, block_size, reserve, needed, None, make_room)
     return [(row.name, tokens) for row, tokens in plan], preempted
-
 
 
 # --------------------------------------------------------------------------- the seams

@@ -10,6 +10,9 @@ question, on copies of the same inputs, and raises ``PieceMismatch`` at the firs
 names the piece, the step and the request (and the layer and position of an attention step), and shows
 both answers. A ``Pager`` may pick other blocks than labkit's; it is held to the same free counts and
 refusals, and to slots in blocks no other sequence holds (``build_it``'s own replay rule).
+
+``WRONG_PIECES``: four mistakes that a careless test lets through, one per seam, which the capstone (in
+``solutions/``) and the tests put in place of the right piece to show each one caught and named.
 """
 
 from __future__ import annotations
@@ -22,11 +25,12 @@ from typing import Any, Callable
 import torch
 
 from ..serving.engine import Engine
-from ..serving.pieces import Pager as LabkitPager, Pieces
+from ..memory.prefix import block_hash
+from ..serving.pieces import Pager as LabkitPager, Pieces, decode_step
 from ..serving.request import Request
 from .build_it import _slot_problem
 
-__all__ = ["PIECES", "pieces_from_notebooks", "lockstep", "PieceMismatch", "serve", "report"]
+__all__ = ["PIECES", "pieces_from_notebooks", "lockstep", "PieceMismatch", "serve", "report", "WRONG_PIECES"]
 
 #: seam -> (the chapter notebook's name pattern, what the piece is, in words)
 PIECES: dict[str, tuple[str, str]] = {
@@ -245,3 +249,73 @@ def _checked_pager(yours: type, labkit: type, where: dict) -> type:
             if got != want:
                 self._fail(call, f"num_free() = {got!r} after it", f"num_free() = {want}")
     return CheckedPager
+
+
+# --------------------------------------------------------------------------- four wrong pieces
+
+
+class PeekingPager:
+    """Chapter 03's ``Pager`` with one mistake: it takes new blocks from the top of its free list without
+    removing them. Its free count is right; the next sequence gets the same blocks."""
+
+    def __init__(self, num_blocks: int, block_size: int):
+        self.block_size, self.free_ids, self.taken, self.tables = block_size, list(range(num_blocks)), 0, {}
+
+    def num_free(self) -> int:
+        return len(self.free_ids) - self.taken
+
+    def append(self, seq_id: Any, n: int) -> list[int] | None:
+        blocks, tokens = self.tables.get(seq_id, ([], 0))
+        new = -(-(tokens + n) // self.block_size) - len(blocks)
+        if new > self.num_free():
+            return None
+        blocks, self.taken = blocks + self.free_ids[len(self.free_ids) - new:], self.taken + new  # left in the list
+        self.tables[seq_id] = (blocks, tokens + n)
+        return [blocks[p // self.block_size] * self.block_size + p % self.block_size for p in range(tokens, tokens + n)]
+
+    def free(self, seq_id: Any) -> None:
+        self.taken -= len(self.tables.pop(seq_id)[0])
+
+
+def counting_on(token_ids: list[int], block_size: int, key: Any, cached: Any) -> int:
+    """Chapter 04's ``cached_tokens`` with one mistake: no stop at a miss, so a named block counts after a gap."""
+    parent, hit = None, 0
+    for i in range((len(token_ids) - 1) // block_size):
+        parent = block_hash(parent, token_ids[i * block_size:(i + 1) * block_size], key)
+        hit += block_size if parent in cached else 0  # no break
+    return hit
+
+
+def oldest_first(running: list, waiting: list, free_blocks: int, token_budget: int, block_size: int) -> tuple:
+    """Chapter 05's ``plan_step`` with one mistake: a running request that does not fit preempts the oldest."""
+    planned, preempted, live = [], [], list(running)
+    blocks = lambda c, h, t: max(0, -(-(c + t) // block_size) - h)  # noqa: E731
+    for name, computed, held, new in list(live):
+        if name in preempted or not token_budget:
+            continue
+        tokens = min(new, token_budget)
+        while blocks(computed, held, tokens) > free_blocks:
+            victim = live.pop(0)  # the oldest gives its blocks back
+            free_blocks += victim[2]
+            preempted.append(victim[0])
+            if victim[0] == name:
+                break
+        if name not in preempted:
+            planned.append((name, tokens))
+            free_blocks, token_budget = free_blocks - blocks(computed, held, tokens), token_budget - tokens
+    for name, prompt_len in [] if preempted else waiting:
+        tokens = min(prompt_len, token_budget)
+        if tokens and blocks(0, 0, tokens) <= free_blocks:
+            planned.append((name, tokens))
+            free_blocks, token_budget = free_blocks - blocks(0, 0, tokens), token_budget - tokens
+    return planned, preempted
+
+
+def unscaled(k_cache, v_cache, q, k, v, inv_freq):
+    """Chapter 01's ``decode_step`` with one mistake: no 1/sqrt(D) (here ``q`` is scaled up by sqrt(D) first)."""
+    return decode_step(k_cache, v_cache, q * q.shape[-1] ** 0.5, k, v, inv_freq)
+
+
+#: seam -> a wrong piece for it
+WRONG_PIECES: dict[str, Any] = {"Pager": PeekingPager, "cached_tokens": counting_on, "plan_step": oldest_first,
+                                "decode_step": unscaled}
