@@ -114,16 +114,19 @@ print({name: len(prompt) for _, name, prompt, _ in workload}, "prompt tokens")
 # %% [markdown]
 # ## 3. Run it on your pieces
 #
-# `lockstep` wraps your pieces: each call also asks labkit's piece, on copies of the same inputs, and
-# stops the run at the first answer that differs. The reference run uses labkit's pieces alone.
+# `lockstep` wraps your pieces: each call also asks labkit's piece the same question, and
+# stops the run at the first answer that differs. The reference run uses labkit's pieces alone (with
+# every seam still labkit's, the run itself is the reference).
 
 # %%
 # NBVAL_CHECK_OUTPUT
 engine = Engine(real, **SETTINGS, pieces=lockstep(yours))
 requests = serve(engine, workload)
 replies = {name: r.output_token_ids for name, r in requests.items()}
-reference = Engine(real, **SETTINGS, pieces=Pieces())
-ref_requests = serve(reference, workload)
+reference, ref_requests = engine, requests  # every seam labkit's: this run is the reference
+if yours != Pieces():
+    reference = Engine(real, **SETTINGS, pieces=Pieces())
+    ref_requests = serve(reference, workload)
 assert {name: r.output_token_ids for name, r in ref_requests.items()} == replies
 for piece, what in report(engine):
     print(f"{piece:20} {what}")

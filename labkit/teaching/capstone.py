@@ -6,7 +6,7 @@ with the notebook's imports. A piece still the stub (a body that only raises ``N
 notebook not there, leaves its seam to labkit, and one line says so.
 
 ``lockstep(pieces)`` wraps each of the reader's pieces so that every call also asks labkit's piece the same
-question, on copies of the same inputs, and raises ``PieceMismatch`` at the first answer that differs: it
+question, on the same inputs, and raises ``PieceMismatch`` at the first answer that differs: it
 names the piece, the step and the request (and the layer and position of an attention step), and shows
 both answers. A ``Pager`` may pick other blocks than labkit's; it is held to the same free counts and
 refusals, and to slots in blocks no other sequence holds (``build_it``'s own replay rule).
@@ -24,9 +24,10 @@ from typing import Any, Callable
 
 import torch
 
-from ..serving.engine import Engine
+from ..caches.stepwise import decode_step
 from ..memory.prefix import block_hash
-from ..serving.pieces import Pager as LabkitPager, Pieces, decode_step
+from ..serving.engine import Engine
+from ..serving.pieces import Pager as LabkitPager, Pieces
 from ..serving.request import Request
 from .build_it import _slot_problem
 
