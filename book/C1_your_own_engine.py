@@ -65,6 +65,7 @@ print(labkit.describe())
 # says so:
 
 # %%
+# NBVAL_CHECK_OUTPUT
 yours, lines = pieces_from_notebooks(".")
 print("\n".join(lines))
 
@@ -95,6 +96,7 @@ print("\n".join(lines))
 # of 20 blocks, too small to hold every request to its end:
 
 # %%
+# NBVAL_SKIP_IN_CHAPTERS
 path = real_model()
 real = from_pretrained(path, dtype=torch.float32, device=labkit.DEVICE)
 tokenizer = load_tokenizer(path)
@@ -119,6 +121,7 @@ print({name: len(prompt) for _, name, prompt, _ in workload}, "prompt tokens")
 # every seam still labkit's, the run itself is the reference).
 
 # %%
+# NBVAL_SKIP_IN_CHAPTERS
 # NBVAL_CHECK_OUTPUT
 engine = Engine(real, **SETTINGS, pieces=lockstep(yours))
 requests = serve(engine, workload)
@@ -139,6 +142,7 @@ print("prompt tokens found cached:", {name: r.num_cached_tokens for name, r in r
 # that, and to labkit's pieces step by step:
 
 # %%
+# NBVAL_SKIP_IN_CHAPTERS
 stats, ref_stats = engine.stats, reference.stats
 assert sum(s.preemptions for s in stats) >= 1 and sum(s.prefix_hit_tokens for s in stats) >= 1
 assert [(s.scheduled_tokens, s.prefix_hit_tokens, s.preemptions, s.free_blocks) for s in stats] == \
@@ -153,6 +157,7 @@ print(f"{len(stats)} steps, {sum(s.preemptions for s in stats)} preemption(s), t
 # and the preemption must not have changed one token:
 
 # %%
+# NBVAL_SKIP_IN_CHAPTERS
 hf = to_transformers(real)
 stop = real.config.eos_token_id
 for _, name, prompt, limit in workload:
@@ -171,6 +176,7 @@ print("your engine == transformers' generate, token for token, for all six reque
 # and chapter 04's rule says they count for nothing after a gap:
 
 # %%
+# NBVAL_SKIP_IN_CHAPTERS
 cpu, again = requests["cpu"].prompt_token_ids, requests["notes-b again"].prompt_token_ids
 common = next(i for i, (a, b) in enumerate(zip(cpu, again)) if a != b)  # tokens every chat shares
 system_tokens = common // 8 * 8  # in full blocks of 8

@@ -93,3 +93,30 @@ def test_stepwise_attention_equals_the_core_pool_on_a_chunked_prefill(model):
     prompts = [[int(t) for t in torch.randint(1, 500, (n,))] for n in (13, 7, 21)]
     ours = Engine(model, 32, 4, 8, prepare=False, pieces=Pieces()).generate(prompts, 3, eos_token_id=())
     assert ours == Engine(model, 32, 4, 8, prepare=False).generate(prompts, 3, eos_token_id=())
+
+
+def test_labkits_answers_and_helpers_refuse_bad_input_by_name(model):
+    from labkit.caches.stepwise import StepwiseKV
+    from labkit.memory.prefix import CacheKey
+    from labkit.serving.pieces import Pager, cached_tokens, plan_step
+
+    pager = Pager(4, 2)
+    with pytest.raises(ValueError, match="n must"):
+        pager.append("s", -1)
+    assert pager.append("s", 9) is None and pager.num_free() == 4  # one block over: refused, nothing taken
+    with pytest.raises(ValueError, match="seq_id"):
+        pager.free("never")
+    with pytest.raises(ValueError, match="key"):
+        cached_tokens([1, 2, 3], 2, "default", set())
+    with pytest.raises(ValueError, match="token_budget"):
+        plan_step([], [], 0, 0, 4)
+    with pytest.raises(ValueError, match="pieces"):
+        lockstep("labkit")
+    with pytest.raises(ValueError, match="step must be a function"):
+        StepwiseKV("decode_step", model.config, 4, 4)
+    engine = Engine(model, **SETTINGS, pieces=Pieces())
+    for bad in ([], [(0, "x", [1, 2], 1)], [(1, "x", [1, 2])]):
+        with pytest.raises(ValueError, match="workload"):
+            serve(engine, bad)
+    assert not engine.has_unfinished() and not engine.stats
+    assert cached_tokens([5] * 9, 4, CacheKey(), set()) == 0

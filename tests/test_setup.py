@@ -176,6 +176,21 @@ def test_slow_cells_are_tested_once_in_chapters(tmp_path):
     assert skipped and all(c.get("execution_count") for c in skipped)  # still executed for readers
 
 
+def test_the_capstones_real_model_cells_are_tested_once_in_solutions(tmp_path):
+    """A cell marked NBVAL_SKIP_IN_CHAPTERS runs under nbval in solutions/ (the solved pieces) only."""
+    from nbval.plugin import find_comment_markers
+
+    src = tmp_path / "C9_x.py"
+    src.write_text("# %%\n# NBVAL_SKIP_IN_CHAPTERS\n# NBVAL_CHECK_OUTPUT\nprint(1)\n")
+    chapter = make_notebooks.generate(src, "chapters").cells[-1].source
+    solution = make_notebooks.generate(src, "solutions").cells[-1].source
+    assert "NBVAL_SKIP" not in solution and solution.startswith("# NBVAL_CHECK_OUTPUT")
+    assert dict(find_comment_markers(chapter)).get("skip") is True and "print(1)" in chapter
+    capstone = json.loads((ROOT / "chapters" / "C1_your_own_engine.ipynb").read_text())["cells"]
+    skipped = [c for c in capstone if dict(find_comment_markers("".join(c["source"]))).get("skip")]
+    assert skipped and all(c.get("execution_count") and c.get("outputs") for c in skipped)  # run for readers
+
+
 CHAPTER_STEMS = [f"{n:02d}" for n in range(1, 7)]
 
 

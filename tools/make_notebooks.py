@@ -11,7 +11,8 @@ Markers in the source (whole lines, any indentation):
 * a cell (code or markdown) whose first line is ``# SOLUTIONS ONLY`` or ``# CHAPTER ONLY`` goes to
   one side only;
 * a code cell whose first line is ``# NBVAL_SKIP_IN_SOLUTIONS`` (a slow cell with no exercise in
-  it) is tested in chapters/ only: solutions/ gets ``# NBVAL_SKIP`` instead;
+  it) is tested in chapters/ only: solutions/ gets ``# NBVAL_SKIP`` instead; ``# NBVAL_SKIP_IN_CHAPTERS``
+  the other way round (the capstone's real-model cells, whose point is the solved pieces);
 * ``# BEGIN SOLUTION`` ... ``# END SOLUTION``: kept in solutions, dropped in chapters;
 * ``# BEGIN STUB`` ... ``# END STUB``: kept in chapters, dropped in solutions. A solution
   block indented inside a function needs no stub: chapters get ``raise NotImplementedError``.
@@ -116,6 +117,10 @@ def _transform_code(source: str, solutions: bool, where: str) -> str:
 # chapter, and no later cell uses what they define.
 SKIP_IN_SOLUTIONS = "# NBVAL_SKIP_IN_SOLUTIONS"
 SOLUTIONS_SKIP_LINE = "# NBVAL_SKIP\n# (the tests run this cell in chapters/, where it is the same)"  # nbval: the marker alone on its line
+# The capstone's real-model cells the other way round: in chapters/ they run labkit's pieces in place of
+# the stubs, which tests/test_capstone.py covers; the tests run them once, in solutions/, on the solved pieces.
+SKIP_IN_CHAPTERS = "# NBVAL_SKIP_IN_CHAPTERS"
+CHAPTERS_SKIP_LINE = "# NBVAL_SKIP\n# (the tests run this cell in solutions/, on the solved pieces)"
 
 
 def generate(src: Path, side: str) -> nbformat.NotebookNode:
@@ -140,6 +145,9 @@ def generate(src: Path, side: str) -> nbformat.NotebookNode:
         elif first == SKIP_IN_SOLUTIONS:  # heavy cells the tests run once, in chapters/
             rest = text.split("\n", 1)[1] if "\n" in text else ""
             text = f"{SOLUTIONS_SKIP_LINE}\n{rest}" if solutions else rest
+        elif first == SKIP_IN_CHAPTERS:  # heavy cells the tests run once, in solutions/
+            rest = text.split("\n", 1)[1] if "\n" in text else ""
+            text = rest if solutions else f"{CHAPTERS_SKIP_LINE}\n{rest}"
         if cell.cell_type == "code":
             nb.cells.append(nbformat.v4.new_code_cell(_transform_code(text, solutions, f"{src.name} cell {n}")))
         elif cell.cell_type == "markdown":

@@ -39,11 +39,11 @@ from typing import Any, Sequence
 import torch
 
 from ..caches.paged import AttentionMetadata, KVPool
+from ..caches.stepwise import StepwiseKV
 from ..checks import check_flag, parse_stop_token_ids
 from ..memory.prefix import CacheKey
 from ..model import fused
 from ..model.decoder import Decoder
-from ..caches.stepwise import StepwiseKV
 from .pieces import Pieces, PiecesScheduler
 from .request import Request
 from .scheduler import Scheduler
