@@ -42,8 +42,6 @@ roadmap("C1");  # the article's pipeline: every part runs on your pieces here
 # **Time:** about 10 minutes to read and run; about 10 minutes for the exercise.
 
 # %%
-import dataclasses
-
 import torch
 
 import labkit
@@ -199,7 +197,7 @@ assert requests["notes-b again"].num_cached_tokens == system_tokens == 16
 # %% [markdown]
 # SOLUTIONS ONLY
 # Four deliberately wrong pieces from `labkit.teaching.capstone`, each the mistake a careless test
-# lets through, each put in place of your right one:
+# lets through, each run with labkit's pieces in the other three seams:
 #
 # - a `Pager` that takes new blocks from the top of its free list without removing them: its free
 #   count is right, its blocks are not;
@@ -220,7 +218,7 @@ excerpt(unscaled, "return")                         # decode_step: q * sqrt(D) c
 caught = {}
 for seam, wrong in WRONG_PIECES.items():
     try:
-        serve(Engine(real, **SETTINGS, pieces=lockstep(dataclasses.replace(yours, **{seam: wrong}))), workload)
+        serve(Engine(real, **SETTINGS, pieces=lockstep(Pieces(**{seam: wrong}))), workload)  # labkit's elsewhere
     except PieceMismatch as err:
         caught[seam] = err
         print(f"{err}\n")
