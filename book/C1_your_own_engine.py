@@ -170,8 +170,9 @@ print("your engine == transformers' generate, token for token, for all six reque
 # Look at "notes-b again". Its prompt is the one "notes-b" sent, and "notes-b" was still running
 # when it came. Yet the run finds only the system prompt cached, two blocks, 16 tokens. The notes'
 # blocks left with "notes-a": "notes-b" had computed the same notes beside it in step 1, when nothing
-# was cached yet, so its copies of those blocks carry no names. Its later blocks do carry names,
-# and chapter 04's rule says they count for nothing after a gap:
+# was cached yet, and this engine gives each name to one block only, so its copies carry no names
+# (vLLM names such twins too: `BlockHashToBlockMap` in `vllm/v1/core/block_pool.py`). Its later
+# blocks do carry names, and chapter 04's rule says they count for nothing after a gap:
 
 # %%
 # NBVAL_SKIP_IN_CHAPTERS
@@ -211,8 +212,8 @@ from labkit.teaching.capstone import WRONG_PIECES, PeekingPager, counting_on, ol
 from labkit.teaching.excerpts import excerpt
 
 excerpt(PeekingPager.append, "blocks, self.taken")  # the Pager: new blocks left in the free list
-excerpt(counting_on, "hit +=")                      # cached_tokens: no stop at a miss
-excerpt(oldest_first, "victim = live.pop(0)")       # plan_step: the oldest gives its blocks back
+excerpt(counting_on, "return")                      # cached_tokens: no stop at a miss
+excerpt(oldest_first, "return")                     # plan_step: the oldest gives its blocks back
 excerpt(unscaled, "return")                         # decode_step: q * sqrt(D) cancels the 1/sqrt(D)
 
 caught = {}

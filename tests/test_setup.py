@@ -161,34 +161,23 @@ def test_colab_cell_installs_only_in_colab():
     assert 'if "google.colab" in sys.modules:' in install.source
 
 
-def test_slow_cells_are_tested_once_in_chapters(tmp_path):
-    """A cell marked NBVAL_SKIP_IN_SOLUTIONS runs under nbval in chapters/ and is skipped in solutions/."""
+@pytest.mark.parametrize("tested, skipped", [("chapters", "solutions"), ("solutions", "chapters")])
+def test_slow_cells_are_tested_once_on_one_side(tmp_path, tested, skipped):
+    """A cell marked NBVAL_SKIP_IN_SOLUTIONS runs under nbval in chapters/ only (the real model's cells);
+    NBVAL_SKIP_IN_CHAPTERS, in solutions/ only (the capstone's, which run the solved pieces). The skipped
+    side's committed cells are still executed, for readers."""
     from nbval.plugin import find_comment_markers
 
     src = tmp_path / "99_x.py"
-    src.write_text("# %%\n# NBVAL_SKIP_IN_SOLUTIONS\n# NBVAL_CHECK_OUTPUT\nprint(1)\n")
-    chapter = make_notebooks.generate(src, "chapters").cells[-1].source
-    solution = make_notebooks.generate(src, "solutions").cells[-1].source
-    assert "NBVAL_SKIP" not in chapter and chapter.startswith("# NBVAL_CHECK_OUTPUT")
-    assert dict(find_comment_markers(solution)).get("skip") is True and "print(1)" in solution
-    committed = [json.loads(p.read_text()) for p in (ROOT / "solutions").glob("*.ipynb")]
-    skipped = [c for nb in committed for c in nb["cells"] if dict(find_comment_markers("".join(c["source"]))).get("skip")]
-    assert skipped and all(c.get("execution_count") for c in skipped)  # still executed for readers
-
-
-def test_the_capstones_real_model_cells_are_tested_once_in_solutions(tmp_path):
-    """A cell marked NBVAL_SKIP_IN_CHAPTERS runs under nbval in solutions/ (the solved pieces) only."""
-    from nbval.plugin import find_comment_markers
-
-    src = tmp_path / "C9_x.py"
-    src.write_text("# %%\n# NBVAL_SKIP_IN_CHAPTERS\n# NBVAL_CHECK_OUTPUT\nprint(1)\n")
-    chapter = make_notebooks.generate(src, "chapters").cells[-1].source
-    solution = make_notebooks.generate(src, "solutions").cells[-1].source
-    assert "NBVAL_SKIP" not in solution and solution.startswith("# NBVAL_CHECK_OUTPUT")
-    assert dict(find_comment_markers(chapter)).get("skip") is True and "print(1)" in chapter
-    capstone = json.loads((ROOT / "chapters" / "C1_your_own_engine.ipynb").read_text())["cells"]
-    skipped = [c for c in capstone if dict(find_comment_markers("".join(c["source"]))).get("skip")]
-    assert skipped and all(c.get("execution_count") and c.get("outputs") for c in skipped)  # run for readers
+    src.write_text(f"# %%\n# NBVAL_SKIP_IN_{skipped.upper()}\n# NBVAL_CHECK_OUTPUT\nprint(1)\n")
+    run, skip = (make_notebooks.generate(src, side).cells[-1].source for side in (tested, skipped))
+    assert "NBVAL_SKIP" not in run and run.startswith("# NBVAL_CHECK_OUTPUT")
+    assert dict(find_comment_markers(skip)).get("skip") is True and "print(1)" in skip
+    committed = [json.loads(p.read_text()) for p in (ROOT / skipped).glob("*.ipynb")]
+    cells = [c for nb in committed for c in nb["cells"] if dict(find_comment_markers("".join(c["source"]))).get("skip")]
+    assert cells and all(c.get("execution_count") for c in cells)
+    if skipped == "chapters":  # the capstone's: each prints what the reader reads
+        assert all(c.get("outputs") for c in cells)
 
 
 CHAPTER_STEMS = [f"{n:02d}" for n in range(1, 7)]

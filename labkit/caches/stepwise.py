@@ -22,7 +22,7 @@ from typing import Callable
 
 import torch
 
-from ..model.decoder import DecoderConfig, rope_inv_freq
+from ..model.decoder import DecoderConfig, apply_rope, rope_cos_sin, rope_inv_freq
 from .paged import KVPool
 
 __all__ = ["decode_step", "StepwiseKV"]
@@ -35,16 +35,13 @@ def decode_step(k_cache: torch.Tensor, v_cache: torch.Tensor, q: torch.Tensor, k
     """One decode step of one layer, labkit's answer to chapter 01's exercise.
 
     ``k_cache``, ``v_cache`` ``[T, Hkv, D]`` (keys rotated at positions 0 .. T - 1), ``q`` ``[Hq, D]``, ``k``,
-    ``v`` ``[Hkv, D]``, ``inv_freq`` ``[D / 2]``. The new token is token T: ``q`` and ``k`` turn there, as
-    ``apply_rope`` turns them (Llama's half-split pairs). One query needs no mask: it sees every cached
-    position. Query head ``h`` reads KV head ``h // group``, as a view ``[Hkv, group, D]`` with no copy.
+    ``v`` ``[Hkv, D]``, ``inv_freq`` ``[D / 2]``. The new token is token T: ``q`` and ``k`` turn there with the
+    decoder's ``rope_cos_sin`` and ``apply_rope``. One query needs no mask: it sees every cached position.
+    Query head ``h`` reads KV head ``h // group``, as a view ``[Hkv, group, D]`` with no copy.
     Returns the caches with the new row appended and ``out`` ``[Hq, D]``.
     """
-    angles = k_cache.shape[0] * inv_freq.float()
-    cos, sin = torch.cat([angles, angles]).cos(), torch.cat([angles, angles]).sin()
-    half = q.shape[-1] // 2
-    q, k = ((x.float() * cos + torch.cat([-x[..., half:], x[..., :half]], dim=-1).float() * sin).to(x.dtype)
-            for x in (q, k))
+    cos, sin = rope_cos_sin(torch.tensor([[k_cache.shape[0]]], device=q.device), inv_freq)
+    q, k = (apply_rope(x[None, None], cos, sin)[0, 0] for x in (q, k))  # apply_rope takes [batch, seq, ...]
     k_cache, v_cache = torch.cat([k_cache, k[None].to(k_cache.dtype)]), torch.cat([v_cache, v[None].to(v_cache.dtype)])
     heads = k_cache.shape[1]
     scores = q.view(heads, -1, q.shape[-1]) @ k_cache.permute(1, 2, 0) / q.shape[-1] ** 0.5  # [Hkv, group, T + 1]

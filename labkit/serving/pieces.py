@@ -40,7 +40,7 @@ later in a step hit blocks named earlier in it (hits are counted when the step's
 from __future__ import annotations
 
 import itertools
-from dataclasses import dataclass, field, fields
+from dataclasses import dataclass, field
 from types import SimpleNamespace
 from typing import Any, Callable, Iterator, Sequence
 
@@ -48,12 +48,12 @@ from ..caches.stepwise import decode_step
 from ..checks import check_int, check_token_ids
 from ..memory.blocks import extra_blocks
 from ..memory.paging import BlockAllocator, BlockTable, OutOfBlocksError
-from ..memory.prefix import CacheKey, block_hash
+from ..memory.prefix import CacheKey, block_hash, hash_chain
 from .request import Request, RequestStatus
 from .scheduler import Scheduler, plan_iteration
 from .step import ScheduledChunk, Step, StepStats
 
-__all__ = ["Pager", "cached_tokens", "plan_step", "Pieces", "PagerPool", "PiecesScheduler"]
+__all__ = ["Pager", "cached_tokens", "plan_step", "plan_rows", "SEAMS", "Pieces", "PagerPool", "PiecesScheduler"]
 
 
 # --------------------------------------------------------------------------- labkit's answers to the exercises
@@ -101,13 +101,9 @@ def cached_tokens(token_ids: Sequence[int], block_size: int, key: CacheKey, cach
     and parent; the capstone's engine counts its hits with this function or the reader's.
     """
     tokens = check_token_ids("token_ids", token_ids, 1)
-    check_int("block_size", block_size, 1)
-    if not isinstance(key, CacheKey):
-        raise ValueError(f"key must be a labkit.memory.prefix.CacheKey, got {type(key).__name__}")
-    parent, hit = None, 0
-    for start in range(0, (len(tokens) - 1) // block_size * block_size, block_size):
-        parent = block_hash(parent, tokens[start:start + block_size], key)
-        if parent not in cached:
+    hit = 0
+    for name in hash_chain(tokens[:(len(tokens) - 1) // block_size * block_size], block_size, key):
+        if name not in cached:
             break
         hit += block_size
     return hit
@@ -125,6 +121,13 @@ def plan_step(running: Sequence[tuple], waiting: Sequence[tuple], free_blocks: i
     article's rule: no head-of-line blocking). Returns ``([(name, tokens)], [names preempted])``, both in
     the order decided. The capstone's engine plans with this or the reader's.
     """
+    return plan_rows(running, waiting, free_blocks, token_budget, block_size)
+
+
+def plan_rows(running: Sequence[tuple], waiting: Sequence[tuple], free_blocks: int, token_budget: int,
+              block_size: int, victim: int = -1) -> tuple[list[tuple[Any, int]], list[Any]]:
+    """``plan_step``, with ``victim`` the index in the running rows that a preemption takes: -1, the newest
+    (vLLM's rule); ``labkit.teaching.capstone.oldest_first`` passes 0, the mistake it shows."""
     live = [SimpleNamespace(name=n, computed=c, held=h, num_new_tokens=t, status=RequestStatus.RUNNING)
             for n, c, h, t in running]
     queue = [SimpleNamespace(name=n, computed=0, held=0, num_new_tokens=p, status=RequestStatus.WAITING)
@@ -147,11 +150,11 @@ def plan_step(running: Sequence[tuple], waiting: Sequence[tuple], free_blocks: i
 
     def make_room(row: SimpleNamespace, tokens: int) -> int:
         while needed(row, tokens) > state["free"]:
-            victim = live.pop()
-            state["free"] += victim.held
-            victim.status = RequestStatus.WAITING
-            preempted.append(victim.name)
-            if victim is row:
+            gone = live.pop(victim)
+            state["free"] += gone.held
+            gone.status = RequestStatus.WAITING
+            preempted.append(gone.name)
+            if gone is row:
                 break
         return state["free"]
 
@@ -160,6 +163,10 @@ def plan_step(running: Sequence[tuple], waiting: Sequence[tuple], free_blocks: i
 
 
 # --------------------------------------------------------------------------- the seams
+
+
+#: the four seams, in the order of the chapters that build them
+SEAMS = ("decode_step", "Pager", "cached_tokens", "plan_step")
 
 
 @dataclass
@@ -184,11 +191,11 @@ class Pieces:
     def resolved(self) -> "Pieces":
         """These pieces, labkit's in every seam left ``None``; ``where`` is shared, not copied."""
         own = Pieces.labkit()
-        for f in fields(self)[:4]:
-            piece = getattr(self, f.name)
+        for seam in SEAMS:
+            piece = getattr(self, seam)
             if piece is not None and not callable(piece):
-                raise ValueError(f"{f.name} must be None (labkit's) or callable, got {type(piece).__name__}")
-        return Pieces(*(getattr(self, f.name) or getattr(own, f.name) for f in fields(self)[:4]), where=self.where)
+                raise ValueError(f"{seam} must be None (labkit's) or callable, got {type(piece).__name__}")
+        return Pieces(**{seam: getattr(self, seam) or getattr(own, seam) for seam in SEAMS}, where=self.where)
 
 
 class PagerPool:
@@ -232,7 +239,7 @@ class PagerPool:
 
     def admit(self, request: Request, hit: int) -> None:
         """A waiting request takes the ``hit`` leading tokens' blocks, found by name; it holds them too."""
-        hashes = self._hashes(request.all_token_ids, hit // self.block_size)
+        hashes = hash_chain(request.all_token_ids[:hit], self.block_size, self.key)
         if any(h not in self.names for h in hashes):
             raise ValueError(f"cached_tokens said {hit} tokens of request {request.request_id!r} are cached, "
                              f"but block {next(i for i, h in enumerate(hashes) if h not in self.names)} has no name")
@@ -291,16 +298,12 @@ class PagerPool:
         self.blocks_taken += free - self.pager.num_free()
         return got
 
-    def _hashes(self, token_ids: Sequence[int], n: int) -> list[str]:
-        out, parent, bs = [], None, self.block_size
-        for i in range(n):
-            parent = block_hash(parent, token_ids[i * bs:(i + 1) * bs], self.key)
-            out.append(parent)
-        return out
-
     def _name(self, request: Request, upto: int) -> None:
-        """Name the request's full prompt blocks before ``upto`` (their tokens are scheduled): a name held by
-        another block already stays with that block, this one stays unnamed (as in vLLM)."""
+        """Name the request's full prompt blocks before ``upto`` (their tokens are scheduled). A name held by
+        another block already stays with that block, and this one stays unnamed: one block per name, so ``names``
+        stays a dict. vLLM names such twins too (``vllm/v1/core/block_pool.py``, ``BlockHashToBlockMap``: it does
+        not de-duplicate). Here, when the named twin's last holder leaves, its name goes and the unnamed twin's
+        later blocks keep theirs: a gap in the chain, which the capstone's "notes-b again" meets."""
         rid, bs = request.request_id, self.block_size
         chain, table = self._chain.setdefault(rid, []), self.tables[rid]
         while len(chain) < upto // bs:
@@ -325,7 +328,7 @@ class PiecesScheduler(Scheduler):
                  *, enable_prefix_caching: bool = True, cache_key: CacheKey = CacheKey()):
         super().__init__(num_blocks, block_size, max_num_batched_tokens, enable_prefix_caching=enable_prefix_caching,
                          cache_key=cache_key, head_of_line=False, full_sequence_must_fit=False)
-        if not isinstance(pieces, Pieces) or any(getattr(pieces, f.name) is None for f in fields(pieces)[:4]):
+        if not isinstance(pieces, Pieces) or any(getattr(pieces, seam) is None for seam in SEAMS):
             raise ValueError("pieces must be Pieces with every seam filled: pass Pieces(...).resolved()")
         self.pieces = pieces
         self.pool = PagerPool(pieces.Pager, num_blocks, block_size, cache_key)

@@ -25,9 +25,9 @@ from typing import Any, Callable
 import torch
 
 from ..caches.stepwise import decode_step
-from ..memory.prefix import block_hash
+from ..memory.prefix import hash_chain
 from ..serving.engine import Engine
-from ..serving.pieces import Pager as LabkitPager, Pieces
+from ..serving.pieces import Pager as LabkitPager, Pieces, plan_rows
 from ..serving.request import Request
 from .build_it import _slot_problem
 
@@ -280,36 +280,13 @@ class PeekingPager:
 
 def counting_on(token_ids: list[int], block_size: int, key: Any, cached: Any) -> int:
     """Chapter 04's ``cached_tokens`` with one mistake: no stop at a miss, so a named block counts after a gap."""
-    parent, hit = None, 0
-    for i in range((len(token_ids) - 1) // block_size):
-        parent = block_hash(parent, token_ids[i * block_size:(i + 1) * block_size], key)
-        hit += block_size if parent in cached else 0  # no break
-    return hit
+    usable = token_ids[:(len(token_ids) - 1) // block_size * block_size]
+    return sum(block_size for name in hash_chain(usable, block_size, key) if name in cached)  # no break
 
 
 def oldest_first(running: list, waiting: list, free_blocks: int, token_budget: int, block_size: int) -> tuple:
     """Chapter 05's ``plan_step`` with one mistake: a running request that does not fit preempts the oldest."""
-    planned, preempted, live = [], [], list(running)
-    blocks = lambda c, h, t: max(0, -(-(c + t) // block_size) - h)  # noqa: E731
-    for name, computed, held, new in list(live):
-        if name in preempted or not token_budget:
-            continue
-        tokens = min(new, token_budget)
-        while blocks(computed, held, tokens) > free_blocks:
-            victim = live.pop(0)  # the oldest gives its blocks back
-            free_blocks += victim[2]
-            preempted.append(victim[0])
-            if victim[0] == name:
-                break
-        if name not in preempted:
-            planned.append((name, tokens))
-            free_blocks, token_budget = free_blocks - blocks(computed, held, tokens), token_budget - tokens
-    for name, prompt_len in [] if preempted else waiting:
-        tokens = min(prompt_len, token_budget)
-        if tokens and blocks(0, 0, tokens) <= free_blocks:
-            planned.append((name, tokens))
-            free_blocks, token_budget = free_blocks - blocks(0, 0, tokens), token_budget - tokens
-    return planned, preempted
+    return plan_rows(running, waiting, free_blocks, token_budget, block_size, victim=0)
 
 
 def unscaled(k_cache, v_cache, q, k, v, inv_freq):
