@@ -32,10 +32,10 @@ from ..variants.reservation import check_allocation, scheduler_class
 from .costmodel import CostModel
 from .percentiles import latency_percentiles
 from .skipahead import plan_stretch
-from .work import work_sums
+from .work import add_span, work_sums
 from .workloads import RequestSpec
 
-__all__ = ["Simulator", "SimResult", "step_sums"]
+__all__ = ["Simulator", "SimResult", "SimRun", "check_requests", "step_sums"]
 
 
 # =========================================================================== results
@@ -243,7 +243,13 @@ class Simulator:
     def run(self, requests: Sequence[RequestSpec], progress: bool = False) -> SimResult:
         """Serve ``requests`` (arriving at their ``arrival_time``) to completion."""
         check_flag("progress", progress)
-        return _Run(self, requests, progress).result()
+        run = SimRun(self, progress, total=len(requests) if hasattr(requests, "__len__") else None)
+        for spec in check_requests(requests, run.sched):
+            run.add(spec)
+        run.advance()
+        if run.bar is not None:
+            run.bar.close()
+        return run.result()
 
 
 def step_sums(step: Step) -> tuple[int, int, float]:
@@ -267,101 +273,102 @@ def _output_ids(index: int, position: int, n: int) -> range:
     return range(_output_id(index, position), _output_id(index, position + n))
 
 
-def _requests(specs: Sequence[RequestSpec], sched: Scheduler) -> list[Request]:
-    """One scheduler ``Request`` per spec, every spec checked before any is served (a ``RequestSpec`` checked
-    its own fields, its ``arrival_time`` finite and >= 0, when it was built)."""
-    if len({getattr(s, "request_id", None) for s in specs}) != len(specs):
+def check_requests(specs: Sequence[RequestSpec], sched: Scheduler) -> list[RequestSpec]:
+    """``specs`` sorted by arrival (ties by ``request_id``), every one checked before any is served."""
+    if isinstance(specs, (str, bytes)) or not hasattr(specs, "__len__") or len(specs) == 0:
+        raise ValueError("requests must be a list of at least one RequestSpec")
+    bad = next((s for s in specs if not isinstance(s, RequestSpec)), None)
+    if bad is not None:  # before sorting them by arrival_time
+        raise ValueError(f"requests must hold RequestSpec objects, got {type(bad).__name__}")
+    if len({s.request_id for s in specs}) != len(specs):
         raise ValueError("requests must have distinct request_id values")
-    requests = []
     for spec in specs:
-        if not isinstance(spec, RequestSpec):
-            raise ValueError(f"requests must hold RequestSpec objects, got {type(spec).__name__}")
-        if spec.output_len >= _OUTPUT_ID_STRIDE:
-            raise ValueError(f"output_len must be < {_OUTPUT_ID_STRIDE}, got {spec.output_len}")
-        requests.append(Request(spec.prompt_token_ids, spec.output_len, request_id=spec.request_id))
-        sched.check_fits(requests[-1])
-    return requests
+        _check_spec(spec, sched)
+    return sorted(specs, key=lambda s: (s.arrival_time, s.request_id))
 
 
-def _add_span(spans: list[list[int]], start: int, end: int) -> int:
-    """Add positions ``[start, end)`` to a request's computed ``spans`` (sorted, disjoint); returns how many
-    of them it had computed before. A request continuing where it stopped only extends its last span."""
-    if spans and spans[-1][1] == start:
-        spans[-1][1] = end
-        return 0
-    again = sum(max(0, min(e, end) - max(s, start)) for s, e in spans)
-    merged = sorted(spans + [[start, end]])
-    spans[:] = merged[:1]
-    for s, e in merged[1:]:
-        if s <= spans[-1][1]:
-            spans[-1][1] = max(spans[-1][1], e)
-        else:
-            spans.append([s, e])
-    return again
+def _check_spec(spec: RequestSpec, sched: Scheduler) -> Request:
+    """The scheduler's ``Request`` for one spec, refused (ValueError) if it can never run on ``sched``."""
+    if not isinstance(spec, RequestSpec):
+        raise ValueError(f"requests must hold RequestSpec objects, got {type(spec).__name__}")
+    if spec.output_len >= _OUTPUT_ID_STRIDE:
+        raise ValueError(f"output_len must be < {_OUTPUT_ID_STRIDE}, got {spec.output_len}")
+    request = Request(spec.prompt_token_ids, spec.output_len, request_id=spec.request_id)
+    sched.check_fits(request)
+    return request
 
 
-class _Run:
-    """One simulated run: the event loop, the records, and the skip-ahead."""
+class SimRun:
+    """One simulated server fed requests as they arrive: the event loop, the records, the skip-ahead.
+    ``Simulator.run`` adds a whole workload and serves it. A cluster (chapter 07) keeps one per replica on
+    one clock: before each arrival at ``t`` every replica runs the steps that *start* before ``t``
+    (``advance(until=t)``), then one gets the request (``add``). A request arriving mid-step waits for its end."""
 
-    def __init__(self, sim: Simulator, specs: Sequence[RequestSpec], progress: bool):
-        if isinstance(specs, (str, bytes)) or not hasattr(specs, "__len__") or len(specs) == 0:
-            raise ValueError("requests must be a list of at least one RequestSpec")
-        bad = next((s for s in specs if not isinstance(s, RequestSpec)), None)
-        if bad is not None:  # before sorting them by arrival_time
-            raise ValueError(f"requests must hold RequestSpec objects, got {type(bad).__name__}")
+    def __init__(self, sim: Simulator, progress: bool = False, total: int | None = None):
         self.sim, self.cost, self.sched = sim, sim.cost_model, sim.new_scheduler()
-        self.specs = sorted(specs, key=lambda s: (s.arrival_time, getattr(s, "request_id", 0)))
-        self.requests = _requests(self.specs, self.sched)
-        self.index = {id(r): i for i, r in enumerate(self.requests)}  # id(Request) -> position in specs
-        n = len(self.specs)
-        self.first_token: list[float | None] = [None] * n
-        self.finish: list[float | None] = [None] * n
-        self.last_token = [0.0] * n
-        self.queued_at_step = np.zeros(n, dtype=np.int64)
+        # Per request: its spec and Request, the ends of its first token's step and of its last, its latest token,
+        # the step from which it was a candidate, the [start, end) positions it computed; index: id(Request) -> place.
+        self.specs, self.requests, self.first_token, self.finish, self.last_token = [], [], [], [], []
+        self.queued_at_step, self.spans, self.index = [], [], {}
         # Per step (plain lists while running: cheaper than numpy one value at a time; arrays at the end).
         self.steps: dict[str, list] = {k: [] for k in ("start", "end", "tokens", "running", "waiting", "used", "live")}
         self.itl: list[float] = []         # every interval between two tokens of one request ...
         self.itl_weight: list[int] = []    # ... and how many such intervals it stands for
         self.schedule: list = []
-        self.skipped_steps = self._first_tokens = self.recomputed = 0
-        self.spans: list[list[list[int]]] = [[] for _ in range(n)]  # per request: [start, end) it computed
+        self.skipped_steps = self._first_tokens = self.recomputed = self.num_finished = 0
+        self.clock, self._next = 0.0, 0   # the time; the first request in specs not yet given to the scheduler
         self.bar = None
         if progress:
             from tqdm.auto import tqdm
-            self.bar = tqdm(total=n, desc="requests served", unit="req", mininterval=0.5)
-        try:
-            self._loop()
-        finally:
-            if self.bar is not None:
-                self.bar.close()
+            self.bar = tqdm(total=total, desc="requests served", unit="req", mininterval=0.5)
 
-    def _loop(self) -> None:
+    @property
+    def load(self) -> int:
+        """Requests given to this server and not finished: what a router counts as its load."""
+        return len(self.specs) - self.num_finished
+
+    def add(self, spec: RequestSpec) -> None:
+        """Queue a request (in arrival order); it joins the scheduler at its arrival or the end of the step then."""
+        request = _check_spec(spec, self.sched)
+        if self.specs and spec.arrival_time < self.specs[-1].arrival_time:
+            raise ValueError(f"requests must be added in arrival order: {spec.arrival_time} after "
+                             f"{self.specs[-1].arrival_time}")
+        self.index[id(request)] = len(self.specs)
+        for values, value in ((self.specs, spec), (self.requests, request), (self.first_token, None),
+                              (self.finish, None), (self.last_token, 0.0), (self.queued_at_step, 0), (self.spans, [])):
+            values.append(value)
+
+    def advance(self, until: float = math.inf) -> None:
+        """Run every step that starts before ``until`` (``math.inf``: to the end of what was added)."""
         sched, specs = self.sched, self.specs
-        n, nxt = len(specs), 0
-        clock = specs[0].arrival_time
-        while nxt < n or sched.has_unfinished():
-            while nxt < n and specs[nxt].arrival_time <= clock:
-                sched.add_request(self.requests[nxt])
-                self.queued_at_step[nxt] = sched.num_steps + 1  # it is a candidate from this step on
-                nxt += 1
+        while True:
+            while self._next < len(specs) and specs[self._next].arrival_time <= self.clock:
+                sched.add_request(self.requests[self._next])
+                self.queued_at_step[self._next] = sched.num_steps + 1  # a candidate from this step on
+                self._next += 1
             if not sched.has_unfinished():
-                clock = specs[nxt].arrival_time  # idle until the next arrival
+                if self._next == len(specs) or specs[self._next].arrival_time > until:
+                    return
+                self.clock = specs[self._next].arrival_time  # idle until the next arrival
                 continue
+            if self.clock >= until:
+                return
             step = sched.schedule()
             if not step.chunks:
                 raise RuntimeError("the scheduler planned nothing although requests are unfinished")
-            end = clock + self.cost.time_from_sums(*step_sums(step))
-            self._record_step(step, clock, end)
-            clock = end
+            end = self.clock + self.cost.time_from_sums(*step_sums(step))
+            self._record_step(step, self.clock, end)
+            self.clock = end
             if self.sim.skip_ahead:
-                clock = self._skip(clock, specs[nxt].arrival_time if nxt < n else math.inf, step)
+                pending = specs[self._next].arrival_time if self._next < len(specs) else math.inf
+                self.clock = self._skip(self.clock, min(pending, until), step)
 
     def _record_step(self, step: Step, start: float, end: float) -> None:
         sampled, self._first_tokens = [], 0
         for c in step.chunks:
             r = c.request
             i = self.index[id(r)]
-            self.recomputed += _add_span(self.spans[i], c.start, c.start + c.num_tokens)
+            self.recomputed += add_span(self.spans[i], c.start, c.start + c.num_tokens)
             if c.samples:
                 sampled.append(_output_id(i, len(r.output_token_ids)))
                 if self.first_token[i] is None:
@@ -383,6 +390,7 @@ class _Run:
     def _finished(self, requests: list[Request], at: float) -> None:
         for r in requests:
             self.finish[self.index[id(r)]] = at
+        self.num_finished += len(requests)
         if self.bar is not None and requests:
             self.bar.update(len(requests))
 
@@ -437,5 +445,6 @@ class _Run:
             live_tokens=steps["live"], itl=np.array(self.itl, dtype=np.float64),
             itl_weight=np.array(self.itl_weight, dtype=np.float64),
             recomputed_tokens=self.recomputed, schedule=self.schedule,
-            skipped_steps=self.skipped_steps, queued_at_step=self.queued_at_step, scheduler=self.sched,
+            skipped_steps=self.skipped_steps, queued_at_step=np.array(self.queued_at_step, dtype=np.int64),
+            scheduler=self.sched,
             requests=self.requests)

@@ -21,3 +21,20 @@ def work_sums(chunks) -> tuple[int, int, float]:
         ctx += start
         pairs += k * start + k * (k + 1) / 2
     return new, ctx, pairs
+
+
+def add_span(spans: list[list[int]], start: int, end: int) -> int:
+    """Add positions ``[start, end)`` to a request's computed ``spans`` (sorted, disjoint); returns how many
+    of them it had computed before. A request continuing where it stopped only extends its last span."""
+    if spans and spans[-1][1] == start:
+        spans[-1][1] = end
+        return 0
+    again = sum(max(0, min(e, end) - max(s, start)) for s, e in spans)
+    merged = sorted(spans + [[start, end]])
+    spans[:] = merged[:1]
+    for s, e in merged[1:]:
+        if s <= spans[-1][1]:
+            spans[-1][1] = max(spans[-1][1], e)
+        else:
+            spans.append([s, e])
+    return again
