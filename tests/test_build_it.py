@@ -19,6 +19,7 @@ import torch
 from labkit.memory.prefix import CacheKey, block_hash
 from labkit.model.decoder import apply_rope, rope_cos_sin
 from labkit.teaching import answers, build_it, guards, quizzes
+from labkit.teaching.build_it_routing import WRONG_ROUTES
 from labkit.teaching.exercises import Exercises
 from test_exercise_checkers import chapter, verdict
 
@@ -387,6 +388,7 @@ WRONG = [
     (ignores_blocks_05, stops_at_a_misfit_05, preempts_the_oldest_05, admits_after_a_preemption_05)] + [
     ("06_from_fit_to_serve", "Exercise 3", f) for f in
     (ttft_to_the_step_start_06, tpot_over_all_tokens_06, itl_with_the_first_wait_06, itl_as_request_means_06)] + [
+    ("07_many_replicas", "Exercise 1", f) for f in WRONG_ROUTES.values()] + [
     ("A3_fewer_bytes_per_element", "Exercise 2", f) for f in
     (latent_with_factor_2_a3, window_in_every_layer_a3, max_for_min_a3, window_ignored_a3)]
 
@@ -514,6 +516,8 @@ BUILD_IT = [("01_why_the_cache_grows", "Exercise 3",
             ("05_scheduler", "Exercise 2", "a function plan_step(running, waiting, free_blocks, token_budget, "
                                            "block_size)"),
             ("06_from_fit_to_serve", "Exercise 3", "a function latencies(arrivals, steps)"),
+            ("07_many_replicas", "Exercise 1", "a function route(prompt, sent, loads, block_size, cache_threshold, "
+                                               "balance_abs_threshold, balance_rel_threshold)"),
             ("A3_fewer_bytes_per_element", "Exercise 2", "a function sequence_bytes(shape, length)")]
 
 

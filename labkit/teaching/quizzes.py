@@ -1,4 +1,4 @@
-"""The short quiz at the end of each chapter 01 to 06: its answers, and a line of feedback for each.
+"""The short quiz at the end of each chapter: its answers, and a line of feedback for each.
 
 The questions are in the chapter; the answers are here, out of the reader's sight, with a
 line that explains the right answer (printed when it is given, and in solutions/) and a line
@@ -117,6 +117,23 @@ QUIZZES: dict[str, list[Question]] = {
         Question(_recompute, "recompute drops every block: the prompt's 3 tokens and the 3 outputs are computed again."),
         Question("a", "admitting a long prompt by its first chunk in a tight pool gets it preempted halfway, "
                       "and its prompt computed twice.", {"b": "it costs no compute; it avoids wasted compute."}),
+    ],
+    "07_many_replicas": [
+        Question("c", "round-robin never looks at the prompt: with many conversations interleaved, a follow-up lands "
+                      "on whichever replica is next, the one holding its earlier turn about 1 time in N (here 1 in "
+                      "4), and each prefix cache is private to its replica.",
+                 {"a": "a replica's prefix cache is its own: the other replicas cannot serve its blocks.",
+                  "b": "the next replica in turn is still the right one now and then, about 1 time in N."}),
+        Question("b", "loads 10 and 200 are imbalanced (190 > 64 and 200 > 1.5 × 10): the router sends the request "
+                      "to the least loaded replica, replica 0, whatever the match. A hit saves one prefill, but "
+                      "behind 190 more unfinished requests the request would wait longer than the prefill takes.",
+                 {"a": "the match decides only while the load is balanced; here both imbalance conditions hold.",
+                  "c": "replica 2 (12) is busier than replica 0 (10): the least loaded is replica 0."}),
+        Question("a", "a prefix cache serves whole blocks of identical tokens from the first one on: the block the "
+                      "match ends in is computed again, and text that agrees up to a point can tokenize "
+                      "differently where it stops agreeing. The cache can serve less than the text match says.",
+                 {"b": "the cache names only full blocks of tokens: the partial block at the end is not served.",
+                  "c": "the same text gives the same tokens up to where it differs, and those whole blocks hit."}),
     ],
     "C1_your_own_engine": [
         Question("b", "a block's name hashes its parent's: once the document's blocks left with the first request, "
