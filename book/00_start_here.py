@@ -21,7 +21,9 @@
 # ## The map
 #
 # Every chapter and appendix opens with this figure, the article's pipeline, its own part
-# highlighted. Under each part are the chapters and appendices that work on it:
+# highlighted. Under each part are the chapters and appendices that work on it. Part II goes
+# beyond the article, and so does its figure: a router in front of N copies of the server, each
+# with its own pool and its own prefix cache:
 
 # %%
 from labkit.teaching.diagrams import roadmap
@@ -29,6 +31,8 @@ from labkit.teaching.diagrams import roadmap
 roadmap("00");  # the whole map, nothing highlighted
 
 # %% [markdown]
+# **Part I · the article.** Six chapters, one per section of the article, and a capstone.
+#
 # | chapter | question | what you build with `labkit` | reading | exercises |
 # |---|---|---|---|---|
 # | 01 · why the cache grows | what does a model keep per token, and why? | a tiny Llama-style decoder; prefill, decode, a growing cache; the real model in it | about 35 min | about 75 min |
@@ -38,6 +42,17 @@ roadmap("00");  # the whole map, nothing highlighted
 # | 05 · capacity in the scheduler | who gets memory this iteration? | `plan_iteration` with a token and block budget; a small engine | about 40 min | about 85 min |
 # | 06 · from fit to serve | does fitting in memory mean serving fast? | a serving simulator: occupancy, reuse, latency | about 35 min | about 90 min |
 # | C1 · your own engine (the capstone) | do my pieces make an engine? | your `decode_step`, `Pager`, `cached_tokens` and `plan_step` serving the real model, checked against labkit's and transformers' | about 10 min | about 10 min |
+#
+# **Part II · beyond the article.** What changes when one server is not enough.
+#
+# | chapter | question | what you build with `labkit` | reading | exercises |
+# |---|---|---|---|---|
+# | 07 · many replicas | behind a router, is a request's prefix still found? | a cluster of simulated servers behind a router (round-robin, least loaded, session, cache-aware) on Mooncake's conversation trace; a real two-replica run behind vllm-router (optional: `make cluster`) | about 25 min | about 55 min |
+#
+# **The appendices.** Each deepens the chapter it names.
+#
+# | appendix | question | what you build with `labkit` | reading | exercises |
+# |---|---|---|---|---|
 # | A1 · the paged kernels (appendix to 03) | how do the paged kernels walk a block table, and what does a GPU make of them? | the Triton kernels step by step, compiler reports, occupancy, a roofline, split-K | about 35 min | about 20 min |
 # | A2 · vLLM's start-up log (appendix to 02, 06) | what will vLLM print, and why may it refuse to start? | vLLM 0.33.0's KV-cache arithmetic, tensor and pipeline parallelism | about 20 min | about 10 min |
 # | A3 · fewer bytes per token (appendix to 02) | what does an fp8, int8 or int4 cache cost in quality, and what do windows and latent caches save? | a quantized paged cache, its Triton decode, a measurement on the real model | about 35 min | about 60 min |
@@ -47,9 +62,12 @@ roadmap("00");  # the whole map, nothing highlighted
 # | A7 · a model in one file (appendix to 01) | what does a GGUF file hold, and what must a loader undo? | the file's metadata and tensors, a 4-bit block decoded by hand, RoPE's two row orders checked | about 15 min | about 5 min |
 #
 # Read in order, the chapters and the capstone take about 215 minutes to read and run and about 505
-# minutes for their exercises, about 12 hours in all; the appendices take about 200 and 110 minutes more. CONTRIBUTING.md
-# says how these times are estimated.
-# The six chapters follow one article's six sections and build on each other; read them in order.
+# minutes for their exercises, about 12 hours in all; Part II, beyond the article, takes about 25 and
+# 55 minutes more; the appendices take about 200 and 110 minutes more. CONTRIBUTING.md says how these
+# times are estimated.
+#
+# The six chapters of Part I follow one article's six sections and build on each other; read them in
+# order. Part II starts where the article stops and builds on Part I (chapter 07 needs 04 and 06).
 # Each appendix deepens the chapter it names and can be skipped on a first reading.
 
 # %% [markdown]
@@ -84,7 +102,7 @@ roadmap("00");  # the whole map, nothing highlighted
 # - **block table**: one sequence's list of block ids, in the order of its tokens: entry *i* holds
 #   tokens *i* × `block_size` to (*i* + 1) × `block_size` − 1.
 #
-# **Serving** (chapters 04 to 06).
+# **Serving** (chapters 04 to 07).
 #
 # - **hit**: prompt tokens whose K and V are found in the prefix cache and are not computed again;
 #   only full blocks hit, and never the prompt's last token, which is computed to give the first
@@ -102,6 +120,10 @@ roadmap("00");  # the whole map, nothing highlighted
 #   output tokens − 1); every request weighs the same (chapter 06).
 # - **ITL**, inter-token latency: each interval between two consecutive output tokens of a
 #   request, all requests' intervals pooled, so that long answers weigh more (chapter 06).
+# - **replica**: one of several servers of the same model behind one address; each has its own
+#   pool and its own prefix cache, and none reads another's (chapter 07).
+# - **router**: what sends each request to one replica, by a policy: round-robin, least loaded,
+#   or cache-aware (chapter 07).
 #
 # Requests **A, B and C** are chapter 02's three, of 8,192, 4,096 and 2,048 tokens, the sizes the
 # article reasons with. Elsewhere letters name the requests of one example only (chapter 04's A and
@@ -251,8 +273,9 @@ ex.check("Warm-up", bytes_per_gib, hint="1 GiB = 1,024 MiB, 1 MiB = 1,024 KiB, 1
 # %% [markdown]
 # ## Summary
 #
-# - The book is six chapters, one per section of the article, and appendices that deepen them;
-#   each is a notebook built on `labkit`.
+# - The book is six chapters, one per section of the article, and a capstone (Part I); chapters
+#   that go beyond the article (Part II); and appendices that deepen them. Each is a notebook built
+#   on `labkit`.
 # - Each word of the glossary above has one meaning in every chapter.
 # - `import labkit` picks the device and, without a GPU, runs Triton kernels in the interpreter.
 # - Exercises have checkers; worked answers live in `solutions/`.

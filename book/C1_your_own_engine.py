@@ -264,4 +264,5 @@ ex.quiz(quiz)
 # - Say which decision of an engine each piece makes, and where the engine asks for it.
 # - Find a wrong piece by the first step and request where it differs from a reference.
 #
-# Part II goes past one engine: many replicas, and a cache that moves.
+# Part II goes past one engine: [chapter 07](07_many_replicas.ipynb) puts many replicas behind a router, and
+# then the cache itself moves.

@@ -3,9 +3,9 @@
 Read it top to bottom: each layer imports only the layers above it in this table, never one below
 (``tests/test_architecture.py`` holds that, lazy imports included).
 
-=================  ==================================================================  ===============
+=================  ==================================================================  ==================
 subpackage         what it holds                                                       chapters
-=================  ==================================================================  ===============
+=================  ==================================================================  ==================
 ``checks``,        argument checks that name the parameter; byte sizes in binary       all
 ``units``          units (two modules, not packages: everything uses them)
 ``model``          the decoder (``decoder``), real weights from a GGUF file or a       01, capstone
@@ -25,16 +25,18 @@ subpackage         what it holds                                                
 ``caches``         caches that hold tensors: contiguous (``contiguous``), paged        01, 03, 04, A3
                    (``paged``), prefix-cached (``prefix_cached``); what a quantized
                    cache costs in quality (``quant_quality``)
-``serving``        a request, a step, the scheduler and the engine; the scheduler's    05, 06, A5, A6
+``serving``        a request, a step, the scheduler and the engine; the scheduler's    05, 06, 07, A5, A6
                    variants (``variants``: forking, priority, reservation); the
-                   simulator and its calibration on a real engine (``sim``)
-``vllm_bridge``    vLLM beside the book: its start-up predicted (``predict``), the     A2, A4, A5
+                   simulator, its calibration on a real engine and Mooncake's trace
+                   (``sim``); many replicas behind a router (``cluster``)
+``vllm_bridge``    vLLM beside the book: its start-up predicted (``predict``), the     A2, A4, A5, 07
                    real one run in its own environment (``real``, ``driver``), the
                    record of its runs (``record``), one workload through both
-                   engines (``compare``)
+                   engines (``compare``), two replicas behind ``vllm-router``
+                   (``cluster``)
 ``teaching``       the book's side only, on top of everything: exercise checkers,      all
                    hidden cases, quizzes, answers, excerpts, diagrams, widgets
-=================  ==================================================================  ===============
+=================  ==================================================================  ==================
 
 Importing labkit decides where kernels run (``labkit.kernels.device``): on a CUDA GPU Triton
 compiles them; without one it switches on Triton's interpreter *before* any kernel is defined, and

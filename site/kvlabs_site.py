@@ -8,7 +8,9 @@ extension does the three things that the stock tools do not:
   copied to ``site/chapters/`` and ``site/solutions/`` (ignored by git) before Sphinx looks for
   documents. A notebook is copied only when its bytes changed, so Sphinx rebuilds only the pages
   that changed, and a copy whose notebook is gone is removed. The table of contents globs these
-  folders, so a new chapter (``chapters/A1_*.ipynb``, say) appears without editing the site.
+  folders part by part (``index.md``: Part I, ``0[0-6]_*`` and the capstone ``C*``; Part II,
+  ``0[7-9]_*``; the appendices, ``A*``), so a new chapter (``chapters/A8_*.ipynb``, say) appears
+  in its part without editing the site.
 * **Widgets.** A widget needs a live kernel. The notebooks store a widget output as a bare model
   id (``application/vnd.jupyter.widget-view+json``), which a static page would show as an empty
   box. Each such output becomes a note that the live widget runs in JupyterLab, Binder or Colab;

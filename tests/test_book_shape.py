@@ -38,7 +38,7 @@ def test_prose_words_counts_markdown_only(tmp_path):
 
 def test_there_are_chapters_and_appendices():
     names = {p.stem[:2] for p in NOTEBOOKS}
-    assert {"00", "01", "02", "03", "04", "05", "06", "A1", "A2"} <= names
+    assert {"00", "01", "02", "03", "04", "05", "06", "07", "A1", "A2", "C1"} <= names
 
 
 @pytest.mark.parametrize("notebook", NOTEBOOKS, ids=lambda p: p.stem)
@@ -129,17 +129,25 @@ def test_the_time_method_tells_the_kinds_of_exercise_apart():
 
 def test_start_here_states_every_notebooks_time_and_their_sum():
     """00's map gives each chapter's and appendix's reading and exercise time as its opener states them,
-    and the sums."""
+    and the sums of each part: Part I (the chapters and the capstone), Part II and the appendices."""
     start = (ROOT / "book" / "00_start_here.py").read_text()
     rows = {k: (int(r), int(e)) for k, r, e in
             re.findall(r"^# \| ([0-9A-Z]\d) · .*\| about (\d+) min \| about (\d+) min \|$", start, re.M)}
     stated = {p.stem[:2]: tuple(map(int, m.groups())) for p in SOURCES
               if (m := _stated_time(p))}
     assert rows == stated and len(rows) == len(SOURCES)
-    part = {"0": "0", "C": "0", "A": "A"}  # the capstone closes Part I: it counts with the chapters
-    read = {p: sum(v[0] for k, v in stated.items() if part[k[0]] == p) for p in "0A"}
-    work = {p: sum(v[1] for k, v in stated.items() if part[k[0]] == p) for p in "0A"}
+    part_of = _time_estimate().part_of  # the capstone closes Part I: it counts with the chapters
+    assert {part_of(k) for k in stated} == {"I", "II", "A"}
+    read = {p: sum(v[0] for k, v in stated.items() if part_of(k) == p) for p in ("I", "II", "A")}
+    work = {p: sum(v[1] for k, v in stated.items() if part_of(k) == p) for p in ("I", "II", "A")}
     prose = " ".join(start.replace("# ", "").split())
-    assert (f"the chapters and the capstone take about {read['0']} minutes to read and run and about {work['0']} "
-            f"minutes for their exercises, about {round((read['0'] + work['0']) / 60)} hours in all") in prose
+    assert (f"the chapters and the capstone take about {read['I']} minutes to read and run and about {work['I']} "
+            f"minutes for their exercises, about {round((read['I'] + work['I']) / 60)} hours in all") in prose
+    assert f"Part II, beyond the article, takes about {read['II']} and {work['II']} minutes more" in prose
     assert f"the appendices take about {read['A']} and {work['A']} minutes more" in prose
+    # each part has its own table, in the book's order, and every row sits under its part's heading
+    headings = [m.start() for m in re.finditer(r"^# \*\*(Part I · |Part II · |The appendices)", start, re.M)]
+    assert len(headings) == 3 and headings == sorted(headings), "00's map: Part I, Part II, the appendices"
+    for key in rows:
+        at = re.search(rf"^# \| {key} · ", start, re.M).start()
+        assert sum(at > h for h in headings) == {"I": 1, "II": 2, "A": 3}[part_of(key)], key

@@ -27,13 +27,15 @@ def test_the_roadmap_lights_exactly_the_chapters_parts():
     import pytest
     from matplotlib.colors import to_rgba
 
-    from labkit.teaching.diagrams import HIGHLIGHT_COLOUR, ROADMAP_CHAPTERS, ROADMAP_PARTS, roadmap
+    from labkit.teaching.diagrams import HIGHLIGHT_COLOUR, ROADMAP_CHAPTERS, ROADMAP_PARTS, book_part, roadmap
 
-    assert {f"0{i}" for i in range(1, 7)} | {f"A{i}" for i in range(1, 8)} | {"C1"} == set(ROADMAP_CHAPTERS)
+    assert {f"0{i}" for i in range(1, 8)} | {f"A{i}" for i in range(1, 8)} | {"C1"} == set(ROADMAP_CHAPTERS)
     for chapter, (name, parts) in ROADMAP_CHAPTERS.items():
         fig = roadmap(chapter)
         boxes = {p.get_gid(): p for p in fig.axes[0].patches if p.get_gid()}
-        assert set(boxes) == set(ROADMAP_PARTS), chapter
+        # Part I and its appendices stay inside the article's one server; Part II draws the router in front
+        drawn = set(ROADMAP_PARTS) - (set() if book_part(chapter) == "II" else {"router"})
+        assert set(boxes) == drawn, chapter
         lit = {gid for gid, box in boxes.items() if box.get_facecolor()[:3] == to_rgba(HIGHLIGHT_COLOUR)[:3]}
         assert lit == set(parts) and lit, chapter
         assert name in fig.axes[0].get_title() and chapter in fig.axes[0].get_title()
@@ -44,7 +46,7 @@ def test_the_roadmap_lights_exactly_the_chapters_parts():
         plt.close(fig)
     # every part of the pipeline is some chapter's subject
     assert set().union(*(p for _, p in ROADMAP_CHAPTERS.values())) == set(ROADMAP_PARTS)
-    for bad in ["07", "3", 3, None, "A8"]:
+    for bad in ["08", "3", 3, None, "A8"]:
         with pytest.raises(ValueError, match="chapter must be one of"):
             roadmap(bad)
     # 00 draws the whole map: every part with its chapters, none highlighted
@@ -54,3 +56,27 @@ def test_the_roadmap_lights_exactly_the_chapters_parts():
     assert not any(box.get_facecolor()[:3] == to_rgba(HIGHLIGHT_COLOUR)[:3] for box in boxes.values())
     assert "00" not in " ".join(t.get_text() for t in fig.axes[0].texts)
     plt.close(fig)
+
+
+def test_the_book_has_two_parts_and_appendices():
+    """Part I follows the article (01 to 06, closed by the capstone C1); Part II (07 on) goes beyond it,
+    and its roadmap puts the router in front of N replicas, each with its own pool and prefix cache."""
+    import matplotlib.pyplot as plt
+    import pytest
+
+    from labkit.teaching.diagrams import ROADMAP_CHAPTERS, book_part, roadmap
+
+    parts = {c: book_part(c) for c in ("00", *ROADMAP_CHAPTERS)}
+    assert {c for c, p in parts.items() if p == "I"} == {"00", "01", "02", "03", "04", "05", "06", "C1"}
+    assert {c for c, p in parts.items() if p == "II"} == {"07"}
+    assert {c for c, p in parts.items() if p == "A"} == {f"A{i}" for i in range(1, 8)}
+    with pytest.raises(ValueError, match="chapter must be one of"):
+        book_part("08")
+    for chapter in ("07", "00"):
+        fig = roadmap(chapter)
+        texts = [t.get_text() for t in fig.axes[0].texts]
+        assert "router: which replica" in texts and "replica 1" in texts and "replica N−1" in texts
+        assert any("its own pool and its own prefix cache" in t for t in texts)
+        plt.close(fig)
+    assert "beyond the article" in roadmap("07").axes[0].get_title()
+    plt.close("all")

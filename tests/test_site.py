@@ -123,6 +123,39 @@ def test_pages_workflow_runs_make_site_and_readme_links_its_address():
     assert f"**Read online:** <https://{owner}.github.io/{name}/>" in (ROOT / "README.md").read_text()
 
 
+def _toctrees(page: Path) -> list[tuple[str, list[str]]]:
+    """Each toctree of a MyST page: its caption and its entries, in order."""
+    trees = re.findall(r"^```\{toctree\}\n(.*?)^```$", page.read_text(), re.M | re.S)
+    found = []
+    for body in trees:
+        caption = re.search(r"^:caption: (.+)$", body, re.M)
+        entries = [line.strip() for line in body.splitlines() if line.strip() and not line.startswith(":")]
+        found.append((caption.group(1) if caption else "", entries))
+    return found
+
+
+@pytest.mark.parametrize("page, side", [("index.md", "chapters"), ("solutions.md", "solutions")])
+def test_site_lists_the_notebooks_part_by_part(page, side):
+    """The contents go Part I (the chapters of the article and the capstone), Part II (beyond the article),
+    the appendices, each notebook under its part (``labkit.teaching.diagrams.book_part``) exactly once."""
+    from fnmatch import fnmatchcase
+
+    from labkit.teaching.diagrams import BOOK_PARTS, book_part
+
+    trees = [(caption, entries) for caption, entries in _toctrees(ROOT / "site" / page)
+             if all(e.startswith(f"{side}/") for e in entries)]
+    assert [c for c, _ in trees] == ["Part I · the article", "Part II · beyond the article", "Appendices"]
+    assert [c for c, _ in trees][:2] == [BOOK_PARTS["I"], BOOK_PARTS["II"]]
+    for notebook in sorted((ROOT / side).glob("*.ipynb")):
+        doc = f"{side}/{notebook.stem}"
+        (under,) = [i for i, (_, entries) in enumerate(trees) if any(fnmatchcase(doc, e) for e in entries)]
+        assert under == ["I", "II", "A"].index(book_part(notebook.stem[:2])), doc
+    # every pattern finds a notebook: Sphinx warns about one that matches nothing, and `make site` fails on it
+    for _, entries in trees:
+        for entry in entries:
+            assert any(fnmatchcase(f"{side}/{p.stem}", entry) for p in (ROOT / side).glob("*.ipynb")), entry
+
+
 @pytest.mark.browser  # builds the site: left out of `make test-fast`, as the browser tests are
 def test_site_has_a_page_per_notebook_and_lists_every_chapter(site):
     index = (site / "index.html").read_text()

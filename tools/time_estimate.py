@@ -1,7 +1,9 @@
 """How long a notebook takes: reading time and exercise time, estimated apart (CONTRIBUTING.md, "Time").
 
 Run ``python tools/time_estimate.py`` after regenerating the notebooks: it prints, for every notebook of
-``chapters/``, the two numbers its opener must state and the sums 00's map states. tests/test_book_shape.py
+``chapters/``, the two numbers its opener must state and the sums 00's map states, part by part: Part I
+(the article's chapters and the capstone), Part II (beyond the article) and the appendices, as
+``labkit.teaching.diagrams.book_part`` tells them apart. tests/test_book_shape.py
 holds the openers and the map to these numbers.
 
 Reading: the prose at 200 words a minute (words counted as tests/test_book_shape.py counts them) plus the
@@ -61,6 +63,18 @@ def exercise_minutes(source: Path) -> int:
     return _up_to_5(total + QUIZ_QUESTION * len(QUIZZES.get(source.stem, [])))
 
 
+#: The parts 00's map sums apart, in its order: (the words it names them by, the key ``part_of`` gives).
+PARTS = (("chapters and the capstone", "I"), ("Part II", "II"), ("appendices", "A"))
+
+
+def part_of(key: str) -> str:
+    """The part a notebook counts with: "I" (chapters 01 to 06 and the capstone C1, which closes Part I),
+    "II" (chapter 07 on, beyond the article) or "A" (the appendices); ``key`` is its first two characters."""
+    from labkit.teaching.diagrams import book_part
+
+    return book_part(key)
+
+
 def estimates() -> dict[str, tuple[int, int]]:
     """``{"01": (reading, exercises), ...}`` for every notebook of chapters/."""
     return {nb.stem[:2]: (reading_minutes(nb), exercise_minutes(ROOT / "book" / f"{nb.stem}.py"))
@@ -69,8 +83,8 @@ def estimates() -> dict[str, tuple[int, int]]:
 
 def main() -> None:
     found = estimates()
-    for part, first in (("chapters and the capstone", "0C"), ("appendices", "A")):
-        rows = {k: v for k, v in found.items() if k[0] in first}
+    for part, key in PARTS:
+        rows = {k: v for k, v in found.items() if part_of(k) == key}
         for key, (read, work) in rows.items():
             print(f"{key}: about {read} minutes to read and run, about {work} minutes for the exercises")
         rows.pop("00", None)  # 00's map sums the chapters after it

@@ -91,8 +91,9 @@ def prefill_decode_diagram(prompt_tokens: list[int], decode_tokens: list[int], n
 HIGHLIGHT_COLOUR, OTHER_COLOUR = "#dd8452", "#eeeeee"
 
 #: The parts of the roadmap, in drawing order: the article's Fig. 1 (prompt tokens -> prefill ->
-#: KV blocks -> decode & append), the scheduler that chooses each step's work (§05), and the
-#: server that holds it all on a device (§06).
+#: KV blocks -> decode & append), the scheduler that chooses each step's work (§05), the server that
+#: holds it all on a device (§06), and, beyond the article (Part II), the router that sends each
+#: request to one of N such servers, each with its own pool and prefix cache (07).
 ROADMAP_PARTS = {
     "prompt": "prompt tokens",
     "prefill": "prefill",
@@ -100,6 +101,7 @@ ROADMAP_PARTS = {
     "decode": "decode & append",
     "scheduler": "scheduler: who runs this step",
     "server": "server on a device: pool, latency",
+    "router": "router: which replica",
 }
 
 #: What each chapter and appendix is about, and which parts of the roadmap it works on.
@@ -110,6 +112,7 @@ ROADMAP_CHAPTERS: dict[str, tuple[str, tuple[str, ...]]] = {
     "04": ("which prefixes can be shared", ("prompt", "prefill", "cache")),
     "05": ("capacity in the scheduler", ("scheduler",)),
     "06": ("from fitting to serving", ("server",)),
+    "07": ("many replicas behind a router", ("router", "cache")),
     "A1": ("the paged kernels (appendix to 03)", ("prefill", "decode")),
     "A2": ("vLLM's start-up log (appendix to 02, 06)", ("cache", "server")),
     "A3": ("fewer bytes per token (appendix to 02)", ("cache",)),
@@ -119,6 +122,30 @@ ROADMAP_CHAPTERS: dict[str, tuple[str, tuple[str, ...]]] = {
     "A7": ("a model in one file (appendix to 01)", ("prefill", "decode")),
     "C1": ("your own engine (the capstone of 01 to 06)", ("prefill", "cache", "decode", "scheduler")),
 }
+
+#: The book's parts. Part I follows the article (chapters 01 to 06, closed by the capstone C1);
+#: Part II goes beyond it (chapter 07 on); each appendix deepens a chapter.
+BOOK_PARTS = {"I": "Part I · the article", "II": "Part II · beyond the article", "A": "the appendices"}
+PART_TWO_FROM = 7  #: the first chapter of Part II
+
+
+def book_part(chapter: str) -> str:
+    """The part ``chapter`` belongs to: "I", "II" or "A" (the keys of ``BOOK_PARTS``).
+
+    ``chapter``: a key of ``ROADMAP_CHAPTERS``, or "00" (the start page, which opens Part I).
+    """
+    check_choice("chapter", chapter, ("00", *ROADMAP_CHAPTERS))
+    if chapter[0] in "AC":  # the capstone closes Part I
+        return "A" if chapter[0] == "A" else "I"
+    return "II" if int(chapter) >= PART_TWO_FROM else "I"
+
+
+def _drawn_parts(chapter: str) -> tuple[str, ...]:
+    """The parts ``chapter``'s roadmap draws: the router and its replicas only on the whole map
+    ("00") and in Part II; Part I and its appendices stay inside the article's one server."""
+    if chapter == "00" or book_part(chapter) == "II":
+        return tuple(ROADMAP_PARTS)
+    return tuple(p for p in ROADMAP_PARTS if p != "router")
 
 
 def _box(ax, part: str, x: float, y: float, w: float, h: float, chapter: str, *, frame: bool = False) -> None:
@@ -152,11 +179,23 @@ def roadmap(chapter: str):
     latencies (chapter 06). Under each part (at the top right of a frame) are the chapters and
     appendices that work on it.
 
-    ``chapter``: "01" to "06", "A1" to "A7" or "C1" (the capstone), or "00" for the whole map with nothing highlighted.
-    Returns the figure.
+    Part II goes beyond the article, and its figures (and the whole map, "00") draw where it goes:
+    a *router* in front of N copies of that server, the *replicas*, each with its own pool and its
+    own prefix cache (chapter 07). Part I's figures stay inside the one server.
+
+    ``chapter``: "01" to "07", "A1" to "A7" or "C1" (the capstone), or "00" for the whole map with
+    nothing highlighted. Returns the figure.
     """
     check_choice("chapter", chapter, ("00", *ROADMAP_CHAPTERS))
-    fig, ax = plt.subplots(figsize=(9, 3.2))
+    cluster = "router" in _drawn_parts(chapter)
+    fig, ax = plt.subplots(figsize=(11.6, 4.0) if cluster else (9, 3.2))
+    if cluster:  # replicas 1 to N-1 behind replica 0, each a server with its own pool and prefix cache
+        for k, label in ((2, "replica N−1"), (1, "replica 1")):
+            ax.add_patch(FancyBboxPatch((0.3 * k, 0.3 * k), 10.0, 3.3, boxstyle="round,pad=0.02,rounding_size=0.08",
+                                        fc="white", ec="0.55", lw=0.8, ls="--"))
+            ax.text(0.3 * k + 9.85, 0.3 * k + 3.15, label, ha="right", va="center", fontsize=7, color="0.35")
+        ax.text(1.0, 3.95, "N replicas, each with its own pool and its own prefix cache", ha="left",
+                va="bottom", fontsize=8, color="0.35")
     _box(ax, "server", 0.0, 0.0, 10.0, 3.3, chapter, frame=True)
     _box(ax, "scheduler", 0.25, 0.2, 9.5, 2.65, chapter, frame=True)
     stages = [("prompt", 0.5), ("prefill", 2.75), ("cache", 5.0), ("decode", 7.75)]
@@ -167,14 +206,28 @@ def roadmap(chapter: str):
     ax.text(7.25, 1.56, "read all", ha="center", va="bottom", fontsize=7.5)
     _arrow(ax, (7.7, 1.12), (6.8, 1.12))  # decode writes its token's K and V back into the blocks
     ax.text(7.25, 1.06, "append 1", ha="center", va="top", fontsize=7.5)
-    ax.set_xlim(-0.1, 10.1)
-    ax.set_ylim(-0.1, 3.4)
+    if cluster:  # the router, in front: each request goes to one replica, and finds only that one's cache
+        _box(ax, "router", -2.6, 1.05, 1.9, 1.2, chapter)
+        _arrow(ax, (-3.5, 1.65), (-2.65, 1.65))
+        ax.text(-3.45, 1.72, "requests", ha="left", va="bottom", fontsize=7.5)
+        for k, (y0, y1) in enumerate(((1.65, 1.65), (2.0, 3.45), (2.2, 3.75))):
+            _arrow(ax, (-0.65, y0), (0.3 * k - 0.05, y1))
+        ax.text(-1.65, 0.75, "each request to one\nreplica: only its cache\ncan hold the prefix", ha="center",
+                va="top", fontsize=7.5)
+        ax.set_xlim(-3.6, 10.7)
+        ax.set_ylim(-0.1, 4.25)
+    else:
+        ax.set_xlim(-0.1, 10.1)
+        ax.set_ylim(-0.1, 3.4)
     ax.axis("off")
     if chapter == "00":
-        ax.set_title("The book on one figure: the article's pipeline, and the chapters on each part", fontsize=10)
+        ax.set_title("The book on one figure: the article's pipeline, the chapters on each part, and "
+                     "Part II's router in front of N replicas", fontsize=10)
     else:
         name, _ = ROADMAP_CHAPTERS[chapter]
         kind = {"A": "Appendix", "C": "Capstone"}.get(chapter[0], "Chapter")
-        ax.set_title(f"{kind} {chapter} · {name}: its part of the article's pipeline, highlighted", fontsize=10)
+        where = ("beyond the article's pipeline, its parts highlighted" if cluster
+                 else "its part of the article's pipeline, highlighted")
+        ax.set_title(f"{kind} {chapter} · {name}: {where}", fontsize=10)
     fig.tight_layout()
     return fig

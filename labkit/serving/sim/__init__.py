@@ -1,4 +1,4 @@
-"""The serving simulator, and the simulator checked against a real engine (chapter 06, appendix A6).
+"""The serving simulator, and the simulator checked against a real engine (chapters 06, 07, appendix A6).
 
 * ``workloads``: request lengths, shared prefixes, Poisson arrivals; A6's chat requests;
 * ``costmodel``: a roofline cost model of one step, and device presets;
@@ -7,5 +7,7 @@
 * ``skipahead``: many pure-decode steps at once, with the same decisions;
 * ``percentiles``: the one definition of a latency percentile;
 * ``measure``, ``fit``, ``realtime``: measured engine steps, the cost model fitted to them, and the
-  engine serving on the wall clock to test the fit.
+  engine serving on the wall clock to test the fit;
+* ``mooncake``: Mooncake's public conversation trace read into requests (chapter 07), and one LRU
+  cache's hit rate against its capacity beside the paper's Fig. 9.
 """
