@@ -642,7 +642,7 @@ CASES: list[tuple[str, Any, tuple, dict, type, str]] = [
     # issue 22: the book's figure and excerpt helpers
     ("diagram empty prompt", diagrams.prefill_decode_diagram, ([], [1], 2), {}, ValueError, "prompt_tokens"),
     ("diagram num_layers", diagrams.prefill_decode_diagram, ([1], [1], 0), {}, ValueError, "num_layers"),
-    ("roadmap chapter", diagrams.roadmap, ("07",), {}, ValueError, "chapter"),
+    ("roadmap chapter", diagrams.roadmap, ("08",), {}, ValueError, "chapter"),
     ("excerpt first marker gone", excerpts.excerpt, (blocks.blocks_needed, "no such line"), {}, ValueError, "first"),
     ("excerpt last marker gone", excerpts.excerpt, (blocks.blocks_needed, "def", "no such line"), {}, ValueError, "last"),
     # issue 29: vLLM on a CPU, the pinned fit, the real vLLM's settings
