@@ -194,7 +194,7 @@ def test_cache_aware_beats_round_robin_on_the_trace():
     specs = read_mooncake_trace(one_in=40, time_scale=0.5)
     settings = dict(cost_model=CostModel("Llama-3-8B", "A100 80GB SXM"), pool_bytes=16 * 2 ** 30, block_size=512,
                     max_num_batched_tokens=8192)
-    for n in (2, 4):
+    for n in (2,):  # and 1 to 16 replicas in the committed sweep, one row of which the next test reruns
         rr = simulate(specs, n, "round_robin", **settings)
         ca = simulate(specs, n, "cache_aware", router_settings={"block_size": 512}, **settings)
         assert ca.hit_rate > rr.hit_rate + 0.1, (n, ca.hit_rate, rr.hit_rate)

@@ -133,18 +133,18 @@ def simulate(requests: Sequence[RequestSpec], replicas: int = 1, router: str | R
     order = check_requests(specs, runs[0].sched)  # every one fits a server, checked before any is served
     chosen.reset(replicas)
     assignment = np.empty(len(order), dtype=np.int64)
-    for k, spec in enumerate(order):
+    for k, (spec, request) in enumerate(order):
         for run in runs:
             run.advance(until=spec.arrival_time)
         i = chosen.choose(spec, [run.load for run in runs])
         if type(i) is not int or not 0 <= i < replicas:
             raise ValueError(f"router {chosen!r} chose {i!r}, not a replica in [0, {replicas - 1}]")
-        runs[i].add(spec)
+        runs[i].add(spec, request)
         assignment[k] = i
     for run in runs:
         run.advance(until=math.inf)
     results = [run.result() for run in runs]
     stats = [run.sched.prefix_cache.stats for run in runs]
-    return ClusterResult(results, assignment, np.array([s.request_id for s in order]),
+    return ClusterResult(results, assignment, np.array([s.request_id for s, _ in order]),
                          np.array([s.hits for s in stats], dtype=np.int64),
                          np.array([s.queries for s in stats], dtype=np.int64), chosen)

@@ -244,8 +244,8 @@ class Simulator:
         """Serve ``requests`` (arriving at their ``arrival_time``) to completion."""
         check_flag("progress", progress)
         run = SimRun(self, progress, total=len(requests) if hasattr(requests, "__len__") else None)
-        for spec in check_requests(requests, run.sched):
-            run.add(spec)
+        for spec, request in check_requests(requests, run.sched):
+            run.add(spec, request)
         run.advance()
         if run.bar is not None:
             run.bar.close()
@@ -273,8 +273,8 @@ def _output_ids(index: int, position: int, n: int) -> range:
     return range(_output_id(index, position), _output_id(index, position + n))
 
 
-def check_requests(specs: Sequence[RequestSpec], sched: Scheduler) -> list[RequestSpec]:
-    """``specs`` sorted by arrival (ties by ``request_id``), every one checked before any is served."""
+def check_requests(specs: Sequence[RequestSpec], sched: Scheduler) -> list[tuple[RequestSpec, Request]]:
+    """``(spec, its Request)`` sorted by arrival (ties by ``request_id``), every one checked before any is served."""
     if isinstance(specs, (str, bytes)) or not hasattr(specs, "__len__") or len(specs) == 0:
         raise ValueError("requests must be a list of at least one RequestSpec")
     bad = next((s for s in specs if not isinstance(s, RequestSpec)), None)
@@ -282,9 +282,7 @@ def check_requests(specs: Sequence[RequestSpec], sched: Scheduler) -> list[Reque
         raise ValueError(f"requests must hold RequestSpec objects, got {type(bad).__name__}")
     if len({s.request_id for s in specs}) != len(specs):
         raise ValueError("requests must have distinct request_id values")
-    for spec in specs:
-        _check_spec(spec, sched)
-    return sorted(specs, key=lambda s: (s.arrival_time, s.request_id))
+    return sorted(((s, _check_spec(s, sched)) for s in specs), key=lambda p: (p[0].arrival_time, p[0].request_id))
 
 
 def _check_spec(spec: RequestSpec, sched: Scheduler) -> Request:
@@ -327,9 +325,11 @@ class SimRun:
         """Requests given to this server and not finished: what a router counts as its load."""
         return len(self.specs) - self.num_finished
 
-    def add(self, spec: RequestSpec) -> None:
-        """Queue a request (in arrival order); it joins the scheduler at its arrival or the end of the step then."""
-        request = _check_spec(spec, self.sched)
+    def add(self, spec: RequestSpec, request: Request | None = None) -> None:
+        """Queue a request (in arrival order); it joins the scheduler at its arrival or the end of the step then.
+        ``request``: the spec's ``Request`` where ``check_requests`` made it (else it is made and checked here)."""
+        ok = isinstance(request, Request) and request.request_id == spec.request_id and not request.output_token_ids
+        request = request if ok else _check_spec(spec, self.sched)
         if self.specs and spec.arrival_time < self.specs[-1].arrival_time:
             raise ValueError(f"requests must be added in arrival order: {spec.arrival_time} after "
                              f"{self.specs[-1].arrival_time}")
