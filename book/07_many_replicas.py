@@ -64,7 +64,7 @@ from labkit.teaching.results import committed_result
 print(labkit.describe())
 
 # %% [markdown]
-# ## Four conversations, two replicas
+# ## Three conversations, two replicas
 #
 # A small case first, small enough to read request by request. Three conversations each ask four
 # questions about a document of their own; every prompt starts with the same system prompt (64
@@ -130,13 +130,14 @@ print(f"{len(trace):,} requests over {hours * 60:.0f} minutes: {len(trace) / (ho
 print(f"prompt tokens in blocks an earlier request had: {reused.sum() / inputs.sum():.1%}")
 first_ids = np.array([r.hash_ids[0] for r in trace])
 print(f"requests whose first block is block 0: {np.mean(first_ids == 0):.0%}")
+assert np.all(first_ids == 0)
 assert len(trace) == 12031 and round(inputs.mean()) == 12035 and 0.37 < reused.sum() / inputs.sum() < 0.38
 
 # %% [markdown]
 # Prompts are long (twelve thousand tokens on average) and over a third of their tokens were seen
 # before: a cache that forgot nothing would skip that much prefill. Most of it is conversations
-# coming back: a later turn repeats the conversation so far. Block 0, the service's system
-# prompt, opens most requests.
+# coming back: a later turn repeats the conversation so far. One block, block 0, opens every
+# request (most likely the service's system prompt; the trace does not say).
 #
 # ## Reproduce before building: the paper's Fig. 9
 #
@@ -171,9 +172,8 @@ plt.show()
 # The curves have the same shape: little below a million tokens, the climb between one and fifty
 # million, flat beyond. labkit's sits about 0.03 lower everywhere, 0.373 against 0.403 at the top.
 # The top is reuse that needs no eviction at all, so the gap is in the requests, not in the cache
-# rules: the released file is a sample of the hour, and a sample loses some of a conversation's
-# turns. (Counting blocks instead of tokens, or dropping the last-token rule, moves labkit's curve
-# by under 0.01.) The paper's point survives: a cache of 3 million tokens, the DRAM of one of its
+# rules: most likely the released file, a sample of the hour, lost some of its conversations'
+# turns (the paper does not say which requests its figure used). The paper's point survives: a cache of 3 million tokens, the DRAM of one of its
 # nodes, keeps well under half of the reuse (labkit 39%, the paper 41%), which is why Mooncake pools
 # many nodes' memory.
 #
@@ -341,15 +341,19 @@ for name, run in record["policies"].items():
     measured[name] = h / q
     where = {c: [x["replica"] for x in sorted(run["requests"], key=lambda x: x["turn"]) if x["conversation"] == c]
              for c in range(4)}
-    print(f"{name:<12} hit rate {h / q:.3f} ({h:,.0f} of {q:,.0f} prompt tokens); replicas by conversation {where}")
+    lost = sum(x["turn"] > 0 and x["cached_tokens"] <= 64 for x in run["requests"])  # the system prompt only
+    print(f"{name:<12} hit rate {h / q:.3f} ({h:,.0f} of {q:,.0f} prompt tokens); replicas by conversation {where}; "
+          f"later turns that found only the system prompt: {lost}")
+    measured[name, "lost"] = lost
 assert measured["cache_aware"] > measured["round_robin"]
+assert measured["cache_aware", "lost"] == 0 and measured["round_robin", "lost"] == 3
 
 # %% [markdown]
 # The real router behaves as the rule says: with `cache_aware`, each conversation stays on one
-# replica for all four turns, and every later turn finds its whole earlier prompt. With
-# `round_robin`, three conversations lose their history on one turn each and find only the
-# system prompt. Four conversations in step on two replicas is kind to round-robin: alternating
-# sends often put a conversation back where it was.
+# replica for all four turns, and every later turn finds its earlier prompt. With `round_robin`,
+# three later turns land away from their conversation and find only the system prompt (64
+# tokens). Four conversations in step on two replicas is kind to round-robin: alternating sends
+# often put a conversation back where it was.
 #
 # **labkit's prediction beside it.** `labkit.vllm_bridge.cluster_compare` replays the record's
 # requests (their token ids, sent at their recorded times) through `simulate` on two replicas with
@@ -397,7 +401,8 @@ for line in DIFFERENCES:
 # - The real `vllm-router`, on two real vLLM replicas here, found what labkit's model predicted, hit
 #   for hit.
 #
-# Next, chapter 08 moves the cache itself: to a second tier, and between machines.
+# Part II goes on, in a chapter still to come, to moving the cache itself: to a second tier, and
+# between machines.
 #
 # ## Exercises
 
