@@ -77,7 +77,7 @@ def main() -> None:
                         "seconds": round(time.time() - t0, 1)})
             rows.append(row)
             if n == 4 and router in ("round_robin", "cache_aware"):
-                loads[router] = load_over_time(result)
+                loads[router] = {**load_over_time(result), "per_replica": result.per_replica()}
             print(f"{n:>2} {router:<13} hit {row['hit rate']:.3f}  TTFT p90 {row['TTFT p90 (ms)']:8.0f} ms  "
                   f"imbalance {row['load imbalance']:.2f}  ({row['seconds']} s)", flush=True)
     date = dt.datetime.now(dt.timezone.utc)

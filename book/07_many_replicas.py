@@ -272,7 +272,7 @@ assert all(abs(np.mean([(k - j) % n == 0 for k, j in follow_ups]) - 1 / n) < 0.0
 # system prompt and the conversations that do land back by chance.
 #
 # **Where the load goes.** Hits are not free. At 4 replicas, here is the share of each minute
-# that each replica spent running steps:
+# that each replica spent running steps, and what each replica measured over the half hour:
 
 # %%
 # NBVAL_CHECK_OUTPUT
@@ -287,8 +287,11 @@ axes[0].set_ylabel("busy share of the minute")
 axes[0].legend(fontsize=7, ncol=2)
 plt.show()
 busy = {name: np.array(loads[name]["busy"]).mean(axis=1) for name in ("round_robin", "cache_aware")}
+print(f"{'4 replicas':<24}{'busy':>6}{'requests':>10}{'hit rate':>10}{'TTFT p50':>10}{'TTFT p90':>10}{'ITL p90':>9}")
 for name, shares in busy.items():
-    print(f"{name:<12} busy over the half hour, replica by replica: {', '.join(f'{x:.0%}' for x in shares)}")
+    for row, share in zip(loads[name]["per_replica"], shares):
+        print(f"{name + ', replica ' + str(row['replica']):<24}{share:>6.0%}{row['requests']:>10}{row['hit rate']:>10.3f}"
+              f"{row['TTFT p50 (ms)'] / 1e3:>9.2f}s{row['TTFT p90 (ms)'] / 1e3:>9.2f}s{row['ITL p90 (ms)']:>7.0f}ms")
 assert busy["cache_aware"].max() - busy["cache_aware"].min() > 3 * (busy["round_robin"].max() - busy["round_robin"].min())
 
 # %%

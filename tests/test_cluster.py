@@ -200,6 +200,12 @@ def test_cache_aware_beats_round_robin_on_the_trace():
         assert ca.hit_rate > rr.hit_rate + 0.1, (n, ca.hit_rate, rr.hit_rate)
         assert list(rr.requests_per_replica) == [len(specs) // n + (i < len(specs) % n) for i in range(n)]
         assert rr.hits.sum() <= rr.queries.sum() and rr.queries.sum() == sum(s.prompt_len for s in specs)
+        for result in (rr, ca):  # the per-replica rows add up to the cluster's
+            rows = result.per_replica()
+            assert sum(r["requests"] for r in rows) == len(specs)
+            assert sum(r["share of prefill"] for r in rows) == pytest.approx(1.0)
+            assert [r["hit rate"] for r in rows] == pytest.approx(list(result.hits / result.queries))
+            assert sum(r["output tokens/s"] for r in rows) == pytest.approx(result.output_tokens_per_s)
 
 
 def test_the_committed_sweep_reruns():

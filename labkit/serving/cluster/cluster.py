@@ -104,6 +104,19 @@ class ClusterResult:
         work = np.array([(r.prompt_len - r.hit_tokens).sum() for r in self.replicas], dtype=np.float64)
         return float(work.max() / work.mean()) if work.mean() else 1.0
 
+    def per_replica(self) -> list[dict[str, float]]:
+        """One row per replica: its requests, hit rate, TTFT and ITL p50/p90 (ms), output tokens per second
+        of the cluster's makespan, and its share of the prompt tokens computed (NaN where it served none)."""
+        rows, computed = [], np.array([(r.prompt_len - r.hit_tokens).sum() for r in self.replicas], dtype=np.float64)
+        for i, r in enumerate(self.replicas):
+            ttft, itl = latency_percentiles(r.ttft), latency_percentiles(r.itl, r.itl_weight)
+            rows.append({"replica": i, "requests": len(r.arrival), "hit rate": float(self.replica_hit_rates[i]),
+                         "TTFT p50 (ms)": ttft["p50"] * 1e3, "TTFT p90 (ms)": ttft["p90"] * 1e3,
+                         "ITL p50 (ms)": itl["p50"] * 1e3, "ITL p90 (ms)": itl["p90"] * 1e3,
+                         "output tokens/s": float(r.output_len.sum() / self.makespan),
+                         "share of prefill": float(computed[i] / computed.sum()) if computed.sum() else math.nan})
+        return rows
+
     def summary(self) -> dict[str, float]:
         """The chapter's row: hit rate, TTFT and ITL p50/p90 (ms), throughput, imbalance."""
         ttft, itl = self.ttft_percentiles(), self.itl_percentiles()
