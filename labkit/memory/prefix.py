@@ -114,6 +114,7 @@ class PrefixMatch:
     num_cached_tokens: int
     block_hashes: tuple[str, ...]
     entry_ids: tuple[int, ...] = ()
+    num_external_tokens: int = 0  # found beyond the pool, after its hits (a second tier; vLLM's connector)
 
     @property
     def num_cached_blocks(self) -> int:

@@ -205,7 +205,7 @@ class Scheduler:
                 return
             if self.enable_prefix_caching:
                 hit = self._hits[id(request)] = self.prefix_cache.match(request.all_token_ids, self.cache_key)
-                request.num_computed_tokens = hit.num_cached_tokens
+                request.num_computed_tokens = hit.num_cached_tokens + hit.num_external_tokens
             yield request
             if self.head_of_line and request.status is RequestStatus.WAITING:
                 return  # not admitted: nobody behind it is
@@ -246,9 +246,9 @@ class Scheduler:
             table.block_ids += self.allocator.allocate_many(
                 blocks_needed(self._admission_slots(request, tokens), self.block_size) - len(table.block_ids))
             preempted = request.admit(start)  # the request keeps its first admission's hit, as vLLM counts it
-            self._step.stats.add_hit(start, preempted)
+            self._step.stats.add_hit(hit.num_cached_tokens, preempted)  # the pool's hits; a tier counts its own
             if self.enable_prefix_caching:  # once per admission, as vLLM's record_prefix_cache_stats
-                self.prefix_cache.stats.record(request.num_tokens, start, preempted)
+                self.prefix_cache.stats.record(request.num_tokens, hit.num_cached_tokens, preempted)
             self.waiting.remove(request)
             self.running.append(request)
         chunk_ids, table, stop = request.token_ids(start, start + tokens), request.block_table, start + tokens

@@ -79,6 +79,8 @@ class StepStats:
     num_running: int = 0
     num_waiting: int = 0
     finished: int = 0                  # requests finished by this step (set by postprocess)
+    tier_hit_tokens: int = 0           # tokens loaded from a second tier by requests admitted this step
+    load_s: float = 0.0                # the seconds those loads took (a tiered scheduler sets both)
 
     def add_hit(self, num_hit: int, preempted: bool) -> None:
         """A request admitted this step found ``num_hit`` tokens in the prefix cache; after a preemption

@@ -356,7 +356,7 @@ class SimRun:
             step = sched.schedule()
             if not step.chunks:
                 raise RuntimeError("the scheduler planned nothing although requests are unfinished")
-            end = self.clock + self.cost.time_from_sums(*step_sums(step))
+            end = self.clock + self.cost.time_from_sums(*step_sums(step)) + step.stats.load_s  # a tier's loads
             self._record_step(step, self.clock, end)
             self.clock = end
             if self.sim.skip_ahead:

@@ -1,0 +1,91 @@
+"""Chapter 05's scheduler over a prefix cache with a second tier, and the simulator that times its loads
+(chapter 08).
+
+``TieredScheduler`` changes one thing: after each ``schedule()`` it records, in the step's stats, the
+tokens its admissions loaded from the tier (``tier_hit_tokens``) and the seconds the loads took
+(``load_s``, from ``load_seconds``). The pool's hits are counted as before
+(``prefix_cache.stats``, vLLM's counting); the tier's apart (``prefix_cache.store.stats``), as vLLM
+counts its KV connector's (``vllm/v1/core/sched/scheduler.py``, ``Scheduler.schedule``:
+``connector_prefix_cache_stats``).
+
+Loads here are *synchronous*: the step that admits a request lasts its compute plus its loads. vLLM's
+OffloadingConnector loads asynchronously by default, parking the request (``WAITING_FOR_REMOTE_KVS``)
+while others run; so for a request's own TTFT this is what happens, and for the requests batched with
+it the step time is an upper bound.
+
+``TieredSimulator`` is chapter 06's ``Simulator`` with such a scheduler: a ``Tier`` (bandwidth, latency)
+of ``tier_blocks`` blocks, and the rule of chapter 08: load only when moving the bytes takes less time
+than computing the tokens again inside the step the request needs anyway.
+"""
+
+from __future__ import annotations
+
+from typing import Callable
+
+from ...checks import check_int
+from ...memory.paging import BlockAllocator
+from ...memory.tiered import TieredPrefixCache, TierStore
+from ..scheduler import Scheduler
+from ..sim.simulator import Simulator, _fast_block_hash
+from ..sim.tiers import Tier, reload_seconds
+from ..sim.work import work_sums
+from ..step import Step
+
+__all__ = ["TieredScheduler", "TieredSimulator", "worth_loading_rule"]
+
+
+class TieredScheduler(Scheduler):
+    """A ``Scheduler`` over a ``TieredPrefixCache``; ``load_seconds(tokens)`` prices one admission's load."""
+
+    def __init__(self, *args, load_seconds: Callable[[int], float] = lambda tokens: 0.0, **kwargs):
+        super().__init__(*args, **kwargs)
+        if not isinstance(self.prefix_cache, TieredPrefixCache):
+            raise ValueError("prefix_cache must be a labkit.memory.tiered.TieredPrefixCache")
+        if not callable(load_seconds):
+            raise ValueError("load_seconds must be callable (tokens) -> seconds")
+        self.load_seconds = load_seconds
+
+    def schedule(self) -> Step:
+        step = super().schedule()
+        loads, self.prefix_cache.loads_in_step = self.prefix_cache.loads_in_step, []
+        step.stats.tier_hit_tokens = sum(loads)
+        step.stats.load_s = float(sum(self.load_seconds(n) for n in loads))
+        return step
+
+
+def worth_loading_rule(cost_model, bytes_per_token: float, tier: Tier) -> Callable[[int, int, int], bool]:
+    """Chapter 08's rule as ``worth_loading(cached, external, prompt)``: load the ``external`` tokens found in
+    the tier after ``cached`` pool tokens when moving them takes less time than the extra compute of making
+    them again, in the step that computes the prompt's remaining tokens anyway (at least its last one)."""
+    def step(new: int, context: int) -> float:
+        return cost_model.time_from_sums(*work_sums([(context, new)])) if new else 0.0
+
+    def worth_loading(cached: int, external: int, prompt: int) -> bool:
+        rest = max(1, prompt - cached - external)
+        extra = step(external + rest, cached) - step(rest, cached + external)
+        return reload_seconds(external, bytes_per_token, tier) < extra
+    return worth_loading
+
+
+class TieredSimulator(Simulator):
+    """chapter 06's ``Simulator`` whose pool spills evicted blocks to a ``tier`` of ``tier_blocks`` blocks;
+    a later hit there is loaded (and its time added to the step) when chapter 08's rule says it pays."""
+
+    def __init__(self, cost_model=None, *, tier: Tier, tier_blocks: int, **settings):
+        if not isinstance(tier, Tier):
+            raise ValueError(f"tier must be a labkit.serving.sim.tiers.Tier, got {type(tier).__name__}")
+        self.tier, self.tier_blocks = tier, check_int("tier_blocks", tier_blocks, 1)
+        if settings.get("allocation", "paged") != "paged":
+            raise ValueError("allocation must be 'paged' with a second tier")
+        super().__init__(cost_model, **settings)
+
+    def new_scheduler(self) -> Scheduler:
+        bytes_per_token = self.cost_model.model.shape.block_bytes(self.block_size) / self.block_size
+        cache = TieredPrefixCache(BlockAllocator(self.num_blocks), self.block_size, TierStore(self.tier_blocks),
+                                  worth_loading=worth_loading_rule(self.cost_model, bytes_per_token, self.tier),
+                                  hash_fn=_fast_block_hash)
+        return TieredScheduler(block_size=self.block_size, max_num_batched_tokens=self.max_num_batched_tokens,
+                               max_num_seqs=self.max_num_seqs, enable_prefix_caching=self.enable_prefix_caching,
+                               prefix_cache=cache, full_sequence_must_fit=self.full_sequence_must_fit,
+                               max_model_len=self.max_model_len,
+                               load_seconds=lambda n: reload_seconds(n, bytes_per_token, self.tier))
