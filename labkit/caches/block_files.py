@@ -25,6 +25,7 @@ from pathlib import Path
 import torch
 
 from ..checks import check_int
+from ..memory.tiered import TierLoadError
 from .paged import KVPool
 
 __all__ = ["MAGIC", "BlockFileError", "block_payload_bytes", "write_block", "read_block"]
@@ -32,8 +33,9 @@ __all__ = ["MAGIC", "BlockFileError", "block_payload_bytes", "write_block", "rea
 MAGIC = b"KVBLOCK1"
 
 
-class BlockFileError(RuntimeError):
-    """A block file that cannot be used: the message names the file and why."""
+class BlockFileError(TierLoadError):
+    """A block file that cannot be used: the message names the file and why (a second tier then drops it and
+    the block is computed again)."""
 
 
 def _layout(pool: KVPool) -> dict:
