@@ -28,7 +28,8 @@ from ..checks import check_int
 from ..memory.tiered import TierLoadError
 from .paged import KVPool
 
-__all__ = ["MAGIC", "BlockFileError", "block_payload_bytes", "write_block", "read_block"]
+__all__ = ["MAGIC", "BlockFileError", "block_payload_bytes", "write_block", "read_block", "decode_block",
+           "copy_block"]
 
 MAGIC = b"KVBLOCK1"
 
@@ -45,13 +46,17 @@ def _layout(pool: KVPool) -> dict:
 
 
 def _check(pool: object, block_id: object, name: object) -> None:
+    _check_pool(pool, name)
+    check_int("block_id", block_id, 0)
+    if block_id >= pool.k_caches[0].shape[0]:
+        raise ValueError(f"block_id must be in [0, {pool.k_caches[0].shape[0] - 1}], got {block_id}")
+
+
+def _check_pool(pool: object, name: object) -> None:
     if not isinstance(pool, KVPool):
         raise ValueError(f"pool must be a labkit.caches.paged.KVPool, got {type(pool).__name__}")
     if pool.k_scales[0] is not None:
         raise ValueError("pool must hold unquantized K/V: a quantized pool's scales are not written to block files")
-    check_int("block_id", block_id, 0)
-    if block_id >= pool.k_caches[0].shape[0]:
-        raise ValueError(f"block_id must be in [0, {pool.k_caches[0].shape[0] - 1}], got {block_id}")
     if not isinstance(name, str) or not name:
         raise ValueError(f"name must be the block's name (a non-empty string), got {name!r}")
 
@@ -82,17 +87,29 @@ def read_block(pool: KVPool, block_id: int, name: str, path: str | os.PathLike) 
     pool shaped like this one and that its bytes are the ones written. Returns the payload's bytes. Any
     mismatch raises ``BlockFileError`` (naming the file and the reason) and leaves the pool as it was."""
     _check(pool, block_id, name)
+    parts = decode_block(pool, name, path)
+    copy_block(pool, block_id, parts)
+    return pool.bytes_per_block
+
+
+def decode_block(pool: KVPool, name: str, path: str | os.PathLike, data: bytes | None = None) -> list[torch.Tensor]:
+    """The checked half of ``read_block``: the K/V of block file ``path`` (its bytes ``data`` if the caller read
+    them, else read here), every layer's K then V, each shaped like one pool block, after every check
+    ``read_block`` makes. The pool is not touched: a second tier stages a block this way when a prefix
+    match finds it, and copies it in (``copy_block``) only once the request is admitted."""
+    _check_pool(pool, name)
     path = Path(path)
-    try:
-        data = path.read_bytes()
-    except OSError as err:
-        raise BlockFileError(f"{path}: cannot be read ({err.strerror or err})") from None
+    if data is None:
+        try:
+            data = path.read_bytes()
+        except OSError as err:
+            raise BlockFileError(f"{path}: cannot be read ({err.strerror or err})") from None
     if len(data) < len(MAGIC) + 4 or data[:len(MAGIC)] != MAGIC:
         raise BlockFileError(f"{path}: not a block file (no {MAGIC!r} at its start)")
     (size,) = struct.unpack("<I", data[len(MAGIC):len(MAGIC) + 4])
     start = len(MAGIC) + 4 + size
     try:
-        header = json.loads(data[len(MAGIC) + 4:start])
+        header = json.loads(bytes(data[len(MAGIC) + 4:start]))
     except ValueError:
         raise BlockFileError(f"{path}: its header is cut short or damaged") from None
     if not isinstance(header, dict) or header.get("name") != name:
@@ -109,9 +126,19 @@ def read_block(pool: KVPool, block_id: int, name: str, path: str | os.PathLike) 
     if hashlib.sha256(payload).hexdigest() != header.get("sha256"):
         raise BlockFileError(f"{path}: its K/V bytes do not match their checksum (the file is damaged)")
     raw = torch.frombuffer(bytearray(payload), dtype=torch.uint8)
-    per = pool.k_caches[0][block_id].numel() * pool.k_caches[0].element_size()
-    for i, cache in enumerate(c for layer in range(len(pool.k_caches))
-                              for c in (pool.k_caches[layer], pool.v_caches[layer])):
-        block = raw[i * per:(i + 1) * per].view(cache.dtype).view(cache[block_id].shape)
-        cache[block_id].copy_(block)
-    return len(payload)
+    block = pool.k_caches[0][0]
+    per = block.numel() * block.element_size()
+    return [raw[i * per:(i + 1) * per].view(block.dtype).view(block.shape) for i in range(2 * len(pool.k_caches))]
+
+
+def copy_block(pool: KVPool, block_id: int, parts: list[torch.Tensor]) -> None:
+    """Copy ``decode_block``'s tensors (every layer's K then V) into pool block ``block_id``."""
+    check_int("block_id", block_id, 0)
+    if block_id >= pool.k_caches[0].shape[0]:
+        raise ValueError(f"block_id must be in [0, {pool.k_caches[0].shape[0] - 1}], got {block_id}")
+    caches = [c for layer in range(len(pool.k_caches)) for c in (pool.k_caches[layer], pool.v_caches[layer])]
+    if len(parts) != len(caches) or any(p.shape != c[block_id].shape for p, c in zip(parts, caches)):
+        raise ValueError(f"parts must be {len(caches)} tensors shaped {tuple(caches[0][block_id].shape)} "
+                         f"(every layer's K then V)")
+    for part, cache in zip(parts, caches):
+        cache[block_id].copy_(part)
