@@ -129,10 +129,10 @@ def test_the_tier_in_the_simulator(skip_ahead):
     assert slow.scheduler.prefix_cache.store.stats.loaded_tokens == 0          # never worth it: recomputed
     assert np.array_equal(slow.ttft, alone.ttft) and np.array_equal(slow.step_end, alone.step_end)
     assert fast.ttft.mean() < alone.ttft.mean()
-    # The pool's counters hold the pool's hits only; each request's first hit holds both (the tier's counters
-    # also count loads after a preemption).
-    pool_hits = fast.scheduler.prefix_cache.stats.hits
-    assert pool_hits < fast.hit_tokens.sum() <= pool_hits + store.loaded_tokens
+    # The pool's counters hold the pool's hits only, the tier's its own; a request's first hit holds both.
+    pool, tier = fast.scheduler.prefix_cache.stats, fast.scheduler.tier_stats
+    assert fast.hit_tokens.sum() == pool.hits + tier.hits and tier.hits > 0 and pool.queries == tier.queries
+    assert tier.hits + tier.preempted_hits == store.loaded_tokens
 
 
 def test_skip_ahead_changes_nothing_with_a_tier():

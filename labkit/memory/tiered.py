@@ -137,7 +137,7 @@ class TieredPrefixCache(PrefixCache):
             raise ValueError("worth_loading must be callable (cached_tokens, external_tokens, prompt_tokens) -> bool")
         super().__init__(allocator, block_size, hash_fn=hash_fn)
         self.store, self.worth_loading = store, worth_loading
-        self.loads_in_step: list[int] = []  # tokens each admission loaded, since a scheduler last took them
+        self.loads_in_step: list[tuple[CachedBlockTable, int]] = []  # (table, tokens) of each load, until taken
         allocator.on_evict = self._evicted
 
     def _evicted(self, block_id: int, entry: CachedBlock) -> None:
@@ -190,5 +190,5 @@ class TieredPrefixCache(PrefixCache):
         stats.loaded_requests += 1
         stats.loaded_tokens += hit.num_external_tokens
         stats.loaded_blocks += len(hit.loads)
-        self.loads_in_step.append(hit.num_external_tokens)
+        self.loads_in_step.append((table, hit.num_external_tokens))
         return table

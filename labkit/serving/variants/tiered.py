@@ -6,7 +6,7 @@ tokens its admissions loaded from the tier (``tier_hit_tokens``) and the seconds
 (``load_s``, from ``load_seconds``). The pool's hits are counted as before
 (``prefix_cache.stats``, vLLM's counting); the tier's apart (``prefix_cache.store.stats``), as vLLM
 counts its KV connector's (``vllm/v1/core/sched/scheduler.py``, ``Scheduler.schedule``:
-``connector_prefix_cache_stats``).
+``connector_prefix_cache_stats``): ``tier_stats``, its loads after a preemption apart.
 
 Loads here are *synchronous*: the step that admits a request lasts its compute plus its loads. vLLM's
 OffloadingConnector loads asynchronously by default, parking the request (``WAITING_FOR_REMOTE_KVS``)
@@ -24,7 +24,9 @@ from typing import Callable
 
 from ...checks import check_int
 from ...memory.paging import BlockAllocator
+from ...memory.prefix import PrefixCacheStats
 from ...memory.tiered import TieredPrefixCache, TierStore
+from ..request import Request, RequestStatus
 from ..scheduler import Scheduler
 from ..sim.simulator import Simulator, _fast_block_hash
 from ..sim.tiers import Tier, reload_seconds
@@ -44,13 +46,24 @@ class TieredScheduler(Scheduler):
         if not callable(load_seconds):
             raise ValueError("load_seconds must be callable (tokens) -> seconds")
         self.load_seconds = load_seconds
+        self.tier_stats = PrefixCacheStats()  # the tier's hits, apart from the pool's (vLLM's connector_prefix_cache_stats)
 
     def schedule(self) -> Step:
+        self._loaded: list[int] = []
         step = super().schedule()
-        loads, self.prefix_cache.loads_in_step = self.prefix_cache.loads_in_step, []
-        step.stats.tier_hit_tokens = sum(loads)
-        step.stats.load_s = float(sum(self.load_seconds(n) for n in loads))
+        step.stats.tier_hit_tokens = sum(self._loaded)
+        step.stats.load_s = float(sum(self.load_seconds(n) for n in self._loaded))
         return step
+
+    def _reserve(self, request: Request, tokens: int) -> None:
+        admitting = request.status is RequestStatus.WAITING
+        super()._reserve(request, tokens)
+        if admitting and self.enable_prefix_caching:  # every admission, as vLLM records its connector's hits
+            loads = self.prefix_cache.loads_in_step
+            n = loads.pop()[1] if loads and loads[-1][0] is request.block_table else 0
+            self.tier_stats.record(request.num_tokens, n, request.num_preemptions > 0)
+            if n:
+                self._loaded.append(n)
 
 
 def worth_loading_rule(cost_model, bytes_per_token: float, tier: Tier) -> Callable[[int, int, int], bool]:
