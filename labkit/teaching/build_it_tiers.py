@@ -10,7 +10,8 @@ them again in that step:
   (``labkit.serving.sim.tiers.reload_seconds``);
 * recomputing costs the step's *extra* time, priced by the roofline ``cost_model``::
 
-      step(tier_tokens + suffix_tokens new after cached_tokens) - step(suffix_tokens new after cached_tokens + tier_tokens)
+      extra = step(tier_tokens + suffix_tokens new after cached_tokens)
+              - step(suffix_tokens new after cached_tokens + tier_tokens)
 
   the rule of ``tiers.prefix_recompute_seconds``, with the pool's tokens as the context of both steps
   (their attention makes each recomputed token dearer);
@@ -192,7 +193,8 @@ def _pool(rng: random.Random) -> TierCase | None:
     # dearer, and loading wins. The pool's tokens are not the tier's: they are neither loaded nor recomputed.
     cm, b = _setup(rng)
     tier, tokens, suffix = rng.choice(_TIERS), rng.randint(16, 4096), rng.choice([1, rng.randint(1, 4096)])
-    if reload_or_recompute(tokens, 0, suffix, b, tier, cm) or not reload_or_recompute(tokens, _MAX, suffix, b, tier, cm):
+    if reload_or_recompute(tokens, 0, suffix, b, tier, cm) \
+            or not reload_or_recompute(tokens, _MAX, suffix, b, tier, cm):
         return None
     lo, hi = 0, _MAX  # recompute at lo, load at hi
     while hi - lo > 1:
@@ -219,7 +221,7 @@ def _tie(rng: random.Random) -> TierCase | None:
         return None
     bandwidth = 2.0 ** math.ceil(math.log2(tokens * b / extra))  # tokens × b / bandwidth in (extra / 2, extra]
     latency = extra - tokens * b / bandwidth
-    tier = Tier(f"made up: {bandwidth / 1e9:.4g} GB/s, latency {latency * 1e6:.4g} us", bandwidth, latency)
+    tier = Tier("made up, at the break-even", bandwidth, latency)
     case = _case("a tie: the reload costs exactly the extra compute (a tie recomputes)", tokens, cached, suffix,
                  b, tier, cm)
     ok = case.reload_s == case.extra_s == latency + tokens * (b / bandwidth) and step_b + case.reload_s == step_a
@@ -316,21 +318,19 @@ def reload_check(rng, seed: int | None = None, random_cases: int = 12) -> Verify
 
 def _decided(tier_tokens: int, cached_tokens: int, suffix_tokens: int, bytes_per_token: float, tier: Tier,
              cost_model: CostModel, *, mistake: str) -> bool:
-    """The solution written out, with the one ``mistake`` named (a key of ``WRONG_DECISIONS``)."""
+    """The solution written out as a reader writes it (the tier's two numbers and ``time_from_sums``, none
+    of the functions the chapter forbids), with the one ``mistake`` named (a key of ``WRONG_DECISIONS``)."""
+    def step(new: int, context: int) -> float:
+        return cost_model.time_from_sums(new, context, new * context + new * (new + 1) / 2)
+
     if mistake == "pool_as_tier":
         tier_tokens, cached_tokens = tier_tokens + cached_tokens, 0
     if tier_tokens == 0:
         return mistake == "loads_on_miss"
-    if mistake == "tokens_over_bandwidth":
-        load = tier_tokens / tier.bandwidth + tier.latency
-    elif mistake == "no_latency":
-        load = tier_tokens * bytes_per_token / tier.bandwidth
-    else:
-        load = reload_seconds(tier_tokens, bytes_per_token, tier)
-    if mistake == "whole_step":
-        extra = recompute_seconds(tier_tokens, cost_model, cached_tokens)
-    else:
-        extra = _extra_seconds(tier_tokens, cached_tokens, suffix_tokens, cost_model)
+    moved = tier_tokens if mistake == "tokens_over_bandwidth" else tier_tokens * bytes_per_token
+    load = moved / tier.bandwidth + (0.0 if mistake == "no_latency" else tier.latency)
+    extra = step(tier_tokens, cached_tokens) if mistake == "whole_step" else \
+        step(tier_tokens + suffix_tokens, cached_tokens) - step(suffix_tokens, cached_tokens + tier_tokens)
     return load <= extra if mistake == "at_most" else load < extra
 
 
