@@ -145,29 +145,36 @@ class TieredPrefixCache(PrefixCache):
         self.store.put(block_id, entry)  # before the new owner writes the block
 
     def match(self, token_ids: Sequence[int], key: CacheKey = CacheKey()) -> PrefixMatch:
-        """The pool's hit, then the run of following full blocks the tier holds and can deliver (each read
-        and checked now; a refused copy ends the run there and leaves the tier), if ``worth_loading``."""
+        """The pool's hit, then the run of following full blocks the tier holds, if ``worth_loading`` says the
+        run pays; only then is each block read and checked (a refused copy leaves the tier and ends the run
+        there, and the shorter run is judged again)."""
         hit = super().match(token_ids, key)
         tokens, bs = list(token_ids), self.block_size
-        entries, loads = list(hit.entry_ids), []
+        run: list[CachedBlock] = []
+        parent = hit.entry_ids[-1] if hit.entry_ids else None
         for i in range(hit.num_cached_blocks, (len(tokens) - 1) // bs):
-            entry = self.store.get(hit.block_hashes[i], tokens[i * bs:(i + 1) * bs], key, entries[-1] if entries else None)
+            entry = self.store.get(hit.block_hashes[i], tokens[i * bs:(i + 1) * bs], key, parent)
             if entry is None:
                 break
-            try:
-                payload = self.store.fetch(entry)
-            except TierLoadError:
-                self.store.discard(entry)
-                self.store.stats.refused += 1
-                break
-            loads.append((entry, payload))
-            entries.append(entry.entry_id)
-        external = len(loads) * bs
-        if not loads or (self.worth_loading is not None
-                         and not self.worth_loading(hit.num_cached_tokens, external, len(tokens))):
-            return hit
-        return TieredMatch(hit.block_ids, hit.num_cached_tokens, hit.block_hashes, tuple(entries), external,
-                           tuple(loads))
+            run.append(entry)
+            parent = entry.entry_id
+        while run and self._worth(hit.num_cached_tokens, len(run) * bs, len(tokens)):
+            loads = []
+            for entry in run:
+                try:
+                    loads.append((entry, self.store.fetch(entry)))
+                except TierLoadError:
+                    self.store.discard(entry)
+                    self.store.stats.refused += 1
+                    break
+            if len(loads) == len(run):
+                return TieredMatch(hit.block_ids, hit.num_cached_tokens, hit.block_hashes,
+                                   hit.entry_ids + tuple(e.entry_id for e in run), len(run) * bs, tuple(loads))
+            run = run[:len(loads)]
+        return hit
+
+    def _worth(self, cached: int, external: int, total: int) -> bool:
+        return self.worth_loading is None or bool(self.worth_loading(cached, external, total))
 
     def share(self, hit: PrefixMatch, token_ids: Sequence[int], key: CacheKey) -> CachedBlockTable:
         """The pool's blocks as chapter 04 shares them, then fresh blocks for the tier's, their K/V loaded
