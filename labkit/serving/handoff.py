@@ -107,8 +107,10 @@ class DecodeEngine(TieredEngine):
                 raise ValueError(f"{name} cannot be set on a DecodeEngine (its KVInbox keeps blocks in memory)")
         super().__init__(model, num_blocks, block_size, max_num_batched_tokens,
                          tier_blocks=num_blocks if tier_blocks is None else tier_blocks, **engine_kwargs)
-        cache = self.scheduler.prefix_cache  # TieredEngine built a MemoryTierStore, still empty: the inbox replaces it
-        cache.store = KVInbox(self.backend, cache.store.capacity)
+
+    def new_store(self, tier_blocks: int, tier_dir, direct_io: bool) -> KVInbox:
+        """The tier is a ``KVInbox``: this engine's evicted blocks, and the blocks handed over to it."""
+        return KVInbox(self.backend, tier_blocks)
 
 
 @dataclass(frozen=True)

@@ -27,7 +27,7 @@ from typing import Callable
 from ..caches.tier_store import DiskTierStore, MemoryTierStore
 from ..checks import check_flag, check_int
 from ..memory.paging import BlockAllocator
-from ..memory.tiered import TieredPrefixCache
+from ..memory.tiered import TieredPrefixCache, TierStore
 from ..model import fused
 from .engine import Engine
 from .scheduler import Scheduler
@@ -78,10 +78,7 @@ class TieredEngine(Engine):
                                  f"cache and the tiered scheduler)")
         prepare = check_flag("prepare", engine_kwargs.pop("prepare", True))
         super().__init__(model, num_blocks, block_size, max_num_batched_tokens, prepare=False, **engine_kwargs)
-        if tier_dir is None:
-            store = MemoryTierStore(self.backend, tier_blocks)
-        else:
-            store = DiskTierStore(self.backend, tier_dir, tier_blocks, direct_io=direct_io)
+        store = self.new_store(tier_blocks, tier_dir, direct_io)
         plain = self.scheduler
         cache = TieredPrefixCache(BlockAllocator(plain.num_blocks), plain.block_size, store,
                                   worth_loading=worth_loading)
@@ -91,6 +88,12 @@ class TieredEngine(Engine):
             max_model_len=plain.max_model_len)
         if prepare:  # last, as the Engine does: a refused argument leaves the model as it was
             fused.prepare(model)
+
+    def new_store(self, tier_blocks: int, tier_dir: str | os.PathLike | None, direct_io: bool) -> TierStore:
+        """Hook: the second tier over this engine's pool (block files in ``tier_dir``, else host memory)."""
+        if tier_dir is None:
+            return MemoryTierStore(self.backend, tier_blocks)
+        return DiskTierStore(self.backend, tier_dir, tier_blocks, direct_io=direct_io)
 
     @property
     def tier(self) -> DiskTierStore | MemoryTierStore:
