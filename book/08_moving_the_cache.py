@@ -411,3 +411,30 @@ ex.check_behaviour("Exercise 1", reload_or_recompute, reload_check(),
                         "not a step of their own; the latency is paid on every load; bytes cross the link, not "
                         "tokens; the pool's tokens are context, neither loaded nor recomputed; a miss loads "
                         "nothing; a tie recomputes.")
+
+# %% [markdown]
+# TODO: the quiz cells (helper-19's), then:
+#
+# ## What you can now do
+#
+# - Price a prefix's move (bytes over a link, plus a latency) against its recompute (the extra in the step
+#   that needs it), and find where they cross for a model, a device and a tier.
+# - Measure both sides on a real engine, and check the crossing against the formula within a stated tolerance.
+# - Put a second tier behind a prefix cache: evicted blocks kept, found after the pool, loaded only when it
+#   pays, counted apart, a damaged copy refused.
+# - Split prefill from decode, move a request's written K/V between engines, and read goodput against the link.
+
+# %% [markdown]
+# ## References
+#
+# - Ruoyu Qin et al., *Mooncake: Trading More Storage for Less Computation*, FAST '25 (a pooled KV store and
+#   disaggregated prefill and decode).
+# - Yinmin Zhong et al., *DistServe: Disaggregating Prefill and Decoding for Goodput-optimized Large Language
+#   Model Serving*, OSDI 2024, [arXiv:2401.09670](https://arxiv.org/abs/2401.09670): goodput, 7.4x more
+#   requests within latency targets.
+# - LMCache, [arXiv:2510.09665](https://arxiv.org/abs/2510.09665); vLLM's OffloadingConnector (vLLM blog,
+#   2026-01); SGLang's HiCache (LMSYS, 2025-09-10); the counter-example sgl-project/sglang#26305.
+# - vLLM 0.33.0: `vllm/v1/core/sched/scheduler.py` (`Scheduler.schedule`: `num_external_computed_tokens`,
+#   `connector_prefix_cache_stats`; `_update_waiting_for_remote_kv`; `_connector_finished`), vLLM PR #53314
+#   (under chunked prefill, claim only written tokens).
+
