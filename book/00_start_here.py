@@ -23,7 +23,8 @@
 # Every chapter and appendix opens with this figure, the article's pipeline, its own part
 # highlighted. Under each part are the chapters and appendices that work on it. Part II goes
 # beyond the article, and so does its figure: a router in front of N copies of the server, each
-# with its own pool and its own prefix cache:
+# with its own pool and its own prefix cache; under the KV blocks a second tier that keeps what the
+# pool evicts; and a second pool that decodes what the first prefilled, its K/V sent over a link:
 
 # %%
 from labkit.teaching.diagrams import roadmap
@@ -48,6 +49,7 @@ roadmap("00");  # the whole map, nothing highlighted
 # | chapter | question | what you build with `labkit` | reading | exercises |
 # |---|---|---|---|---|
 # | 07 · many replicas | behind a router, is a request's prefix still found? | a cluster of simulated servers behind a router (round-robin, least loaded, session, cache-aware) on Mooncake's conversation trace; a real two-replica run behind vllm-router (optional: `make cluster`) | about 25 min | about 55 min |
+# | 08 · moving the cache | when is a block worth moving rather than computing again? | the break-even between reloading a prefix and computing it again, per tier; a second tier behind the prefix cache, simulated on Mooncake's trace and real (checked block files on disk); prefill and decode on two pools, the K/V handed over | about 20 min | about 55 min |
 #
 # **The appendices.** Each deepens the chapter it names.
 #
@@ -62,12 +64,13 @@ roadmap("00");  # the whole map, nothing highlighted
 # | A7 · a model in one file (appendix to 01) | what does a GGUF file hold, and what must a loader undo? | the file's metadata and tensors, a 4-bit block decoded by hand, RoPE's two row orders checked | about 15 min | about 5 min |
 #
 # Read in order, the chapters and the capstone take about 215 minutes to read and run and about 505
-# minutes for their exercises, about 12 hours in all; Part II, beyond the article, takes about 25 and
-# 55 minutes more; the appendices take about 200 and 110 minutes more. CONTRIBUTING.md says how these
+# minutes for their exercises, about 12 hours in all; Part II, beyond the article, takes about 45 and
+# 110 minutes more; the appendices take about 200 and 110 minutes more. CONTRIBUTING.md says how these
 # times are estimated.
 #
 # The six chapters of Part I follow one article's six sections and build on each other; read them in
-# order. Part II starts where the article stops and builds on Part I (chapter 07 needs 04 and 06).
+# order. Part II starts where the article stops and builds on Part I (chapter 07 needs 04 and 06;
+# chapter 08 needs 02, 04, 06 and 07).
 # Each appendix deepens the chapter it names and can be skipped on a first reading.
 
 # %% [markdown]
@@ -102,7 +105,7 @@ roadmap("00");  # the whole map, nothing highlighted
 # - **block table**: one sequence's list of block ids, in the order of its tokens: entry *i* holds
 #   tokens *i* × `block_size` to (*i* + 1) × `block_size` − 1.
 #
-# **Serving** (chapters 04 to 07).
+# **Serving** (chapters 04 to 08).
 #
 # - **hit**: prompt tokens whose K and V are found in the prefix cache and are not computed again;
 #   only full blocks hit, and never the prompt's last token, which is computed to give the first
@@ -124,6 +127,11 @@ roadmap("00");  # the whole map, nothing highlighted
 #   pool and its own prefix cache, and none reads another's (chapter 07).
 # - **router**: what sends each request to one replica, by a policy: round-robin, least loaded,
 #   or cache-aware (chapter 07).
+# - **second tier**: storage behind the pool (host memory, a disk, another machine) that keeps the
+#   blocks the pool evicts; a block found there is reloaded only when its bytes cross the link in
+#   less time than computing it again would take (chapter 08).
+# - **disaggregation**: prefill on one pool of replicas, decode on another; the K/V a prefill wrote
+#   crosses a link to the decode pool (chapter 08).
 #
 # Requests **A, B and C** are chapter 02's three, of 8,192, 4,096 and 2,048 tokens, the sizes the
 # article reasons with. Elsewhere letters name the requests of one example only (chapter 04's A and

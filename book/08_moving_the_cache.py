@@ -38,13 +38,13 @@
 # %%
 from labkit.teaching.diagrams import roadmap
 
-roadmap("07");  # TODO: roadmap("08") with the second tier and the second pool drawn
+roadmap("08");  # the second tier under the pool, and a decode pool fed over a link
 
 # %% [markdown]
 # **You need:** chapter 02 (bytes per token), chapter 04 (the hash chain, eviction), chapter 06 (the cost
 # model, TTFT), chapter 07 (replicas).
 #
-# **Time:** about 30 minutes to read and run; about 55 minutes for the exercises.
+# **Time:** about 20 minutes to read and run; about 55 minutes for the exercises.
 
 # %%
 import json
@@ -413,8 +413,30 @@ ex.check_behaviour("Exercise 1", reload_or_recompute, reload_check(),
                         "nothing; a tie recomputes.")
 
 # %% [markdown]
-# TODO: the quiz cells (helper-19's), then:
-#
+# **Quiz.** Answer with a letter.
+# 1. Two models have the same weights and the same arithmetic per token; one keeps 8 KV heads (GQA), the
+#    other as many KV heads as query heads (32). From the same tier, a reload pays from a shorter prefix
+#    for (a) the model with 32 KV heads; (b) the GQA model; (c) both alike.
+# 2. The cache is stored in fp8 (one byte an element) instead of bf16. A tier's break-even prefix length
+#    moves (a) to shorter prefixes; (b) to longer prefixes; (c) nowhere: the arithmetic is the same.
+# 3. A request finds 128 tokens of its prefix in a tier and must still compute its last prompt token.
+#    On an H100 (Llama-3-8B), computing those 128 tokens again costs (a) about 4.8 ms, a 128-token
+#    prefill step; (b) more than reloading them over PCIe 5.0; (c) nothing, or next to it.
+# 4. A hand-over claims the tokens a prefill request's `num_computed_tokens` counts while its chunk's step
+#    is still in flight, so some claimed slots were never written. The decode engine (a) raises an error
+#    at its first step; (b) attends over those slots and may sample other tokens, with no error;
+#    (c) finds them missing and computes them again, only slower.
+
+# %%
+# BEGIN SOLUTION
+quiz = {1: "b", 2: "a", 3: "c", 4: "b"}
+# END SOLUTION
+# BEGIN STUB
+quiz = {1: None, 2: None, 3: None, 4: None}  # a letter each
+# END STUB
+ex.quiz(quiz)
+
+# %% [markdown]
 # ## What you can now do
 #
 # - Price a prefix's move (bytes over a link, plus a latency) against its recompute (the extra in the step

@@ -642,7 +642,7 @@ CASES: list[tuple[str, Any, tuple, dict, type, str]] = [
     # issue 22: the book's figure and excerpt helpers
     ("diagram empty prompt", diagrams.prefill_decode_diagram, ([], [1], 2), {}, ValueError, "prompt_tokens"),
     ("diagram num_layers", diagrams.prefill_decode_diagram, ([1], [1], 0), {}, ValueError, "num_layers"),
-    ("roadmap chapter", diagrams.roadmap, ("08",), {}, ValueError, "chapter"),
+    ("roadmap chapter", diagrams.roadmap, ("09",), {}, ValueError, "chapter"),
     ("excerpt first marker gone", excerpts.excerpt, (blocks.blocks_needed, "no such line"), {}, ValueError, "first"),
     ("excerpt last marker gone", excerpts.excerpt, (blocks.blocks_needed, "def", "no such line"), {}, ValueError, "last"),
     # issue 29: vLLM on a CPU, the pinned fit, the real vLLM's settings
@@ -755,7 +755,7 @@ def test_the_table_is_large_and_covers_every_public_module():
 
 # The tables of the newer modules (issue 38) live beside this one, each in its own file; together:
 TABLES = ("test_bad_inputs", "test_bad_inputs_quant", "test_bad_inputs_prepack", "test_bad_inputs_sim",
-          "test_bad_inputs_vllm_bridge", "test_bad_inputs_teaching")
+          "test_bad_inputs_vllm_bridge", "test_bad_inputs_teaching", "test_bad_inputs_tiers")
 
 
 def all_cases() -> list[tuple]:

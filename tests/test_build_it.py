@@ -20,6 +20,7 @@ from labkit.memory.prefix import CacheKey, block_hash
 from labkit.model.decoder import apply_rope, rope_cos_sin
 from labkit.teaching import answers, build_it, guards, quizzes
 from labkit.teaching.build_it_routing import WRONG_ROUTES
+from labkit.teaching.build_it_tiers import WRONG_DECISIONS
 from labkit.teaching.exercises import Exercises
 from test_exercise_checkers import chapter, verdict
 
@@ -389,6 +390,7 @@ WRONG = [
     ("06_from_fit_to_serve", "Exercise 3", f) for f in
     (ttft_to_the_step_start_06, tpot_over_all_tokens_06, itl_with_the_first_wait_06, itl_as_request_means_06)] + [
     ("07_many_replicas", "Exercise 1", f) for f in WRONG_ROUTES.values()] + [
+    ("08_moving_the_cache", "Exercise 1", f) for f in WRONG_DECISIONS.values()] + [
     ("A3_fewer_bytes_per_element", "Exercise 2", f) for f in
     (latent_with_factor_2_a3, window_in_every_layer_a3, max_for_min_a3, window_ignored_a3)]
 
@@ -518,6 +520,8 @@ BUILD_IT = [("01_why_the_cache_grows", "Exercise 3",
             ("06_from_fit_to_serve", "Exercise 3", "a function latencies(arrivals, steps)"),
             ("07_many_replicas", "Exercise 1", "a function route(prompt, sent, loads, block_size, cache_threshold, "
                                                "balance_abs_threshold, balance_rel_threshold)"),
+            ("08_moving_the_cache", "Exercise 1", "a function reload_or_recompute(tier_tokens, cached_tokens, "
+                                                  "suffix_tokens, bytes_per_token, tier, cost_model)"),
             ("A3_fewer_bytes_per_element", "Exercise 2", "a function sequence_bytes(shape, length)")]
 
 

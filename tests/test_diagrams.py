@@ -27,14 +27,17 @@ def test_the_roadmap_lights_exactly_the_chapters_parts():
     import pytest
     from matplotlib.colors import to_rgba
 
-    from labkit.teaching.diagrams import HIGHLIGHT_COLOUR, ROADMAP_CHAPTERS, ROADMAP_PARTS, book_part, roadmap
+    from labkit.teaching.diagrams import (DRAWN_FROM, HIGHLIGHT_COLOUR, ROADMAP_CHAPTERS, ROADMAP_PARTS, book_part,
+                                          roadmap)
 
-    assert {f"0{i}" for i in range(1, 8)} | {f"A{i}" for i in range(1, 8)} | {"C1"} == set(ROADMAP_CHAPTERS)
+    assert {f"0{i}" for i in range(1, 9)} | {f"A{i}" for i in range(1, 8)} | {"C1"} == set(ROADMAP_CHAPTERS)
     for chapter, (name, parts) in ROADMAP_CHAPTERS.items():
         fig = roadmap(chapter)
         boxes = {p.get_gid(): p for p in fig.axes[0].patches if p.get_gid()}
         # Part I and its appendices stay inside the article's one server; Part II draws the router in front
-        drawn = set(ROADMAP_PARTS) - (set() if book_part(chapter) == "II" else {"router"})
+        # (from 07), and the second tier and the decode pool (from 08)
+        beyond = {p for p, first in DRAWN_FROM.items() if book_part(chapter) != "II" or chapter < first}
+        drawn = set(ROADMAP_PARTS) - beyond
         assert set(boxes) == drawn, chapter
         lit = {gid for gid, box in boxes.items() if box.get_facecolor()[:3] == to_rgba(HIGHLIGHT_COLOUR)[:3]}
         assert lit == set(parts) and lit, chapter
@@ -46,7 +49,7 @@ def test_the_roadmap_lights_exactly_the_chapters_parts():
         plt.close(fig)
     # every part of the pipeline is some chapter's subject
     assert set().union(*(p for _, p in ROADMAP_CHAPTERS.values())) == set(ROADMAP_PARTS)
-    for bad in ["08", "3", 3, None, "A8"]:
+    for bad in ["09", "3", 3, None, "A8"]:
         with pytest.raises(ValueError, match="chapter must be one of"):
             roadmap(bad)
     # 00 draws the whole map: every part with its chapters, none highlighted
@@ -68,11 +71,11 @@ def test_the_book_has_two_parts_and_appendices():
 
     parts = {c: book_part(c) for c in ("00", *ROADMAP_CHAPTERS)}
     assert {c for c, p in parts.items() if p == "I"} == {"00", "01", "02", "03", "04", "05", "06", "C1"}
-    assert {c for c, p in parts.items() if p == "II"} == {"07"}
+    assert {c for c, p in parts.items() if p == "II"} == {"07", "08"}
     assert {c for c, p in parts.items() if p == "A"} == {f"A{i}" for i in range(1, 8)}
     with pytest.raises(ValueError, match="chapter must be one of"):
-        book_part("08")
-    for chapter in ("07", "00"):
+        book_part("09")
+    for chapter in ("07", "08", "00"):
         fig = roadmap(chapter)
         texts = [t.get_text() for t in fig.axes[0].texts]
         assert "router: which replica" in texts and "replica 1" in texts and "replica N−1" in texts
@@ -80,3 +83,27 @@ def test_the_book_has_two_parts_and_appendices():
         plt.close(fig)
     assert "beyond the article" in roadmap("07").axes[0].get_title()
     plt.close("all")
+
+
+def test_from_chapter_08_the_roadmap_draws_the_second_tier_and_the_decode_pool():
+    """08 (and the whole map) put a second tier under the KV blocks, evicting into it and reloading from it,
+    and a decode pool that receives the prefill pool's K/V over a link; 07's figure has neither."""
+    import matplotlib.pyplot as plt
+
+    from labkit.teaching.diagrams import ROADMAP_PARTS, roadmap
+
+    for chapter in ("08", "00"):
+        fig = roadmap(chapter)
+        texts = [t.get_text() for t in fig.axes[0].texts]
+        gids = {p.get_gid() for p in fig.axes[0].patches}
+        assert {"tier", "pool"} <= gids, chapter
+        assert ROADMAP_PARTS["tier"] == "second tier: host memory, disk, another machine"
+        assert ROADMAP_PARTS["tier"] in texts
+        assert "decode pool" in texts and "evict" in texts and any(t.startswith("reload") for t in texts)
+        assert any("over a link" in t for t in texts) and any("prefill pool" in t for t in texts)
+        plt.close(fig)
+    fig = roadmap("07")
+    texts = [t.get_text() for t in fig.axes[0].texts]
+    assert not {"tier", "pool"} & {p.get_gid() for p in fig.axes[0].patches}
+    assert "evict" not in texts and not any("over a link" in t for t in texts)
+    plt.close(fig)

@@ -140,7 +140,8 @@ def exercise_namespace(stem: str, numbers: list[int], side: str = "solutions") -
 
 _CHAPTERS = {"01_why_the_cache_grows": [2, 3], "02_cost_per_token": [3, 4], "03_paging": [1, 3, 4],
              "04_prefix_reuse": [1, 2], "05_scheduler": [1, 2, 3], "06_from_fit_to_serve": [2, 3, 4],
-             "07_many_replicas": [1], "A1_under_the_compiler": [2], "A3_fewer_bytes_per_element": [2]}
+             "07_many_replicas": [1], "08_moving_the_cache": [1], "A1_under_the_compiler": [2],
+             "A3_fewer_bytes_per_element": [2]}
 _LOADED: dict[str, tuple[dict[str, Any], Recorder]] = {}
 
 

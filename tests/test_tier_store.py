@@ -5,6 +5,8 @@ and recomputed, never read into attention."""
 
 from __future__ import annotations
 
+import errno
+import os
 import random
 
 import pytest
@@ -132,8 +134,109 @@ def test_a_block_evicted_from_the_tier_is_no_longer_hit(model, reference, tmp_pa
 
 
 def test_direct_io_reads_the_same_bytes(model, reference, tmp_path):
-    engine = tiered(model, tmp_path, direct_io=True)
+    """With whatever this file system takes: O_DIRECT, else dropping the cached pages (fadvise)."""
+    try:
+        engine = tiered(model, tmp_path, direct_io=True)
+    except ValueError as err:
+        pytest.skip(f"this file system takes neither O_DIRECT nor posix_fadvise: {err}")
     assert engine.tier.read_mode in ("direct", "fadvise")
+    assert serve(engine) == reference and engine.tier.stats.loaded_blocks == 6
+
+
+def test_o_direct_reads_the_bytes_a_cached_read_reads(tmp_path):
+    pool = random_pool()
+    entry = CachedBlock(0, "h0", None, (1, 2, 3, 4), CacheKey(), 7, None)
+    try:
+        direct = DiskTierStore(pool, tmp_path / "direct", 2, direct_io=True)
+    except ValueError as err:
+        pytest.skip(f"this file system takes neither O_DIRECT nor posix_fadvise: {err}")
+    if direct.read_mode != "direct":
+        pytest.skip("this file system refuses O_DIRECT (tmpfs, some overlayfs); the fallback is tested below")
+    cached = DiskTierStore(pool, tmp_path / "cached", 2)
+    for store in (direct, cached):
+        store.put(0, entry)
+    assert direct._read(direct.path(entry)) == cached._read(cached.path(entry))
+    assert all(torch.equal(a, b) for a, b in zip(direct.fetch(entry), cached.fetch(entry)))
+
+
+# ---- a file system without O_DIRECT (tmpfs, overlayfs) and a system without posix_fadvise, simulated
+
+
+def random_pool() -> KVPool:
+    pool = KVPool(CONFIG, num_blocks=3, block_size=BS, use_triton=False)
+    for c in pool.k_caches + pool.v_caches:
+        c.copy_(torch.randn(c.shape))
+    return pool
+
+
+def recorded_fadvise(monkeypatch) -> list[int]:
+    """``os.posix_fadvise`` replaced by a recorder (present whether or not this system has one)."""
+    calls = []
+    monkeypatch.setattr(os, "POSIX_FADV_DONTNEED", getattr(os, "POSIX_FADV_DONTNEED", 4), raising=False)
+    monkeypatch.setattr(os, "posix_fadvise", lambda fd, offset, length, advice: calls.append(advice), raising=False)
+    return calls
+
+
+def refuse_o_direct(monkeypatch, at: str) -> None:
+    """O_DIRECT refused with EINVAL, as tmpfs refuses it at the open (``at="open"``) and some file systems only at
+    the first read (``at="read"``); an ``O_DIRECT`` constant is made up where this system has none."""
+    monkeypatch.setattr(os, "O_DIRECT", getattr(os, "O_DIRECT", 0o40000), raising=False)
+    real_open, direct = os.open, os.O_DIRECT
+
+    def open_(path, flags, *args, **kwargs):
+        if flags & direct:
+            if at == "open":
+                raise OSError(errno.EINVAL, "Invalid argument", str(path))
+            flags &= ~direct
+        return real_open(path, flags, *args, **kwargs)
+
+    def readv(fd, buffers):
+        raise OSError(errno.EINVAL, "Invalid argument")
+
+    monkeypatch.setattr(os, "open", open_)
+    if at == "read":
+        monkeypatch.setattr(os, "readv", readv)
+
+
+def test_without_o_direct_the_tier_drops_cached_pages_before_each_read(model, reference, tmp_path, monkeypatch):
+    monkeypatch.delattr(os, "O_DIRECT", raising=False)
+    calls = recorded_fadvise(monkeypatch)
+    engine = tiered(model, tmp_path, direct_io=True)
+    assert engine.tier.read_mode == "fadvise"
+    calls.clear()  # the probe's
+    assert serve(engine) == reference and engine.tier.stats.loaded_blocks == 6
+    # one after each write (its pages flushed, then dropped), one before each read
+    assert calls == [os.POSIX_FADV_DONTNEED] * (engine.tier.stats.puts + engine.tier.stats.loaded_blocks)
+    assert not list(tmp_path.glob(".direct_io_probe"))
+
+
+@pytest.mark.parametrize("at", ["open", "read"])
+def test_a_file_system_that_refuses_o_direct_falls_back_to_fadvise(tmp_path, monkeypatch, at):
+    refuse_o_direct(monkeypatch, at)
+    calls = recorded_fadvise(monkeypatch)
+    pool = random_pool()
+    store = DiskTierStore(pool, tmp_path, 2, direct_io=True)
+    assert store.read_mode == "fadvise" and not list(tmp_path.iterdir())  # the probe file removed
+    entry = CachedBlock(0, "h0", None, (1, 2, 3, 4), CacheKey(), 7, None)
+    store.put(0, entry)
+    calls.clear()
+    parts = store.fetch(entry)
+    assert calls == [os.POSIX_FADV_DONTNEED]
+    store.load(parts, 2)
+    assert all(torch.equal(c[2], c[0]) for c in pool.k_caches + pool.v_caches)
+
+
+def test_without_o_direct_or_fadvise_direct_io_is_refused_and_cached_reads_work(model, reference, tmp_path,
+                                                                                monkeypatch):
+    monkeypatch.delattr(os, "O_DIRECT", raising=False)
+    monkeypatch.delattr(os, "posix_fadvise", raising=False)
+    with pytest.raises(ValueError, match="direct_io=True needs O_DIRECT or posix_fadvise"):
+        DiskTierStore(random_pool(), tmp_path / "tier", 2, direct_io=True)
+    assert not (tmp_path / "tier").exists()  # refused: no folder left behind
+    with pytest.raises(ValueError, match="direct_io"):
+        tiered(model, tmp_path / "tier", direct_io=True)
+    engine = tiered(model, tmp_path / "tier")
+    assert engine.tier.read_mode == "cached"
     assert serve(engine) == reference and engine.tier.stats.loaded_blocks == 6
 
 

@@ -55,6 +55,33 @@ def _check_pool(pool: object) -> KVPool:
     return pool
 
 
+def _read_uncached(path: Path) -> bytes:
+    """``path``'s bytes, after dropping its cached pages (``posix_fadvise(DONTNEED)``)."""
+    fd = os.open(path, os.O_RDONLY)
+    try:
+        os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_DONTNEED)
+        return os.pread(fd, os.fstat(fd).st_size, 0)
+    finally:
+        os.close(fd)
+
+
+def _read_direct(path: Path) -> bytes:
+    """``path``'s bytes, read with ``O_DIRECT`` into a page-aligned buffer (OSError where it is refused)."""
+    fd = os.open(path, os.O_RDONLY | os.O_DIRECT)
+    try:
+        size = os.fstat(fd).st_size
+        buf = mmap.mmap(-1, max(_ALIGN, -(-size // _ALIGN) * _ALIGN))  # page-aligned, as O_DIRECT needs
+        view, got = memoryview(buf), 0
+        while got < size:
+            n = os.readv(fd, [view[got:]])
+            if n == 0:
+                break
+            got += n
+        return bytes(view[:got])
+    finally:
+        os.close(fd)
+
+
 class _PayloadStore(TierStore):
     """What both stores share: the pool, and the counters of what moved and how long it took."""
 
@@ -111,11 +138,17 @@ class DiskTierStore(_PayloadStore):
         if not isinstance(directory, (str, os.PathLike)) or not str(directory):
             raise ValueError(f"directory must be a path (str or os.PathLike), got {directory!r}")
         self.directory = Path(directory)
+        created = not self.directory.exists()
         try:
             self.directory.mkdir(parents=True, exist_ok=True)
         except OSError as err:
             raise ValueError(f"directory must be a writable folder, {self.directory} is not ({err})") from None
-        self.read_mode = self._probe() if direct_io else "cached"
+        try:
+            self.read_mode = self._probe() if direct_io else "cached"
+        except ValueError:
+            if created:  # refused: leave no folder behind
+                self.directory.rmdir()
+            raise
 
     def path(self, entry: CachedBlock) -> Path:
         """The file that holds ``entry``'s K/V."""
@@ -127,19 +160,24 @@ class DiskTierStore(_PayloadStore):
         return str(entry.block_hash)
 
     def _probe(self) -> str:
-        """"direct" if this filesystem takes O_DIRECT, else "fadvise" (ValueError if neither exists here)."""
+        """"direct" if this file system reads with O_DIRECT (an aligned read, not only the open: some refuse at
+        the read), else "fadvise" if it takes ``posix_fadvise``; ValueError if neither works here."""
         probe = self.directory / ".direct_io_probe"
         probe.write_bytes(b"\0" * _ALIGN)
         try:
             if hasattr(os, "O_DIRECT"):
                 try:
-                    os.close(os.open(probe, os.O_RDONLY | os.O_DIRECT))
-                    return "direct"
+                    if len(_read_direct(probe)) == _ALIGN:
+                        return "direct"
+                except OSError:
+                    pass  # tmpfs and some overlayfs refuse O_DIRECT
+            if hasattr(os, "posix_fadvise"):
+                try:
+                    _read_uncached(probe)
+                    return "fadvise"
                 except OSError:
                     pass
-            if hasattr(os, "posix_fadvise"):
-                return "fadvise"
-            raise ValueError(f"direct_io=True needs O_DIRECT or posix_fadvise, and this system has neither "
+            raise ValueError(f"direct_io=True needs O_DIRECT or posix_fadvise, and neither works here "
                              f"(for {self.directory}); pass direct_io=False")
         finally:
             probe.unlink()
@@ -161,27 +199,7 @@ class DiskTierStore(_PayloadStore):
         """The file's bytes, the way ``read_mode`` says."""
         if self.read_mode == "cached":
             return path.read_bytes()
-        if self.read_mode == "fadvise":
-            fd = os.open(path, os.O_RDONLY)
-            try:
-                os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_DONTNEED)
-                size = os.fstat(fd).st_size
-                return os.pread(fd, size, 0)
-            finally:
-                os.close(fd)
-        fd = os.open(path, os.O_RDONLY | os.O_DIRECT)
-        try:
-            size = os.fstat(fd).st_size
-            buf = mmap.mmap(-1, max(_ALIGN, -(-size // _ALIGN) * _ALIGN))  # page-aligned, as O_DIRECT needs
-            view, got = memoryview(buf), 0
-            while got < size:
-                n = os.readv(fd, [view[got:]])
-                if n == 0:
-                    break
-                got += n
-            return bytes(view[:got])
-        finally:
-            os.close(fd)
+        return _read_uncached(path) if self.read_mode == "fadvise" else _read_direct(path)
 
     def fetch(self, entry: CachedBlock) -> list[torch.Tensor]:
         path, start = self.path(entry), time.perf_counter()

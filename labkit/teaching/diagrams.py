@@ -93,7 +93,8 @@ HIGHLIGHT_COLOUR, OTHER_COLOUR = "#dd8452", "#eeeeee"
 #: The parts of the roadmap, in drawing order: the article's Fig. 1 (prompt tokens -> prefill ->
 #: KV blocks -> decode & append), the scheduler that chooses each step's work (§05), the server that
 #: holds it all on a device (§06), and, beyond the article (Part II), the router that sends each
-#: request to one of N such servers, each with its own pool and prefix cache (07).
+#: request to one of N such servers, each with its own pool and prefix cache (07), the second tier
+#: that keeps the blocks a pool evicts, and the second pool that decodes what the first prefilled (08).
 ROADMAP_PARTS = {
     "prompt": "prompt tokens",
     "prefill": "prefill",
@@ -102,7 +103,13 @@ ROADMAP_PARTS = {
     "scheduler": "scheduler: who runs this step",
     "server": "server on a device: pool, latency",
     "router": "router: which replica",
+    "tier": "second tier: host memory, disk, another machine",
+    "pool": "decode pool",
 }
+
+#: The parts beyond the article, and the first chapter whose roadmap draws each (later Part II
+#: chapters draw them too; Part I and the appendices stay inside the article's one server).
+DRAWN_FROM = {"router": "07", "tier": "08", "pool": "08"}
 
 #: What each chapter and appendix is about, and which parts of the roadmap it works on.
 ROADMAP_CHAPTERS: dict[str, tuple[str, tuple[str, ...]]] = {
@@ -113,6 +120,7 @@ ROADMAP_CHAPTERS: dict[str, tuple[str, tuple[str, ...]]] = {
     "05": ("capacity in the scheduler", ("scheduler",)),
     "06": ("from fitting to serving", ("server",)),
     "07": ("many replicas behind a router", ("router", "cache")),
+    "08": ("moving the cache", ("cache", "tier", "pool")),
     "A1": ("the paged kernels (appendix to 03)", ("prefill", "decode")),
     "A2": ("vLLM's start-up log (appendix to 02, 06)", ("cache", "server")),
     "A3": ("fewer bytes per token (appendix to 02)", ("cache",)),
@@ -124,7 +132,7 @@ ROADMAP_CHAPTERS: dict[str, tuple[str, tuple[str, ...]]] = {
 }
 
 #: The book's parts. Part I follows the article (chapters 01 to 06, closed by the capstone C1);
-#: Part II goes beyond it (chapter 07 on); each appendix deepens a chapter.
+#: Part II goes beyond it (chapters 07 and 08); each appendix deepens a chapter.
 BOOK_PARTS = {"I": "Part I · the article", "II": "Part II · beyond the article", "A": "the appendices"}
 PART_TWO_FROM = 7  #: the first chapter of Part II
 
@@ -141,11 +149,15 @@ def book_part(chapter: str) -> str:
 
 
 def _drawn_parts(chapter: str) -> tuple[str, ...]:
-    """The parts ``chapter``'s roadmap draws: the router and its replicas only on the whole map
-    ("00") and in Part II; Part I and its appendices stay inside the article's one server."""
-    if chapter == "00" or book_part(chapter) == "II":
+    """The parts ``chapter``'s roadmap draws: all of them on the whole map ("00"); in Part II, the
+    article's and those beyond it from the chapter that brings each in (``DRAWN_FROM``: the router from
+    07, the second tier and the decode pool from 08); Part I and its appendices stay inside the
+    article's one server."""
+    if chapter == "00":
         return tuple(ROADMAP_PARTS)
-    return tuple(p for p in ROADMAP_PARTS if p != "router")
+    part_two = book_part(chapter) == "II"
+    return tuple(p for p in ROADMAP_PARTS
+                 if p not in DRAWN_FROM or (part_two and int(chapter) >= int(DRAWN_FROM[p])))
 
 
 def _box(ax, part: str, x: float, y: float, w: float, h: float, chapter: str, *, frame: bool = False) -> None:
@@ -181,14 +193,18 @@ def roadmap(chapter: str):
 
     Part II goes beyond the article, and its figures (and the whole map, "00") draw where it goes:
     a *router* in front of N copies of that server, the *replicas*, each with its own pool and its
-    own prefix cache (chapter 07). Part I's figures stay inside the one server.
+    own prefix cache (chapter 07); from chapter 08, a *second tier* under the KV blocks (host memory,
+    disk, another machine) that keeps what the pool evicts and reloads it, and a second pool, the
+    *decode pool*, that receives the K/V the first pool prefilled over a link. Part I's figures stay
+    inside the one server.
 
-    ``chapter``: "01" to "07", "A1" to "A7" or "C1" (the capstone), or "00" for the whole map with
+    ``chapter``: "01" to "08", "A1" to "A7" or "C1" (the capstone), or "00" for the whole map with
     nothing highlighted. Returns the figure.
     """
     check_choice("chapter", chapter, ("00", *ROADMAP_CHAPTERS))
-    cluster = "router" in _drawn_parts(chapter)
-    fig, ax = plt.subplots(figsize=(11.6, 4.0) if cluster else (9, 3.2))
+    drawn = _drawn_parts(chapter)
+    cluster, moving = "router" in drawn, "tier" in drawn
+    fig, ax = plt.subplots(figsize=(14.6, 5.4) if moving else (11.6, 4.0) if cluster else (9, 3.2))
     if cluster:  # replicas 1 to N-1 behind replica 0, each a server with its own pool and prefix cache
         for k, label in ((2, "replica N−1"), (1, "replica 1")):
             ax.add_patch(FancyBboxPatch((0.3 * k, 0.3 * k), 10.0, 3.3, boxstyle="round,pad=0.02,rounding_size=0.08",
@@ -219,10 +235,27 @@ def roadmap(chapter: str):
     else:
         ax.set_xlim(-0.1, 10.1)
         ax.set_ylim(-0.1, 3.4)
+    if moving:  # the second tier under the KV blocks, and the decode pool beside the (prefill) replicas
+        _box(ax, "tier", 3.6, -1.75, 4.55, 0.8, chapter)
+        _arrow(ax, (4.97, 1.02), (4.25, -0.92))  # both beside the chapters under the KV blocks
+        ax.text(4.35, -0.2, "evict", ha="right", va="center", fontsize=7.5)
+        _arrow(ax, (7.55, -0.92), (6.8, 0.98))
+        ax.text(7.35, -0.2, "reload\n(or compute again)", ha="left", va="center", fontsize=7.5)
+        for k in (2, 1):  # the decode pool's other replicas, behind its first
+            ax.add_patch(FancyBboxPatch((12.2 + 0.2 * k, 0.9 + 0.2 * k), 2.4, 1.3,
+                                        boxstyle="round,pad=0.02,rounding_size=0.08", fc="white", ec="0.55",
+                                        lw=0.8, ls="--"))
+        _box(ax, "pool", 12.2, 0.9, 2.4, 1.3, chapter)
+        _arrow(ax, (10.05, 1.55), (12.15, 1.55))
+        ax.text(11.4, 1.62, "K/V of the prefilled\nprompt, over a link", ha="center", va="bottom", fontsize=7.5)
+        ax.text(11.4, 1.45, "from the prefill pool\nto the decode pool", ha="center", va="top", fontsize=7.5,
+                color="0.35")
+        ax.set_xlim(-3.6, 15.2)
+        ax.set_ylim(-2.2, 4.25)
     ax.axis("off")
     if chapter == "00":
-        ax.set_title("The book on one figure: the article's pipeline, the chapters on each part, and "
-                     "Part II's router in front of N replicas", fontsize=10)
+        ax.set_title("The book on one figure: the article's pipeline, the chapters on each part, and Part II's "
+                     "router in front of N replicas, second tier and decode pool", fontsize=10)
     else:
         name, _ = ROADMAP_CHAPTERS[chapter]
         kind = {"A": "Appendix", "C": "Capstone"}.get(chapter[0], "Chapter")

@@ -135,6 +135,32 @@ QUIZZES: dict[str, list[Question]] = {
                  {"b": "the cache names only full blocks of tokens: the partial block at the end is not served.",
                   "c": "the same text gives the same tokens up to where it differs, and those whole blocks hit."}),
     ],
+    "08_moving_the_cache": [
+        Question("b", "a reload moves bytes: H × bytes per token over the link, 4 times fewer with 8 KV heads than "
+                      "with 32; recomputing is the same arithmetic for both. Llama-3-8B on an H100 over 100 Gb/s "
+                      "RDMA: the reload pays from 977 tokens; with 4 times the bytes, from about 101,000.",
+                 {"a": "more K/V per token is more bytes to move for the same arithmetic saved: the reload pays "
+                       "later, not sooner.",
+                  "c": "recomputing costs both the same, but reloading does not: it is bytes over the link."}),
+        Question("a", "fp8 halves the bytes per token: a reload moves half the bytes, and the arithmetic of "
+                      "recomputing does not change. From the NVMe drive on an H100 (Llama-3-8B) the break-even "
+                      "falls from 10,970 tokens to 747.",
+                 {"b": "fewer bytes make the reload cheaper, not dearer.",
+                  "c": "the arithmetic is unchanged, but the reload is bytes over the link: half of them."}),
+        Question("c", "the step that computes the last token reads all the weights anyway; below the ridge, 128 "
+                      "more tokens ride along that read: prefix_recompute_seconds(128) is 0, where a reload over "
+                      "PCIe 5.0 costs 0.28 ms.",
+                 {"a": "4.8 ms is a 128-token step of its own, weight read included: the request pays that "
+                       "read anyway, for its last token (the trap of the chapter's dotted line).",
+                  "b": "a reload costs bytes and a latency (0.28 ms over PCIe 5.0); the extra of recomputing "
+                       "128 tokens is nothing: every reload loses here."}),
+        Question("b", "a slot nobody wrote holds whatever the pool held (zeros, or another request's K/V), and "
+                      "nothing marks it: the decode engine attends over it as context and samples other tokens, "
+                      "without an error. Claim only K/V written (vLLM PR #53314); labkit's hand_over refuses "
+                      "while a step is in flight.",
+                 {"a": "nothing checks the copied slots: K/V are numbers, and wrong numbers raise nothing.",
+                  "c": "the decode engine computes only what was not claimed: claimed slots count as computed."}),
+    ],
     "C1_your_own_engine": [
         Question("b", "a block's name hashes its parent's: once the document's blocks left with the first request, "
                       "a later block's name proves nothing about the blocks before it, so the hit stops at the gap.",
