@@ -13,7 +13,7 @@
 # %% [markdown]
 # # 08 · Moving the cache
 #
-# **Part II, beyond the article.** (DRAFT on branch wip-42: prose to be finished; numbers computed.)
+# **Part II, beyond the article.**
 #
 # **The message.** A block is worth moving when its bytes cross the link in less time than computing it
 # again would add to the step that needs it, and chapters 02 and 06 already give both numbers.
@@ -111,6 +111,26 @@ nvme = next(r for r in rows if r["device"] == "H100 SXM" and r["tier"].startswit
 assert nvme["break_even_tokens"] > 8192  # beyond Llama-3-8B's context: from this disk, never in practice
 
 # %% [markdown]
+# What moves the break-even is the bytes per token (chapter 02): fewer bytes per token cross faster, the
+# arithmetic stays the same. And below the ridge, computing a prefix again adds nothing at all:
+
+# %%
+# NBVAL_CHECK_OUTPUT
+from labkit.serving.sim.tiers import break_even_tokens
+
+slow_tiers = ("NVMe SSD (PCIe 4.0)", "Network 100 Gb/s (RDMA)")
+moved = {}
+for label, b in (("fp8 cache (1 byte an element)", bpt // 2), ("bf16 cache, 8 KV heads", bpt),
+                 ("bf16 cache, 32 KV heads", 4 * bpt)):
+    moved[label] = [break_even_tokens(b, TIERS[n], cm) for n in slow_tiers]
+    print(f"{label:<31}" + "".join(f"  {n.split(' (')[0]}: {h:>7,}" for n, h in zip(slow_tiers, moved[label])))
+print(f"128 tokens on {cm.device.name}: recomputed inside the step {prefix_recompute_seconds(128, cm) * 1e3:.2f} ms, "
+      f"as a step of their own {recompute_seconds(128, cm) * 1e3:.2f} ms, reloaded over PCIe 5.0 "
+      f"{reload_seconds(128, bpt, TIERS['PCIe 5.0 x16 (host to GPU)']) * 1e3:.2f} ms")
+first, second, third = moved.values()
+assert all(a < b < c for a, b, c in zip(first, second, third)) and prefix_recompute_seconds(128, cm) == 0.0
+
+# %% [markdown]
 # ## Measured on this machine
 #
 # Both sides can be measured here, on the book's SmolLM2 (float32, one thread): `benchmarks/tier_ttft.py`
@@ -206,9 +226,9 @@ for name, r in runs.items():
 assert runs["PCIe 4.0 x16 (host to GPU)"].ttft_percentiles()["p50"] < runs["no second tier"].ttft_percentiles()["p50"]
 
 # %% [markdown]
-# A tier slower than the link of a faster device can still pay: on the A100 the arithmetic of a token
-# costs more than reading its K/V from the NVMe drive, so the disk tier takes most of the PCIe tier's
-# gain. A 1 GB/s link never pays here, and the rule never loads from it: that run is the run without a
+# The drive that never pays on an H100 pays on the A100, whose arithmetic is three times slower: there
+# a token costs more to compute than to read from the drive, and the disk tier takes most of the PCIe
+# tier's gain. A 1 GB/s link never pays here, and the rule never loads from it: that run is the run without a
 # tier, step for step.
 #
 # ## The real model with a disk tier
@@ -218,6 +238,7 @@ assert runs["PCIe 4.0 x16 (host to GPU)"].ttft_percentiles()["p50"] < runs["no s
 # pool's shape, then the K/V, then nothing else: a SHA-256 guards the bytes) and read back on a hit.
 
 # %%
+# NBVAL_SKIP_IN_SOLUTIONS
 # NBVAL_CHECK_OUTPUT
 import tempfile
 from pathlib import Path
@@ -261,6 +282,7 @@ with tempfile.TemporaryDirectory() as tier_dir:
 # cut short or with one flipped bit is refused when the tier finds it, and the block is computed again.
 
 # %%
+# NBVAL_SKIP_IN_SOLUTIONS
 # NBVAL_CHECK_OUTPUT
 with tempfile.TemporaryDirectory() as tier_dir:
     tiered = TieredEngine(smol, num_blocks=POOL, block_size=16, max_num_batched_tokens=512, tier_blocks=256,
@@ -279,7 +301,8 @@ with tempfile.TemporaryDirectory() as tier_dir:
     print(f"copies refused while serving: {tiered.tier.stats.refused}; tokens equal to the engine without a tier: "
           f"{first + rest == want}")
     assert tiered.tier.stats.refused >= 1 and first + rest == want
-#
+
+# %% [markdown]
 # ## Moving on purpose: prefill here, decode there
 #
 # In one pool, a long prompt's prefill shares its steps with every other request's decode, and each
@@ -306,8 +329,9 @@ split_settings = dict(pool_bytes=40 * 2 ** 30, block_size=16, max_num_batched_to
 TTFT_TARGET, TPOT_TARGET = 1.0, 0.015
 links = {"NVLink": TIERS["NVLink (H100, GPU to GPU)"], "10 Gb/s": Tier("10 Gb/s", 1.25e9, 1e-5, source="line rate")}
 print(f"{'rate':>5} {'combined (2 replicas)':>22} " + " ".join(f"{'1P:1D over ' + n:>20}" for n in links))
+table = {}
 for rate in (2, 4, 6):
-    work = long_prompts(120, rate)
+    work = long_prompts(80, rate)
     both = simulate(work, 2, "least_loaded", cost_model=a100, **split_settings)
     tpot = np.empty(len(work))
     for i, r in enumerate(both.replicas):
@@ -317,6 +341,11 @@ for rate in (2, 4, 6):
         s = simulate_split(work, 1, 1, link=link, cost_model=a100, **split_settings)
         row.append(goodput(s.ttft, s.tpot, TTFT_TARGET, TPOT_TARGET))
     print(f"{rate:>5} {row[0]:>22.2f} " + " ".join(f"{g:>20.2f}" for g in row[1:]))
+    table[rate] = row
+combined, fast, slow = (np.array([table[r][k] for r in sorted(table)]) for k in range(3))
+assert fast[1] > combined[1] + 0.3          # at 4 a second: splitting keeps decodes undisturbed
+assert np.all(slow < 0.5) and np.all(slow < fast)  # a 10 Gb/s link eats the gain
+assert max(combined[2], fast[2]) < 0.5      # at 6 a second: one prefill replica is not enough
 
 # %% [markdown]
 # At 2 requests a second both ways meet the targets. At 4, the combined pool's decodes keep waiting
@@ -332,6 +361,7 @@ for rate in (2, 4, 6):
 # garbage attention reads without any error (vLLM PR #53314 fixed that in vLLM's connector).
 
 # %%
+# NBVAL_SKIP_IN_SOLUTIONS
 # NBVAL_CHECK_OUTPUT
 from labkit.serving.handoff import DecodeEngine, hand_over
 

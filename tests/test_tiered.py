@@ -141,3 +141,17 @@ def test_skip_ahead_changes_nothing_with_a_tier():
     a, b = (TieredSimulator(CostModel(), tier=tier, tier_blocks=10_000, skip_ahead=s, **SETTINGS).run(specs)
             for s in (True, False))
     assert np.array_equal(a.ttft, b.ttft) and np.array_equal(a.hit_tokens, b.hit_tokens)
+
+
+def test_a_cluster_of_tiered_replicas_counts_each_tier_apart():
+    from labkit.serving.cluster.cluster import simulate
+
+    specs = _workload()
+    tier = Tier("fast", 1e12, 0.0, source="test")
+    plain = simulate(specs, 2, "round_robin", cost_model=CostModel(), **SETTINGS)
+    tiered = simulate(specs, 2, "round_robin", cost_model=CostModel(), simulator=TieredSimulator, tier=tier,
+                      tier_blocks=10_000, **SETTINGS)
+    assert list(plain.tier_hits) == [0, 0] and tiered.tier_hits.sum() > 0
+    assert tiered.hits.sum() + tiered.tier_hits.sum() == tiered.hit_tokens.sum()
+    with pytest.raises(ValueError, match="simulator"):
+        simulate(specs, 2, simulator=dict, **SETTINGS)

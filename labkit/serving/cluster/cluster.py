@@ -34,7 +34,7 @@ class ClusterResult:
     order); ``assignment``: for every request, in arrival order, the replica that served it;
     ``request_ids``: their ids in that order; ``hits`` / ``queries``: each replica's prefix-cache
     counters, counted as vLLM counts them (prompt tokens found and asked for at each first admission);
-    ``router``: the router, as it ended."""
+    ``router``: the router, as it ended; ``tier_hits``: with a second tier, what each replica loaded from it."""
 
     replicas: list[SimResult]
     assignment: np.ndarray
@@ -42,6 +42,7 @@ class ClusterResult:
     hits: np.ndarray
     queries: np.ndarray
     router: Router
+    tier_hits: np.ndarray | None = None  # per replica, prompt tokens loaded from a second tier (chapter 08)
 
     @property
     def num_replicas(self) -> int:
@@ -128,19 +129,23 @@ class ClusterResult:
 
 def simulate(requests: Sequence[RequestSpec], replicas: int = 1, router: str | Router = "round_robin", *,
              router_settings: dict | None = None, cost_model: CostModel | None = None,
-             **simulator_settings) -> ClusterResult:
+             simulator: type[Simulator] = Simulator, **simulator_settings) -> ClusterResult:
     """Serve ``requests`` on ``replicas`` identical servers behind ``router``.
 
     ``router``: ``"round_robin"``, ``"least_loaded"``, ``"session"``, ``"cache_aware"`` (with
     ``router_settings``, e.g. ``{"block_size": 512}``) or a ``Router``. Every other keyword is a
     ``Simulator`` setting (``num_blocks`` or ``pool_bytes``, ``block_size``, ``max_num_batched_tokens``,
     ...) and applies to each replica: N replicas have N times the memory and N times the compute.
+    ``simulator``: the server each replica is, ``Simulator`` or a subclass such as chapter 08's
+    ``TieredSimulator`` (its ``tier`` and ``tier_blocks`` among the settings: a second tier per replica).
     """
     check_int("replicas", replicas, 1)
     specs = check_specs("requests", requests)
     if router_settings is not None and not isinstance(router_settings, dict):
         raise ValueError(f"router_settings must be a dict of the router's settings, got {router_settings!r}")
-    sim = Simulator(cost_model, **simulator_settings)
+    if not (isinstance(simulator, type) and issubclass(simulator, Simulator)):
+        raise ValueError(f"simulator must be labkit's Simulator or a subclass, got {simulator!r}")
+    sim = simulator(cost_model, **simulator_settings)
     chosen = make_router(router, **(router_settings or {}))
     runs = [SimRun(sim) for _ in range(replicas)]
     order = check_requests(specs, runs[0].sched)  # every one fits a server, checked before any is served
@@ -158,6 +163,8 @@ def simulate(requests: Sequence[RequestSpec], replicas: int = 1, router: str | R
         run.advance(until=math.inf)
     results = [run.result() for run in runs]
     stats = [run.sched.prefix_cache.stats for run in runs]
+    tier = [getattr(run.sched, "tier_stats", None) for run in runs]  # a second tier's hits, counted apart
     return ClusterResult(results, assignment, np.array([s.request_id for s, _ in order]),
                          np.array([s.hits for s in stats], dtype=np.int64),
-                         np.array([s.queries for s in stats], dtype=np.int64), chosen)
+                         np.array([s.queries for s in stats], dtype=np.int64), chosen,
+                         np.array([t.hits if t else 0 for t in tier], dtype=np.int64))
