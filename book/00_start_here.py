@@ -49,7 +49,7 @@ roadmap("00");  # the whole map, nothing highlighted
 # | chapter | question | what you build with `labkit` | reading | exercises |
 # |---|---|---|---|---|
 # | 07 · many replicas | behind a router, is a request's prefix still found? | a cluster of simulated servers behind a router (round-robin, least loaded, session, cache-aware) on Mooncake's conversation trace; a real two-replica run behind vllm-router (optional: `make cluster`) | about 25 min | about 55 min |
-# | 08 · moving the cache | when is a block worth moving rather than computing again? | the break-even between reloading a prefix and computing it again, per tier; a second tier behind the prefix cache, simulated on Mooncake's trace and real (checked block files on disk); prefill and decode on two pools, the K/V handed over | about 20 min | about 55 min |
+# | 08 · moving the cache | when is a block worth moving rather than computing again? | the break-even between reloading a prefix and computing it again, per tier; a second tier behind the prefix cache, simulated on Mooncake's trace and real (checked block files on disk); prefill and decode on two pools, the K/V handed over | about 25 min | about 55 min |
 #
 # **The appendices.** Each deepens the chapter it names.
 #
@@ -64,7 +64,7 @@ roadmap("00");  # the whole map, nothing highlighted
 # | A7 · a model in one file (appendix to 01) | what does a GGUF file hold, and what must a loader undo? | the file's metadata and tensors, a 4-bit block decoded by hand, RoPE's two row orders checked | about 15 min | about 5 min |
 #
 # Read in order, the chapters and the capstone take about 215 minutes to read and run and about 505
-# minutes for their exercises, about 12 hours in all; Part II, beyond the article, takes about 45 and
+# minutes for their exercises, about 12 hours in all; Part II, beyond the article, takes about 50 and
 # 110 minutes more; the appendices take about 200 and 110 minutes more. CONTRIBUTING.md says how these
 # times are estimated.
 #

@@ -44,7 +44,7 @@ roadmap("08");  # the second tier under the pool, and a decode pool fed over a l
 # **You need:** chapter 02 (bytes per token), chapter 04 (the hash chain, eviction), chapter 06 (the cost
 # model, TTFT), chapter 07 (replicas).
 #
-# **Time:** about 20 minutes to read and run; about 55 minutes for the exercises.
+# **Time:** about 25 minutes to read and run; about 55 minutes for the exercises.
 
 # %%
 import json
