@@ -15,6 +15,7 @@ from labkit.model.decoder import Decoder, DecoderConfig
 from labkit.serving.engine import Engine
 from labkit.serving.handoff import DecodeEngine, KVInbox, hand_over, transfer_bytes
 from labkit.serving.tiered_engine import TieredEngine
+from test_tier_store import poisoned  # NaN in every slot: a read before a write (or a load) shows up
 
 CONFIG = DecoderConfig(vocab_size=97, hidden_size=32, intermediate_size=64, num_hidden_layers=2,
                        num_attention_heads=4, num_key_value_heads=2)
@@ -32,12 +33,6 @@ def model() -> Decoder:
 @pytest.fixture(scope="module")
 def reference(model) -> list[list[int]]:
     return [generate(model, p, NEW).tokens for p in PROMPTS]
-
-
-def poisoned(engine: Engine) -> Engine:
-    for cache in engine.backend.k_caches + engine.backend.v_caches:
-        cache.fill_(float("nan"))  # a slot read before it is written (or loaded) shows up
-    return engine
 
 
 def engines(model, budget: int = 64) -> tuple[Engine, DecodeEngine]:
