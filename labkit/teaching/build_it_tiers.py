@@ -43,7 +43,8 @@ import numpy as np
 from ..checks import check_int
 from ..memory.capacity import kv_bytes_per_token
 from ..serving.sim.costmodel import DEVICES, MODEL_COSTS, CostModel
-from ..serving.sim.tiers import TIERS, Tier, break_even_tokens, recompute_seconds, reload_seconds
+from ..serving.sim.tiers import (TIERS, Tier, break_even_tokens, prefix_recompute_seconds, recompute_seconds,
+                                 reload_seconds)
 from .guards import AnswerShape, draws_hidden_cases, function_shape
 
 __all__ = ["SHAPE", "SLOW_TIER", "TierCase", "reload_or_recompute", "reload_cases", "reload_problems",
@@ -93,13 +94,6 @@ class TierCase:
 # --------------------------------------------------------------------------- labkit's answer
 
 
-def _extra_seconds(tier_tokens: int, cached_tokens: int, suffix_tokens: int, cost_model: CostModel) -> float:
-    """The extra step time of computing ``tier_tokens`` again after ``cached_tokens`` pool tokens, in the step
-    that computes ``suffix_tokens`` anyway (``tiers.prefix_recompute_seconds``'s rule, with a context)."""
-    return recompute_seconds(tier_tokens + suffix_tokens, cost_model, cached_tokens) \
-        - recompute_seconds(suffix_tokens, cost_model, cached_tokens + tier_tokens)
-
-
 def reload_or_recompute(tier_tokens: int, cached_tokens: int, suffix_tokens: int, bytes_per_token: float,
                         tier: Tier, cost_model: CostModel) -> bool:
     """Whether loading the ``tier_tokens`` found in ``tier`` (after ``cached_tokens`` found in the pool) takes
@@ -109,7 +103,7 @@ def reload_or_recompute(tier_tokens: int, cached_tokens: int, suffix_tokens: int
     cached_tokens = check_int("cached_tokens", cached_tokens, 0)
     suffix_tokens = check_int("suffix_tokens", suffix_tokens, 1)
     load = reload_seconds(tier_tokens, bytes_per_token, tier)  # checks bytes_per_token and tier
-    extra = _extra_seconds(tier_tokens, cached_tokens, suffix_tokens, cost_model)  # checks cost_model
+    extra = prefix_recompute_seconds(tier_tokens, cost_model, suffix_tokens, cached_tokens)  # checks cost_model
     return tier_tokens > 0 and load < extra
 
 
@@ -120,7 +114,7 @@ def _case(kind: str, tier_tokens: int, cached_tokens: int, suffix_tokens: int, b
           tier: Tier, cost_model: CostModel) -> TierCase:
     return TierCase(kind, tier_tokens, cached_tokens, suffix_tokens, bytes_per_token, tier, cost_model,
                     reload_seconds(tier_tokens, bytes_per_token, tier),
-                    _extra_seconds(tier_tokens, cached_tokens, suffix_tokens, cost_model),
+                    prefix_recompute_seconds(tier_tokens, cost_model, suffix_tokens, cached_tokens),
                     reload_or_recompute(tier_tokens, cached_tokens, suffix_tokens, bytes_per_token, tier, cost_model))
 
 

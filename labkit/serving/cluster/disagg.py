@@ -81,10 +81,7 @@ class _DecodeSimulator(Simulator):
     def new_scheduler(self) -> Scheduler:
         self.inbox = HandoffInbox(self.block_size)
         cache = TieredPrefixCache(BlockAllocator(self.num_blocks), self.block_size, self.inbox, hash_fn=_fast_block_hash)
-        return TieredScheduler(block_size=self.block_size, max_num_batched_tokens=self.max_num_batched_tokens,
-                               max_num_seqs=self.max_num_seqs, enable_prefix_caching=self.enable_prefix_caching,
-                               prefix_cache=cache, full_sequence_must_fit=self.full_sequence_must_fit,
-                               max_model_len=self.max_model_len)
+        return super().new_scheduler(cache, TieredScheduler)
 
 
 @dataclass

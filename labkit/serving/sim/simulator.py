@@ -231,10 +231,10 @@ class Simulator:
                 f"{'' if self.max_model_len is None else f', max_model_len {self.max_model_len:,}'}"
                 f", {self.cost_model!r})")
 
-    def new_scheduler(self) -> Scheduler:
-        """A fresh chapter-05 scheduler over a fresh allocator and prefix cache."""
-        cache = PrefixCache(BlockAllocator(self.num_blocks), self.block_size, hash_fn=_fast_block_hash)
-        cls, variant = scheduler_class(self.allocation)  # paged, or one of the paper's reservations
+    def new_scheduler(self, cache: PrefixCache | None = None, cls: type | None = None, **variant) -> Scheduler:
+        """A fresh chapter-05 scheduler over a fresh allocator and prefix cache; a variant gives its own (08's tier)."""
+        cache = cache or PrefixCache(BlockAllocator(self.num_blocks), self.block_size, hash_fn=_fast_block_hash)
+        cls, variant = (cls, variant) if cls else scheduler_class(self.allocation)  # or the paper's reservations
         return cls(block_size=self.block_size, max_num_batched_tokens=self.max_num_batched_tokens,
                    max_num_seqs=self.max_num_seqs, enable_prefix_caching=self.enable_prefix_caching,
                    prefix_cache=cache, full_sequence_must_fit=self.full_sequence_must_fit,

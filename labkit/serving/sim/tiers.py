@@ -142,9 +142,11 @@ def recompute_seconds(tokens: int, cost_model: CostModel, context_tokens: int = 
     return cost_model.time_from_sums(*work_sums([(context_tokens, tokens)]))
 
 
-def prefix_recompute_seconds(tokens: int, cost_model: CostModel, suffix_tokens: int = 1) -> float:
-    """The extra time of computing a ``tokens``-long prefix again, inside the step the request needs anyway
-    for its ``suffix_tokens`` uncached tokens: ``step(prefix + suffix) - step(suffix after the prefix)``.
+def prefix_recompute_seconds(tokens: int, cost_model: CostModel, suffix_tokens: int = 1,
+                             context_tokens: int = 0) -> float:
+    """The extra time of computing ``tokens`` prompt tokens again, inside the step the request needs anyway
+    for its ``suffix_tokens`` uncached tokens: ``step(tokens + suffix) - step(suffix after the tokens)``, both
+    after ``context_tokens`` already in the pool (a hit there comes before the tokens in question).
 
     ``suffix_tokens=0`` charges the whole step, weight read included, to the prefix (see the module's
     docstring: it flatters every reload).
@@ -152,8 +154,8 @@ def prefix_recompute_seconds(tokens: int, cost_model: CostModel, suffix_tokens: 
     tokens = check_int("tokens", tokens, 0)
     suffix_tokens = check_int("suffix_tokens", suffix_tokens, 0)
     cost_model = _check_cost_model(cost_model)
-    return recompute_seconds(tokens + suffix_tokens, cost_model) \
-        - recompute_seconds(suffix_tokens, cost_model, context_tokens=tokens)
+    return recompute_seconds(tokens + suffix_tokens, cost_model, context_tokens) \
+        - recompute_seconds(suffix_tokens, cost_model, context_tokens + tokens)
 
 
 def _extra_array(h: np.ndarray, cm: CostModel, suffix: int) -> np.ndarray:

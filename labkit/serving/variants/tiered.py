@@ -29,8 +29,7 @@ from ...memory.tiered import TieredPrefixCache, TierStore
 from ..request import Request, RequestStatus
 from ..scheduler import Scheduler
 from ..sim.simulator import Simulator, _fast_block_hash
-from ..sim.tiers import Tier, reload_seconds
-from ..sim.work import work_sums
+from ..sim.tiers import Tier, prefix_recompute_seconds, reload_seconds
 from ..step import Step
 
 __all__ = ["TieredScheduler", "TieredSimulator", "worth_loading_rule"]
@@ -70,12 +69,8 @@ def worth_loading_rule(cost_model, bytes_per_token: float, tier: Tier) -> Callab
     """Chapter 08's rule as ``worth_loading(cached, external, prompt)``: load the ``external`` tokens found in
     the tier after ``cached`` pool tokens when moving them takes less time than the extra compute of making
     them again, in the step that computes the prompt's remaining tokens anyway (at least its last one)."""
-    def step(new: int, context: int) -> float:
-        return cost_model.time_from_sums(*work_sums([(context, new)])) if new else 0.0
-
     def worth_loading(cached: int, external: int, prompt: int) -> bool:
-        rest = max(1, prompt - cached - external)
-        extra = step(external + rest, cached) - step(rest, cached + external)
+        extra = prefix_recompute_seconds(external, cost_model, max(1, prompt - cached - external), cached)
         return reload_seconds(external, bytes_per_token, tier) < extra
     return worth_loading
 
@@ -97,8 +92,5 @@ class TieredSimulator(Simulator):
         cache = TieredPrefixCache(BlockAllocator(self.num_blocks), self.block_size, TierStore(self.tier_blocks),
                                   worth_loading=worth_loading_rule(self.cost_model, bytes_per_token, self.tier),
                                   hash_fn=_fast_block_hash)
-        return TieredScheduler(block_size=self.block_size, max_num_batched_tokens=self.max_num_batched_tokens,
-                               max_num_seqs=self.max_num_seqs, enable_prefix_caching=self.enable_prefix_caching,
-                               prefix_cache=cache, full_sequence_must_fit=self.full_sequence_must_fit,
-                               max_model_len=self.max_model_len,
-                               load_seconds=lambda n: reload_seconds(n, bytes_per_token, self.tier))
+        return super().new_scheduler(cache, TieredScheduler,
+                                     load_seconds=lambda n: reload_seconds(n, bytes_per_token, self.tier))
