@@ -260,7 +260,7 @@ def load_models():
     from transformers import AutoModelForCausalLM
 
     path = real_model()
-    model = from_pretrained(path, dtype=torch.float32, device=labkit.DEVICE)
+    model = from_pretrained(path, dtype=torch.float32, device=labkit.DEVICE, prepare=False)  # packed here, per run
     hf = AutoModelForCausalLM.from_pretrained(path.parent, gguf_file=path.name, dtype=torch.float32).eval()
     hf.generation_config.eos_token_id = None
     return path, model, load_tokenizer(path), hf

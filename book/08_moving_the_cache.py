@@ -201,6 +201,7 @@ plt.show()
 # counted as before; the tier's apart, as vLLM counts its connector's.
 
 # %%
+# NBVAL_SKIP_IN_SOLUTIONS
 # NBVAL_CHECK_OUTPUT
 from labkit.serving.sim.mooncake import read_mooncake_trace
 from labkit.serving.sim.simulator import Simulator
@@ -313,6 +314,7 @@ with tempfile.TemporaryDirectory() as tier_dir:
 # the share of requests that meet both a TTFT target and a time-per-output-token (TPOT) target.
 
 # %%
+# NBVAL_SKIP_IN_SOLUTIONS
 # NBVAL_CHECK_OUTPUT
 from labkit.serving.cluster.cluster import simulate
 from labkit.serving.cluster.disagg import goodput, simulate_split

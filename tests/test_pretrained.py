@@ -97,8 +97,29 @@ def test_the_variants_are_what_they_claim(checkpoints):
     tied = from_pretrained(tied_path)
     assert tied.lm_head.weight is tied.model.embed_tokens.weight
 
-    qwen = from_pretrained(checkpoints["qwen2_bias"][0])
+    qwen = from_pretrained(checkpoints["qwen2_bias"][0], prepare=False)  # chapter 01's modules, to look at
     assert qwen.config.qkv_bias and qwen.model.layers[0].self_attn.k_proj.bias.abs().sum() > 0
+
+
+def test_a_float32_model_is_loaded_prepared_and_one_flag_gives_the_plain_one(checkpoints):
+    """On a CPU in float32 the loader prepares the model as the engine runs it (fused, prepacked, frozen);
+    prepare=False gives chapter 01's modules. Same names, same weights, logits within float32 reordering."""
+    from labkit.model.decoder import Attention
+    from labkit.model.fused import is_prepared
+
+    path = checkpoints["qwen2_bias"][0]
+    served, plain = from_pretrained(path, dtype=torch.float32), from_pretrained(path, dtype=torch.float32, prepare=False)
+    assert is_prepared(served) and not is_prepared(plain) and type(plain.model.layers[0].self_attn) is Attention
+    assert not any(p.requires_grad for p in served.parameters()) and all(p.requires_grad for p in plain.parameters())
+    ours, theirs = served.state_dict(), plain.state_dict()
+    assert sorted(ours) == sorted(theirs) and all(torch.equal(ours[k], theirs[k]) for k in ours)
+    ids = torch.randint(0, SHAPE["vocab_size"], (1, SEQ), generator=torch.Generator().manual_seed(3))
+    with torch.no_grad():
+        exact = plain.double()(ids)
+        assert (served(ids) - exact).abs().max() <= 2 * (plain.float()(ids) - exact).abs().max() + 1e-6
+    assert not is_prepared(from_pretrained(path, dtype=torch.bfloat16))  # prepared only in float32 on the CPU
+    with pytest.raises(ValueError, match="prepare must be True or False"):
+        from_pretrained(path, prepare="yes")
 
 
 def test_dtype_and_device(checkpoints):

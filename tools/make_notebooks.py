@@ -112,9 +112,9 @@ def _transform_code(source: str, solutions: bool, where: str) -> str:
 
 
 # A code cell whose first line is SKIP_IN_SOLUTIONS is identical on both sides (no exercise in it) and
-# slow (a real model): nbval runs it in chapters/ only. In solutions/ the cell is still executed by
-# `make notebooks` (readers see its output); the tests skip it there. Such cells sit at the end of a
-# chapter, and no later cell uses what they define.
+# slow (a real model, a long simulation): nbval runs it in chapters/ only. In solutions/ the cell is
+# still executed by `make notebooks` (readers see its output); the tests skip it there, so no later
+# cell of the chapter may use what it defines.
 SKIP_IN_SOLUTIONS = "# NBVAL_SKIP_IN_SOLUTIONS"
 SOLUTIONS_SKIP_LINE = "# NBVAL_SKIP\n# (the tests run this cell in chapters/, where it is the same)"  # nbval: the marker alone on its line
 # The capstone's real-model cells the other way round: in chapters/ they run labkit's pieces in place of

@@ -34,7 +34,8 @@ from typing import Any
 
 import torch
 
-from . import gguf, gguf_decoder
+from ..checks import check_flag
+from . import fused, gguf, gguf_decoder
 from .decoder import Decoder, DecoderConfig
 
 __all__ = ["from_pretrained", "checkpoint_dtype", "load_tokenizer", "read_config", "read_safetensors",
@@ -208,13 +209,21 @@ def checkpoint_dtype(config: dict[str, Any], tensors: dict[str, torch.Tensor]) -
 
 
 def from_pretrained(path_or_repo_id: str | os.PathLike, *, dtype: torch.dtype | None = None,
-                 device: torch.device | str | None = None) -> Decoder:
+                 device: torch.device | str | None = None, prepare: bool = True) -> Decoder:
     """A ``Decoder`` with real weights: config, then weights, checked name by name and shape by shape.
 
     ``path_or_repo_id``: a ``.gguf`` file (``labkit.model.gguf``: one file, weights dequantized), a
     Hugging Face model folder, or a Hub id (downloaded once, see above). ``dtype``: None keeps the
     checkpoint's dtype (float32 for a GGUF file, whose weights are dequantized to float32);
     ``device``: None is the CPU.
+
+    ``prepare`` (default True): the model is loaded for serving, as vLLM loads one. On a CPU in float32
+    it is prepared once (``labkit.model.fused.prepare``: q/k/v and gate/up fused, every multiply
+    prepacked for oneDNN), and its parameters are frozen (``requires_grad`` False: a packed multiply
+    has no backward). Its ``state_dict`` keeps the checkpoint's names, and its outputs are the plain
+    model's up to the order of float32 sums. On a GPU, or in another dtype, it is left as loaded.
+    ``prepare=False`` gives chapter 01's modules (``nn.Linear``, ``Attention``, ``MLP``) with
+    trainable parameters, for a chapter that shows or changes them.
 
     The module is first built on PyTorch's ``meta`` device (shapes, no memory, no random
     initialisation), then takes the checkpoint's tensors as its parameters, every one in one
@@ -229,6 +238,7 @@ def from_pretrained(path_or_repo_id: str | os.PathLike, *, dtype: torch.dtype | 
     """
     if dtype is not None and not (isinstance(dtype, torch.dtype) and dtype.is_floating_point):
         raise ValueError(f"dtype must be a floating-point torch.dtype or None, got {dtype!r}")
+    check_flag("prepare", prepare)
     device = torch.device(device if device is not None else "cpu")
     if _is_gguf(path_or_repo_id):  # one file: metadata, then every tensor dequantized (labkit.model.gguf)
         file = gguf.read_gguf(path_or_repo_id)
@@ -249,6 +259,8 @@ def from_pretrained(path_or_repo_id: str | os.PathLike, *, dtype: torch.dtype | 
     model.load_state_dict(tensors, assign=True)
     if config.tie_word_embeddings:  # assign=True gave lm_head a Parameter of its own: share it again
         model.lm_head.weight = model.model.embed_tokens.weight
+    if prepare and fused.prepare(model):  # a float32 model on the CPU: fused, prepacked, frozen
+        model.requires_grad_(False)
     return model.eval()
 
 
