@@ -12,7 +12,9 @@ Config field names and ``state_dict`` keys follow a Hugging Face Llama
 checkpoint (``model.layers.0.self_attn.q_proj.weight`` ...), so real weights
 load as they are: ``labkit.model.pretrained.from_pretrained(path)`` reads a Hugging Face folder or
 a GGUF file (``labkit.model.gguf``) into this class. (The loader lives there, not here: this module
-knows nothing of files, and ``labkit.model.pretrained`` imports it, never the reverse.) Two relatives
+knows nothing of files, and ``labkit.model.pretrained`` imports it, never the reverse. On a CPU in
+float32 the loader then prepares the model for serving, ``labkit.model.fused``; ``prepare=False`` keeps
+the modules of this file.) Two relatives
 need one small addition each, and both are here: Llama 3.1/3.2's *scaled* RoPE (``rope_scaling`` of type
 ``llama3``, in ``rope_inv_freq``) and Qwen2's bias on the q, k and v projections
 (``qkv_bias``). Anything else a config asks for is refused by
