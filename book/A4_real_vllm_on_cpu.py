@@ -594,14 +594,15 @@ else:
     assert loaded["fixed_ms"] > 2 * prepared["fixed_ms"]
 
 # %% [markdown]
-# Both engines read the same weights at the same bandwidth, and once labkit's engine prepares its
-# model as vLLM prepares one (fused projections, packed weights: `labkit.model.fused`), both make the
-# same multiplies. labkit's engine then makes 0.93 times vLLM's tokens per second, at 1.13 times its
-# fixed cost per step. On the model as loaded, labkit's fixed cost is 2.62 times the prepared one's:
-# 211 multiplies a step instead of 121, and chapter 01's many small operations per layer. What is
-# left between the engines is attention, the cache write and RoPE, which vLLM runs as C++ kernels
-# (`vllm/v1/attention/backends/cpu_attn.py`, `RotaryEmbedding.forward_cpu`), and a layer's other
-# small PyTorch operations.
+# Both engines read the same weights at the same bandwidth, and once labkit's model is prepared as
+# vLLM prepares one (fused projections, packed weights: `labkit.model.fused`, which `from_pretrained`
+# and the engine run on a CPU in float32), both make the same multiplies. labkit's engine then makes
+# 0.99 times vLLM's tokens per second in their fastest rounds (0.86 to 1.11 times round by round, the
+# machine drifting under both), at 0.96 times its fixed cost per step. On the model as chapter 01 builds
+# it, labkit's fixed cost is 2.89 times the prepared one's: 211 multiplies a step instead of 121, and
+# chapter 01's many small operations per layer. What differs between the engines is attention, which
+# vLLM runs as a C++ kernel reading each request's blocks in place (`vllm/v1/attention/backends/cpu_attn.py`)
+# where labkit's batched PyTorch path copies them first, and RoPE (`RotaryEmbedding.forward_cpu`).
 #
 # ## Summary
 #
@@ -619,8 +620,9 @@ else:
 #   predicts a real client's median TTFT and ITL at 1.0 requests per second within 25%. At 2.0 it
 #   falls short, because real decode steps grow with the batch faster than a roofline, and a busy
 #   machine widens the gap.
-# - With its model prepared as vLLM prepares one, labkit's engine comes close to vLLM's fixed cost
-#   per step; attention and RoPE, C++ kernels in vLLM, and a layer's small operations make the rest.
+# - With its model prepared as vLLM prepares one, labkit's engine serves at vLLM's speed and fixed
+#   cost per step, within the machine's drift; attention and RoPE are C++ kernels in vLLM, PyTorch
+#   operations in labkit.
 #
 # ## What you can now do
 #
