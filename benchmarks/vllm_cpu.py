@@ -148,8 +148,7 @@ def decode_breakdown(model, prompts, batch: int, steps: int = 10) -> dict:
             engine.step()
             alone.append(time.perf_counter() - begin)
     finally:
-        PackedLinear.forward = packed_forward
-        del pool.attend
+        PackedLinear.forward, pool.attend = packed_forward, attend
     rest_alone = 1000 * min(alone)
     return {"batch": batch, "step_ms": step_ms, "multiplies_ms": multiplies_ms, "attention_ms": attention_ms,
             "rest_ms": rest, "rest_share": rest / (multiplies_ms + attention_ms), "rest_alone_ms": rest_alone,

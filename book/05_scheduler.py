@@ -708,7 +708,8 @@ if BATCHING is not None:
 # Scheduling decides how many steps; the model decides what each costs. `benchmarks/vllm_cpu.py`
 # serves 16 chat requests with this engine and with the real vLLM (appendix A4) on one thread of the
 # same CPU, taking turns, and checks every token. The model is prepared once, when it loads, as vLLM
-# prepares one (`from_pretrained` and `Engine` both call `labkit.model.fused.prepare` on a CPU in
+# prepares one (`process_weights_after_loading`, `vllm/model_executor/layers/linear.py`; here
+# `from_pretrained` and `Engine` both call `labkit.model.fused.prepare` on a CPU in
 # float32: q, k and v one multiply, gate and up another, every weight reordered for oneDNN; norms
 # and RoPE in fewer operations); attention is planned once per step; a step runs in
 # `torch.inference_mode()`, as vLLM's does. The second row is chapter 01's model (`prepare=False`):
@@ -745,8 +746,9 @@ else:
 # %% [markdown]
 # The book's engine serves at vLLM's speed, give or take the machine's drift (the rounds), with the
 # same tokens ("fixed ms": fitted as in appendix A6). A step is mostly its multiplies, the same
-# oneDNN multiplies in both engines. Then attention: vLLM's C++ kernel reads each request's blocks
-# in place, labkit's PyTorch path copies them first. The rest, run alone, is under a tenth of a step.
+# oneDNN multiplies in both engines. Then attention: vLLM's C++ kernel
+# (`vllm/v1/attention/backends/cpu_attn.py`) reads each request's blocks in place, labkit's PyTorch
+# path copies them first. The rest, run alone, is under a tenth of a step.
 
 
 # %% [markdown]
