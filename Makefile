@@ -73,8 +73,9 @@ lab: setup
 # Every test (labkit, kernels, set-up, browser) and every notebook in chapters/ and solutions/.
 # Two workers each run a notebook kernel with two PyTorch threads: on two cores, OpenMP threads that
 # spin while they wait slow each other down (measured: 179 s against 127 s), so waiting threads sleep.
+# Whether the committed notebooks match book/ is one of the tests (tests/test_setup.py runs
+# `make check-notebooks`'s command), so it is not run a second time, alone, before them.
 test: setup
-	$(PY) tools/make_notebooks.py --check
 	OMP_WAIT_POLICY=PASSIVE $(PY) -m pytest -n 2 --dist loadfile -p no:cacheprovider \
 		--nbval-lax --nbval-sanitize-with tests/nbval_sanitize.cfg \
 		tests chapters solutions $(PYTEST_ARGS)
