@@ -110,12 +110,13 @@ assert hash_chain(prompt, block_size, CacheKey(rope_theta=10000)) == chain  # 10
 # %% [markdown]
 # Changing token 0 renames every later block too, though block 1 holds the same tokens as before:
 # its K/V were computed after a different token 0. In `labkit.memory.prefix` the chain is one
-# loop over the full blocks, each name made from the one before:
+# loop over the full blocks, each name made from the one before (it starts after the names a caller
+# already holds, `block_hashes`: the scheduler keeps a waiting request's chain, as vLLM does):
 
 # %%
 from labkit.teaching.excerpts import excerpt
 
-excerpt(hash_chain, "parent = None", "hashes.append(parent)")
+excerpt(hash_chain, "parent = hashes[-1]", "hashes.append(parent)")
 
 # %% [markdown]
 # ## The article's figure: two long requests sharing half their tokens

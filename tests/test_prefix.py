@@ -53,6 +53,28 @@ def test_hash_chain_matches_reference_and_is_stable():
     assert hash_chain(tokens, 4, key) == hash_chain(list(tokens), 4, CacheKey(adapter="legal-lora", salt="tenant-7"))
 
 
+def test_a_known_chain_is_extended_and_not_hashed_again():
+    """``block_hashes``: the chain of a shorter run of the same tokens is kept; only the blocks after it are
+    hashed, and the result is the chain hashed from scratch. ``match`` takes it too, and finds the same hit."""
+    hashed = []
+
+    def counting(parent, tokens, key):
+        hashed.append(tuple(tokens))
+        return block_hash(parent, tokens, key)
+
+    tokens = list(range(1, 19))  # 4 full blocks of 4 and a partial fifth
+    first = hash_chain(tokens[:9], 4, CacheKey(), counting)
+    assert len(hashed) == 2
+    grown = hash_chain(tokens, 4, CacheKey(), counting, first)
+    assert grown == hash_chain(tokens, 4) and hashed[2:] == [tuple(tokens[8:12]), tuple(tokens[12:16])]
+    assert hash_chain(tokens, 4, CacheKey(), counting, grown) == grown and len(hashed) == 4
+    cache = make()
+    table, _ = cache.allocate(tokens[:12])
+    cache.cache_full_blocks(table, 12)
+    assert cache.match(tokens, CacheKey(), grown) == cache.match(tokens) != cache.match(tokens[:5])
+    assert cache.match(tokens, CacheKey(), first).num_cached_tokens == 12
+
+
 def test_hash_depends_on_parent_tokens_and_every_key_field():
     tokens = [1, 2, 3, 4]
     base = block_hash(None, tokens, CacheKey())

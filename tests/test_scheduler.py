@@ -18,7 +18,7 @@ from hypothesis import strategies as st
 
 from labkit.memory.blocks import blocks_needed, extra_blocks
 from labkit.memory.paging import BlockAllocator
-from labkit.memory.prefix import PrefixCache
+from labkit.memory.prefix import PrefixCache, block_hash, hash_chain
 from labkit.serving.request import Request, RequestStatus
 from labkit.serving.scheduler import Scheduler, plan_iteration
 from labkit.serving.sim.skipahead import advance_decodes
@@ -705,12 +705,43 @@ def test_the_gate_counts_a_preempted_requests_outputs_and_its_prefix_hit():
     r = Request(list(range(1, 13)) + [40, 41, 42, 43, 44], 2)
     hit = sched.prefix_cache.match(r.all_token_ids)
     assert hit.num_cached_tokens == 12
-    sched._hits[id(r)], r.num_computed_tokens = hit, hit.num_cached_tokens  # its turn, as _candidates sets it
+    sched._hits[r.request_id], r.num_computed_tokens = hit, hit.num_cached_tokens  # its turn, as _candidates sets it
     assert sched._extra_blocks(r, 1) == 3 + 1   # whole sequence: 3 revived + 2 new fit; the chunk: 3 + 1
     r.output_token_ids = [7] * 16               # as if preempted after 16 outputs: 33 tokens, 9 blocks
     assert sched._extra_blocks(r, 1) == 3 + 6   # the whole sequence does not fit: its need is reported
     sched.full_sequence_must_fit = False
     assert sched._extra_blocks(r, 1) == 3 + 1
+
+
+def test_a_waiting_requests_blocks_are_hashed_once_however_long_it_waits():
+    """Each step looks a waiting request's prefix hit up again (after the requests before it named their
+    blocks), from the chain its last look found (vLLM keeps ``Request.block_hashes``): each of its full blocks
+    is hashed once while it waits, and the hit it is admitted with is the one a fresh look finds."""
+    hashed: dict[tuple, int] = {}
+
+    def counting(parent, tokens, key):
+        hashed[tuple(tokens)] = hashed.get(tuple(tokens), 0) + 1
+        return block_hash(parent, tokens, key)
+
+    sched = Scheduler(block_size=4, max_num_batched_tokens=8, prefix_cache=PrefixCache(BlockAllocator(6), 4,
+                                                                                       hash_fn=counting))
+    first = sched.add_request(list(range(1, 21)), 4)        # 20 prompt tokens, 4 outputs: all 6 blocks in the end
+    waiting = sched.add_request(list(range(1, 9)) + list(range(50, 58)), 2)  # shares 2 blocks, then 2 of its own
+    own = [tuple(range(50, 58))[i:i + 4] for i in (0, 4)]
+    looks = 0
+    while waiting.status is RequestStatus.WAITING:
+        step = sched.schedule()
+        looks += 1
+        if waiting.status is RequestStatus.WAITING:
+            assert [hashed.get(block, 0) for block in own] == [1, 1], looks
+            fresh = hash_chain(waiting.all_token_ids, 4)  # hashed apart, not counted
+            assert sched._hits[waiting.request_id] == sched.prefix_cache.match(waiting.all_token_ids, block_hashes=fresh)
+        sched.postprocess(step, [7] * len(step.sampling_chunks))
+    assert looks > 3 and first.status is not RequestStatus.WAITING
+    assert waiting.request_id not in sched._hits  # admitted: its hit was taken
+    while sched.has_unfinished():
+        sched.postprocess(sched.schedule(), [7] * len(sched._step.sampling_chunks))
+    assert sched._hits == {}
 
 
 @settings(max_examples=60, deadline=None)

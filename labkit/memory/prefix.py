@@ -90,16 +90,25 @@ def block_hash(parent_hash: str | None, token_ids: Sequence[int], key: CacheKey)
 
 
 def hash_chain(token_ids: Sequence[int], block_size: int, key: CacheKey = CacheKey(),
-               hash_fn: HashFn = block_hash) -> list[str]:
-    """The hash of every *full* block of ``token_ids``; a partial last block has no name."""
+               hash_fn: HashFn = block_hash, block_hashes: Sequence[str] = ()) -> list[str]:
+    """The hash of every *full* block of ``token_ids``; a partial last block has no name.
+
+    ``block_hashes``: the chain already worked out for the same tokens, or for a shorter run of them (a
+    request's, before its latest tokens: a request only grows); only the blocks after it are hashed. vLLM
+    keeps each request's chain so, extended as tokens arrive (``Request.block_hashes``, ``vllm/v1/request.py``).
+    That it is this chain is the caller's word: only its length is checked.
+    """
     check_int("block_size", block_size, 1)
     tokens = check_token_ids("token_ids", token_ids)
     _check_key(key)
     if not callable(hash_fn):
         raise ValueError("hash_fn must be callable (parent_hash, token_ids, key) -> block hash")
-    hashes: list[str] = []
-    parent = None
-    for start in range(0, len(tokens) - block_size + 1, block_size):
+    if not isinstance(block_hashes, (list, tuple)) or len(block_hashes) > len(tokens) // block_size:
+        raise ValueError(f"block_hashes must be a list of at most {len(tokens) // block_size} block hashes (the chain "
+                         f"of the first full blocks of these tokens), got {block_hashes!r:.80}")
+    hashes = list(block_hashes)
+    parent = hashes[-1] if hashes else None
+    for start in range(len(hashes) * block_size, len(tokens) - block_size + 1, block_size):
         parent = hash_fn(parent, tokens[start:start + block_size], key)
         hashes.append(parent)
     return hashes
@@ -249,13 +258,13 @@ class PrefixCache:
         """Blocks whose K/V carry a name (in use or free)."""
         return len(self.allocator.names)
 
-    def match(self, token_ids: Sequence[int], key: CacheKey = CacheKey()) -> PrefixMatch:
-        """The longest run of leading full blocks of ``token_ids`` that the cache holds (no side effects). At
-        least one token is left to compute: the last prompt token's logits give the first output token
-        (vLLM's ``KVCacheManager.get_computed_blocks``: ``max_cache_hit_length = num_tokens - 1``)."""
+    def match(self, token_ids: Sequence[int], key: CacheKey = CacheKey(), block_hashes: Sequence = ()) -> PrefixMatch:
+        """The longest run of leading full blocks of ``token_ids`` the cache holds (no side effects). One token is
+        left to compute, its logits giving the first output (vLLM's ``max_cache_hit_length = num_tokens - 1``).
+        ``block_hashes``: their chain as far as the caller knows it (``hash_chain``), kept by one asking again."""
         tokens = check_token_ids("token_ids", token_ids, 1)
         _check_key(key)
-        hashes, bs = hash_chain(tokens, self.block_size, key, self.hash_fn), self.block_size
+        hashes, bs = hash_chain(tokens, self.block_size, key, self.hash_fn, block_hashes), self.block_size
         block_ids: list[int] = []
         entries: list[int] = []
         for i in range((len(tokens) - 1) // bs):

@@ -144,11 +144,11 @@ class TieredPrefixCache(PrefixCache):
         self.index.remove(block_id, entry)
         self.store.put(block_id, entry)  # before the new owner writes the block
 
-    def match(self, token_ids: Sequence[int], key: CacheKey = CacheKey()) -> PrefixMatch:
+    def match(self, token_ids: Sequence[int], key: CacheKey = CacheKey(), block_hashes: Sequence = ()) -> PrefixMatch:
         """The pool's hit, then the run of following full blocks the tier holds, if ``worth_loading`` says the
         run pays; only then is each block read and checked (a refused copy leaves the tier and ends the run
         there, and the shorter run is judged again)."""
-        hit = super().match(token_ids, key)
+        hit = super().match(token_ids, key, block_hashes)
         tokens, bs = list(token_ids), self.block_size
         run: list[CachedBlock] = []
         parent = hit.entry_ids[-1] if hit.entry_ids else None

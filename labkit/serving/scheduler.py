@@ -125,7 +125,7 @@ class Scheduler:
         self.running: list[Request] = []
         self.requests: dict[Any, Request] = {}  # unfinished requests by request_id
         self.num_steps, self._step = 0, None     # _step: being planned, or handed out and not postprocessed
-        self._hits: dict[int, PrefixMatch] = {}  # during schedule(): id(waiting request) -> its prefix hit
+        self._hits: dict[Any, PrefixMatch] = {}  # request_id -> its latest prefix hit, while it waits
 
     def has_unfinished(self) -> bool:
         return bool(self.waiting or self.running)
@@ -153,7 +153,6 @@ class Scheduler:
             raise ValueError(f"step {self._step.index} is in flight: postprocess it before the next schedule()")
         self.num_steps += 1
         step = self._step = Step(self.num_steps, [], [], [], StepStats(self.num_steps))
-        self._hits = {}
         plan_iteration(self._candidates(), self.allocator.num_free, self.max_num_batched_tokens, self.block_size,
                        self._reserve, self._extra_blocks, step.decisions, self._make_room)
         for request in self.waiting:  # those not admitted: drop their tentative prefix hit
@@ -187,6 +186,7 @@ class Scheduler:
         (self.running if request.status is RequestStatus.RUNNING else self.waiting).remove(request)
         self._release(request, RequestStatus.FINISHED)
         del self.requests[request.request_id]
+        self._hits.pop(request.request_id, None)
 
     def _candidates(self) -> Iterator[Request]:
         """Running requests, oldest first (the list shrinks from the end when one is preempted); then,
@@ -203,8 +203,9 @@ class Scheduler:
         for request in list(self.waiting):
             if len(self.running) >= self.max_num_seqs:
                 return
-            if self.enable_prefix_caching:
-                hit = self._hits[id(request)] = self.prefix_cache.match(request.all_token_ids, self.cache_key)
+            if self.enable_prefix_caching:  # its chain from its last look, as vLLM keeps Request.block_hashes
+                hit = self._hits[request.request_id] = self.prefix_cache.match(
+                    request.all_token_ids, self.cache_key, self._hits.get(request.request_id, _NO_HIT).block_hashes)
                 request.num_computed_tokens = hit.num_cached_tokens + hit.num_external_tokens
             yield request
             if self.head_of_line and request.status is RequestStatus.WAITING:
@@ -216,7 +217,7 @@ class Scheduler:
         None) asks for all the tokens it knows, so that a long prompt is not admitted to be preempted halfway."""
         if request.status is not RequestStatus.WAITING:
             return self.prefix_cache.extra_blocks(request.block_table, tokens)
-        hit = self._hits.get(id(request), _NO_HIT)
+        hit = self._hits.get(request.request_id, _NO_HIT)
         if self.full_sequence_must_fit:
             whole = self.prefix_cache.hit_extra_blocks(hit, request.num_tokens - hit.num_cached_tokens)
             if whole > self.allocator.num_free:
@@ -241,7 +242,7 @@ class Scheduler:
         takes its prefix hit (``start`` tokens), then fresh blocks for the slots it holds from now on."""
         start, num_cached = request.num_computed_tokens, 0
         if request.status is RequestStatus.WAITING:
-            hit, num_cached = self._hits.get(id(request), _NO_HIT), start
+            hit, num_cached = self._hits.pop(request.request_id, _NO_HIT), start
             table = request.block_table = self.prefix_cache.share(hit, request.all_token_ids[:start], self.cache_key)
             table.block_ids += self.allocator.allocate_many(
                 blocks_needed(self._admission_slots(request, tokens), self.block_size) - len(table.block_ids))
@@ -257,8 +258,7 @@ class Scheduler:
                                                 list(table.block_ids), stop == request.num_tokens, num_cached))
 
     def _admission_slots(self, request: Request, tokens: int) -> int:
-        """Hook: the slots a waiting request holds once admitted to compute ``tokens`` tokens. Paged: those
-        up to the chunk's end; it takes a block whenever a later token needs one."""
+        """Hook: slots a waiting request holds once admitted to compute ``tokens`` tokens (paged: to the chunk's end)."""
         return request.num_computed_tokens + tokens
 
     def _append(self, request: Request, token_ids: list[int]) -> list[tuple[int, int]]:
