@@ -597,9 +597,9 @@ else:
 # Both engines read the same weights at the same bandwidth, and once labkit's model is prepared as
 # vLLM prepares one (fused projections, packed weights: `labkit.model.fused`, which `from_pretrained`
 # and the engine run on a CPU in float32), both make the same multiplies. labkit's engine then makes
-# 0.99 times vLLM's tokens per second in their fastest rounds (0.86 to 1.11 times round by round, the
-# machine drifting under both), at 0.96 times its fixed cost per step. On the model as chapter 01 builds
-# it, labkit's fixed cost is 2.89 times the prepared one's: 211 multiplies a step instead of 121, and
+# 1.01 times vLLM's tokens per second in their fastest rounds (0.97 to 1.08 times round by round, the
+# machine drifting under both), at 0.90 times its fixed cost per step. On the model as chapter 01 builds
+# it, labkit's fixed cost is 3.11 times the prepared one's: 211 multiplies a step instead of 121, and
 # chapter 01's many small operations per layer. What differs between the engines is attention, which
 # vLLM runs as a C++ kernel reading each request's blocks in place (`vllm/v1/attention/backends/cpu_attn.py`)
 # where labkit's batched PyTorch path copies them first, and RoPE (`RotaryEmbedding.forward_cpu`).
