@@ -110,8 +110,9 @@ assert hash_chain(prompt, block_size, CacheKey(rope_theta=10000)) == chain  # 10
 # %% [markdown]
 # Changing token 0 renames every later block too, though block 1 holds the same tokens as before:
 # its K/V were computed after a different token 0. In `labkit.memory.prefix` the chain is one
-# loop over the full blocks, each name made from the one before (it starts after the names a caller
-# already holds, `block_hashes`: the scheduler keeps a waiting request's chain, as vLLM does):
+# loop over the full blocks, each name made from the one before (after any names the caller holds,
+# `block_hashes`: a waiting request keeps its chain, as vLLM keeps `Request.block_hashes` in
+# `vllm/v1/request.py`):
 
 # %%
 from labkit.teaching.excerpts import excerpt

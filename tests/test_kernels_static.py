@@ -33,6 +33,13 @@ pytestmark = pytest.mark.skipif(importlib.util.find_spec("triton") is None or no
                                 reason="ahead-of-time compiles need Triton's Linux wheel (it ships ptxas)")
 
 
+def torch_dtype(name: str):
+    """The dtype a case names ("fp16", "bf16", "fp32")."""
+    import torch  # noqa: PLC0415
+
+    return {"fp16": torch.float16, "bf16": torch.bfloat16, "fp32": torch.float32}[name]
+
+
 def rows_of(doc: dict) -> list[dict]:
     """One row per launch: the results file lists each binary once and the launches by binary."""
     return [{**launch, **doc["binaries"][launch["binary"]]} for launch in doc["launches"]]
@@ -42,8 +49,8 @@ def rows_of(doc: dict) -> list[dict]:
 def subset(tmp_path_factory) -> dict:
     out = tmp_path_factory.mktemp("kernels_static") / "subset.json"
     env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
-    proc = subprocess.run([sys.executable, str(SCRIPT), "--subset", "--workers", "2", "--gpus", *GPUS, "--json", str(out)],
-                          capture_output=True, text=True, env=env, timeout=600, cwd=ROOT)
+    proc = subprocess.run([sys.executable, str(SCRIPT), "--subset", "--workers", "2", "--gpus", *GPUS,
+                           "--json", str(out)], capture_output=True, text=True, env=env, timeout=600, cwd=ROOT)
     assert out.exists(), f"kernels_static.py wrote nothing:\n{proc.stdout[-3000:]}\n{proc.stderr[-3000:]}"
     doc = json.loads(out.read_text())
     return {"meta": doc["meta"], "rows": rows_of(doc), "fallbacks": doc["fallbacks"]}
@@ -70,13 +77,12 @@ def test_the_subset_reaches_every_kernel_and_both_launch_rules(subset):
     # The launches were recorded from the public functions, not written down here: their tiles
     # are what labkit.kernels.launch.launch_settings chose for each target.
     from labkit.kernels.launch import launch_settings  # noqa: PLC0415
-    import torch  # noqa: PLC0415
 
     for r in rows:
         if r["kernel"] == "decode":
             kind, dtype, d, *_ = r["case"].split()
-            want = launch_settings("decode", {"fp16": torch.float16, "bf16": torch.bfloat16, "fp32": torch.float32}[dtype],
-                                   int(d[1:]), tuple(subset["meta"]["gpus"][r["gpu"]]["capability"]),
+            want = launch_settings("decode", torch_dtype(dtype), int(d[1:]),
+                                   tuple(subset["meta"]["gpus"][r["gpu"]]["capability"]),
                                    quantized=kind not in ("decode", "decode_split"))
             assert (r["tiles"]["BLOCK_N"], r["num_warps"], r["num_stages"]) == \
                 (want.block_n, want.num_warps, want.num_stages), r["case"]
@@ -101,14 +107,13 @@ def test_sm86_launches_and_compiles_as_sm89_does(subset):
     (every case, compiled for all five) each sm86 binary has sm89's registers, spills, shared memory and
     instructions; only fp8, which Triton compiles from sm89, differs: sm86 lists its fallback instead."""
     from labkit.kernels.launch import launch_settings  # noqa: PLC0415
-    import torch  # noqa: PLC0415
 
-    dtypes = {"fp16": torch.float16, "bf16": torch.bfloat16, "fp32": torch.float32}
     cases = {r["case"] for r in subset["rows"] if r["gpu"] == "sm89" and r["kernel"] in ("decode", "prefill")}
     for case in cases:
         kind, dtype, d, *_ = case.split()
+        quantized = kind not in ("decode", "decode_split", "prefill_long", "prefill_short")  # A3's pools
         for op, max_len in itertools.product(("decode", "prefill"), (16, 128, 4096)):  # short and long prefills
-            on = [launch_settings(op, dtypes[dtype], int(d[1:]), cc, max_len, quantized=kind.startswith("decode_"))
+            on = [launch_settings(op, torch_dtype(dtype), int(d[1:]), cc, max_len, quantized=quantized)
                   for cc in ((8, 6), (8, 9))]
             assert on[0] == on[1], (case, op, max_len)
     committed = json.loads(COMMITTED.read_text())

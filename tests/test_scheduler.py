@@ -735,12 +735,14 @@ def test_a_waiting_requests_blocks_are_hashed_once_however_long_it_waits():
         if waiting.status is RequestStatus.WAITING:
             assert [hashed.get(block, 0) for block in own] == [1, 1], looks
             fresh = hash_chain(waiting.all_token_ids, 4)  # hashed apart, not counted
-            assert sched._hits[waiting.request_id] == sched.prefix_cache.match(waiting.all_token_ids, block_hashes=fresh)
+            assert sched._hits[waiting.request_id] == sched.prefix_cache.match(
+                waiting.all_token_ids, block_hashes=fresh)
         sched.postprocess(step, [7] * len(step.sampling_chunks))
     assert looks > 3 and first.status is not RequestStatus.WAITING
     assert waiting.request_id not in sched._hits  # admitted: its hit was taken
     while sched.has_unfinished():
-        sched.postprocess(sched.schedule(), [7] * len(sched._step.sampling_chunks))
+        step = sched.schedule()
+        sched.postprocess(step, [7] * len(step.sampling_chunks))
     assert sched._hits == {}
 
 

@@ -258,7 +258,7 @@ class Scheduler:
                                                 list(table.block_ids), stop == request.num_tokens, num_cached))
 
     def _admission_slots(self, request: Request, tokens: int) -> int:
-        """Hook: slots a waiting request holds once admitted to compute ``tokens`` tokens (paged: to the chunk's end)."""
+        """Hook: the slots a waiting request holds once admitted for ``tokens`` tokens (paged: to the chunk's end)."""
         return request.num_computed_tokens + tokens
 
     def _append(self, request: Request, token_ids: list[int]) -> list[tuple[int, int]]:
